@@ -1,0 +1,166 @@
+"""`train_dapo.py` / `dapo-train`: TRL's parser over (script, DAPOConfig, ModelConfig) flags or a YAML `--config`."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+
+from .config import DAPOConfig
+from .data import BUILTIN_ARITHMETIC, load_prompt_dataset
+from .rewards import REWARD_FUNCTIONS
+
+logger = logging.getLogger("dapo_trl")
+
+BUILTIN_TINY_MODEL = "builtin:tiny"
+# Metrics printed in the end-of-run summary, in this order, when they were logged.
+SUMMARY_METRICS = (
+    "loss",
+    "reward",
+    "reward_std",
+    "rewards/dapo_math_reward/mean",
+    "rewards/overlong_penalty/mean",
+    "overlong/penalized_frac",
+    "completions/mean_length",
+    "completions/clipped_ratio",
+    "frac_reward_zero_std",
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "entropy",
+)
+
+
+class UserFacingError(RuntimeError):
+    """An error whose message is the whole story: printed without a traceback."""
+
+
+@dataclass
+class DAPOScriptArguments(ScriptArguments):
+    """Data and reward choices of the command line (model flags come from ModelConfig, training from DAPOConfig)."""
+
+    dataset_name: str | None = field(
+        default=BUILTIN_ARITHMETIC,
+        metadata={
+            "help": f"Hub dataset id (e.g. BytedTsinghua-SIA/DAPO-Math-17k), a local .jsonl/.json/.parquet/.csv "
+            f"file, or '{BUILTIN_ARITHMETIC}' (generated problems, offline)."
+        },
+    )
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["dapo_math"],
+        metadata={
+            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)} or dotted import paths "
+            "(my_pkg.rewards.my_reward). The first one is the accuracy reward unless accuracy_reward_name says."
+        },
+    )
+
+
+def resolve_reward_function(name: str) -> Any:
+    """A built-in reward by name, or any importable callable by dotted path."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise UserFacingError(
+            f"--reward_funcs {name!r}: unknown reward; use one of {sorted(REWARD_FUNCTIONS)} or a dotted path."
+        )
+    try:
+        return getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as error:
+        raise UserFacingError(f"--reward_funcs {name!r}: cannot import it ({error}).") from None
+
+
+def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig) -> tuple[Any, Any]:
+    """Load the policy and tokenizer; an unreachable hub becomes one actionable message, not a traceback."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
+    if name == BUILTIN_TINY_MODEL:
+        from .testing import build_tiny_model
+
+        name = str(build_tiny_model())
+        logger.info("using the built-in tiny model at %s", name)
+    model_kwargs: dict[str, Any] = {
+        "revision": model_args.model_revision,
+        "trust_remote_code": training_args.trust_remote_code,
+    }
+    if model_args.dtype not in (None, "auto"):
+        model_kwargs["dtype"] = model_args.dtype
+    if model_args.attn_implementation is not None:
+        model_kwargs["attn_implementation"] = model_args.attn_implementation
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, revision=model_args.model_revision,
+                                                  trust_remote_code=training_args.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(name, **model_kwargs)
+    except OSError as error:
+        raise UserFacingError(
+            f"could not load model {name!r}: {str(error).splitlines()[0]}\n"
+            "  If it is a hub id, this machine cannot reach the hub and has no cached copy: download it where the "
+            "hub is reachable and set MODEL_PATH / --model_name_or_path to the local folder, or unset it to use the "
+            "built-in tiny model."
+        ) from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def print_summary(log_history: list[dict[str, Any]]) -> None:
+    """Print the DAPO metrics of every logged step as a small table."""
+    steps = [entry for entry in log_history if "loss" in entry or "reward" in entry]
+    if not steps:
+        return
+    names = [name for name in SUMMARY_METRICS if any(name in entry for entry in steps)]
+    print("\nDAPO metrics per logged step")
+    print(f"{'metric':<34}" + "".join(f"{'step ' + str(entry.get('step', '?')):>12}" for entry in steps))
+    for name in names:
+        cells = "".join(
+            f"{entry[name]:>12.4f}" if isinstance(entry.get(name), int | float) else f"{'-':>12}" for entry in steps
+        )
+        print(f"{name:<34}{cells}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig))
+    try:
+        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+    except ValueError as error:  # DAPOConfig validation: the message names the field and the fix
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        from .trainer import DAPOTrainer
+
+        reward_funcs = [resolve_reward_function(name) for name in script_args.reward_funcs]
+        model, tokenizer = load_model_and_tokenizer(model_args, training_args)
+        train_dataset = load_prompt_dataset(
+            script_args.dataset_name,
+            split=script_args.dataset_train_split,
+            config=script_args.dataset_config,
+            seed=training_args.seed,
+        )
+        trainer = DAPOTrainer(
+            model=model,
+            reward_funcs=reward_funcs,
+            args=training_args,
+            train_dataset=train_dataset,
+            processing_class=tokenizer,
+            peft_config=get_peft_config(model_args),
+        )
+        trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    except (UserFacingError, ValueError, RuntimeError) as error:
+        if isinstance(error, UserFacingError) or "could not load dataset" in str(error):
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        raise
+    trainer.save_model(training_args.output_dir)
+    if trainer.accelerator.is_main_process:
+        print_summary(trainer.state.log_history)
+        print(f"\nsaved to {training_args.output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

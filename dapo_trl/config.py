@@ -1,0 +1,181 @@
+"""DAPOConfig: GRPOConfig with the DAPO paper's defaults and the knobs DAPO adds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+# Loss types whose clipped surrogate TRL computes with `epsilon`/`epsilon_high`; the first four are the ones
+# the original dapo_trl command line offered, the rest are TRL's own and pass through unchanged.
+SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+CLIPPED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
+# Share of max_completion_length used as the overlong buffer when none is given: 4096 / 20480 in the paper.
+DEFAULT_OVERLONG_BUFFER_SHARE = 0.2
+
+
+@dataclass
+class DAPOConfig(GRPOConfig):
+    r"""
+    Configuration for [`DAPOTrainer`]: every [`trl.GRPOConfig`] field, DAPO defaults, and DAPO's own knobs.
+
+    Defaults that differ from `GRPOConfig` (paper, Table/Section 5): `epsilon_high=0.28` (clip-higher),
+    `weight_decay=0.1`, `report_to="tensorboard"`. Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
+    `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
+    """
+
+    # Overridden GRPOConfig / TrainingArguments defaults.
+    epsilon_high: float | None = field(
+        default=0.28,
+        metadata={"help": "Upper clip bound epsilon_high of clip-higher (DAPO: 0.28). None means = epsilon."},
+    )
+    weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (DAPO: 0.1)."})
+    report_to: None | str | list[str] = field(
+        default="tensorboard",
+        metadata={"help": "Loggers to report to: 'tensorboard' (default), 'wandb', 'none', or a list."},
+    )
+
+    # Prompt length (TRL 1.16 dropped max_prompt_length; DAPO data needs it to bound memory).
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum prompt length in tokens (after the chat template). Longer training prompts are "
+            "handled as `overlong_prompt_policy` says. None keeps every prompt."
+        },
+    )
+    overlong_prompt_policy: str = field(
+        default="filter",
+        metadata={"help": "What to do with prompts longer than max_prompt_length: 'filter' (drop, logged) or 'error'."},
+    )
+
+    # Soft overlong punishment (paper Eq. 13).
+    apply_overlong_penalty: bool = field(
+        default=True,
+        metadata={"help": "Add DAPO's soft overlong punishment (Eq. 13) to the correctness reward."},
+    )
+    overlong_buffer_len: int | None = field(
+        default=None,
+        metadata={
+            "help": "L_cache of Eq. 13: responses longer than max_completion_length - overlong_buffer_len are "
+            "penalised linearly, down to -1 at max_completion_length. None = 20% of max_completion_length "
+            "(the paper's 4096 of 20480)."
+        },
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0,
+        metadata={"help": "Scale of the soft overlong penalty added to the reward (DAPO: 1.0)."},
+    )
+
+    # Dual-clip (verl's clip_ratio_c).
+    clip_ratio_c: float | None = field(
+        default=None,
+        metadata={
+            "help": "Dual-clip bound: for negative advantages the per-token loss is capped at -A * clip_ratio_c "
+            "(verl default 3.0, ReTool 10.0). Must exceed 1 + epsilon_high. None disables it (paper)."
+        },
+    )
+
+    # Dynamic sampling.
+    filter_groups_enable: bool = field(
+        default=False,
+        metadata={
+            "help": "Dynamic sampling: drop groups whose accuracy is all-correct or all-wrong and refill the batch "
+            "with groups from fresh prompts."
+        },
+    )
+    max_filter_gen_batches: int = field(
+        default=10,
+        metadata={"help": "Most generation rounds per step for dynamic sampling (DAPO: 10). 0 = unlimited."},
+    )
+    accuracy_reward_name: str | None = field(
+        default=None,
+        metadata={
+            "help": "Name of the reward function whose raw value is the accuracy used by dynamic sampling and "
+            "the accuracy metrics. None = the first reward function."
+        },
+    )
+
+    # Alias kept for the original dapo_trl / verl command line.
+    entropy_coeff: float | None = field(
+        default=None,
+        metadata={"help": "Alias of entropy_coef (verl's spelling). Entropy bonus coefficient; DAPO uses 0."},
+    )
+
+    def __post_init__(self):
+        if self.entropy_coeff is not None:
+            if self.entropy_coef not in (0.0, self.entropy_coeff):
+                raise ValueError(
+                    f"entropy_coeff={self.entropy_coeff} and entropy_coef={self.entropy_coef} disagree: "
+                    "set only one of them (entropy_coeff is an alias of entropy_coef)."
+                )
+            self.entropy_coef = self.entropy_coeff
+        super().__post_init__()
+        self._validate_dapo_fields()
+
+    def _validate_dapo_fields(self) -> None:
+        """Fail at configuration time, naming the field and the fix, instead of deep inside training."""
+        if self.loss_type not in SUPPORTED_LOSS_TYPES:
+            raise ValueError(f"loss_type={self.loss_type!r} is not supported; choose one of {SUPPORTED_LOSS_TYPES}.")
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"epsilon={self.epsilon} must be in [0, 1) (DAPO: 0.2).")
+        if self.epsilon_high is not None and self.epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high={self.epsilon_high} must be >= 0 (DAPO: 0.28).")
+        if self.temperature <= 0.0:
+            raise ValueError(f"temperature={self.temperature} must be > 0 (DAPO samples at 1.0).")
+        if self.max_completion_length is None or self.max_completion_length < 1:
+            raise ValueError(f"max_completion_length={self.max_completion_length} must be a positive integer.")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length} must be a positive integer or None.")
+        if self.overlong_prompt_policy not in ("filter", "error"):
+            raise ValueError(
+                f"overlong_prompt_policy={self.overlong_prompt_policy!r} must be 'filter' or 'error'."
+            )
+
+        if self.overlong_buffer_len is None:
+            self.overlong_buffer_len = max(1, int(self.max_completion_length * DEFAULT_OVERLONG_BUFFER_SHARE))
+        if self.apply_overlong_penalty:
+            if not 0 < self.overlong_buffer_len <= self.max_completion_length:
+                raise ValueError(
+                    f"overlong_buffer_len={self.overlong_buffer_len} must be in [1, max_completion_length="
+                    f"{self.max_completion_length}]: lower it or raise max_completion_length "
+                    "(the paper uses 4096 with 20480), or pass --apply_overlong_penalty false."
+                )
+            if self.overlong_penalty_factor < 0.0:
+                raise ValueError(
+                    f"overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0); "
+                    "a negative factor would reward long answers."
+                )
+
+        if self.clip_ratio_c is not None:
+            if self.loss_type not in CLIPPED_LOSS_TYPES:
+                raise ValueError(
+                    f"clip_ratio_c (dual-clip) needs a clipped loss_type {CLIPPED_LOSS_TYPES}, got {self.loss_type!r}."
+                )
+            if self.delta is not None and self.delta != self.clip_ratio_c:
+                raise ValueError(
+                    "clip_ratio_c and delta both bound the importance ratio: set only clip_ratio_c (dual-clip)."
+                )
+            upper = 1.0 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
+            if self.clip_ratio_c <= upper:
+                raise ValueError(
+                    f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} "
+                    "(verl uses 3.0, ReTool 10.0)."
+                )
+            # With clip_ratio_c > 1 + epsilon_high, TRL's upper ratio bound `delta` is exactly verl's dual-clip:
+            # for A < 0 the loss becomes |A| * min(c, max(r, clip(r))), for A > 0 nothing changes.
+            self.delta = self.clip_ratio_c
+
+        if self.loss_type == "dapo" and self.steps_per_generation % self.gradient_accumulation_steps != 0:
+            raise ValueError(
+                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} for the exact token-level loss: "
+                "an optimizer step must not span two generation batches, whose token counts are not known yet. "
+                "Raise generation_batch_size / steps_per_generation or lower gradient_accumulation_steps."
+            )
+        if self.max_filter_gen_batches < 0:
+            raise ValueError(f"max_filter_gen_batches={self.max_filter_gen_batches} must be >= 0 (0 = unlimited).")
+        if self.filter_groups_enable and self.scale_rewards == "batch":
+            raise ValueError(
+                "filter_groups_enable with scale_rewards='batch' would normalise kept groups by the std of "
+                "different rounds: use scale_rewards='group' (DAPO) or 'none'."
+            )

@@ -1,0 +1,250 @@
+"""Offline tiny Qwen2 model + tokenizer factory for smoke runs and tests.
+
+There is no model hub in our CI / smoke environment, so instead of downloading a checkpoint we build a
+random-init, Qwen2-architecture model and a small byte-level BPE tokenizer from scratch. The result is a normal
+Hugging Face folder that ``AutoTokenizer`` / ``AutoModelForCausalLM`` / TRL load exactly like a real checkpoint,
+so the full training code path is exercised in seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # heavy imports are deferred so importing this module (e.g. for the cache path) stays cheap
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerBase
+
+TINY_MODEL_VERSION = "1"
+"""Recipe version. Bump whenever anything below changes the produced files, so cached builds are not reused."""
+
+MARKER_FILE = "dapo_trl_tiny.json"
+"""Written last into a build; its presence (with matching version) is what makes a folder "complete"."""
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# transformers 5.x loads every ``model_type=qwen2`` folder with ``Qwen2Tokenizer``, which rebuilds the normalizer
+# (NFC) and pre-tokenizer (this regex, then ByteLevel) itself and ignores those stored in tokenizer.json. The BPE
+# merges must therefore be trained under exactly the same pipeline, or loaded encodings would differ from training.
+# Copied from transformers/models/qwen2/tokenization_qwen2.py (PRETOKENIZE_REGEX).
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+    r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+_BPE_VOCAB_SIZE = 768  # target size incl. 256 byte symbols + specials; already a multiple of 64
+_CORPUS_LINES = 3000
+_MODEL_MAX_LENGTH = 1024
+
+_PROMPT_PREFIX = (
+    "Solve the following math problem step by step. The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer is the answer to the problem."
+)
+_PROMPT_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
+_WORDS = (
+    "the a an of to and in is it that for on with as was are be this by at from or have not but what all were "
+    "when we there can your which their if do will each about how up out them then she many some so these would "
+    "other into has more two like him see time could no make than first been its who now people my made over did "
+    "down only way find use may water long little very after words called just where most know number answer "
+    "problem solve step total sum difference product how many apples books coins left each has gives buys sells "
+    "first second third therefore so we get result equals plus minus times divided system user assistant think "
+    "question reasoning final value compute remaining altogether half twice"
+).split()
+_NAMES = ("Tom", "Anna", "Lily", "Sam", "Maria", "Ben", "Zoe", "Omar")
+_ITEMS = ("apples", "books", "coins", "pencils", "cookies", "marbles")
+_OPS = (("+", "plus", lambda a, b: a + b), ("-", "minus", lambda a, b: a - b), ("*", "times", lambda a, b: a * b))
+
+
+def default_tiny_model_dir() -> Path:
+    """Cache location, versioned so a recipe change never reuses an old build.
+
+    ``$DAPO_TRL_CACHE`` overrides the base so CI / read-only homes can point it somewhere writable.
+    """
+    base = os.environ.get("DAPO_TRL_CACHE")
+    root = Path(base) if base else Path.home() / ".cache" / "dapo_trl"
+    return root / f"tiny-qwen2-v{TINY_MODEL_VERSION}"
+
+
+def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[str]:
+    """Deterministic synthetic text resembling the RL prompts/answers, so common pieces get their own merges.
+
+    Only a pure ``random.Random(seed)`` is used (no global RNG), so the corpus is identical across processes.
+    """
+    rng = random.Random(seed)
+    lines: list[str] = [_PROMPT_PREFIX, _PROMPT_SUFFIX]
+    for _ in range(n_lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 99)
+        sym, word, fn = rng.choice(_OPS)
+        kind = rng.randrange(6)
+        if kind == 0:
+            lines.append(f"What is {a} {sym} {b}?")
+        elif kind == 1:
+            lines.append(f"Answer: {fn(a, b)}")
+        elif kind == 2:
+            name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+            lines.append(f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?")
+        elif kind == 3:
+            lines.append(f"{_PROMPT_PREFIX}\n\nWhat is {a} {word} {b}?\n\n{_PROMPT_SUFFIX}")
+        elif kind == 4:
+            lines.append(f"First, {a} {sym} {b} = {fn(a, b)}.\nSo the answer is {fn(a, b)}.\nAnswer: {fn(a, b)}")
+        else:
+            lines.append(" ".join(rng.choice(_WORDS) for _ in range(rng.randint(4, 14))).capitalize() + ".")
+    return lines
+
+
+def _train_tokenizer(seed: int) -> Tokenizer:
+    """Train a byte-level BPE with Qwen2's exact normalizer + pre-tokenizer (see QWEN2_PRETOKENIZE_REGEX)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        min_frequency=2,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable -> no unk, exact round trip
+        show_progress=False,
+    )
+    tok.train_from_iterator(tiny_tokenizer_corpus(seed), trainer=trainer)
+    return tok
+
+
+def _save_tokenizer(tok: Tokenizer, out: Path) -> PreTrainedTokenizerBase:
+    """Save through ``Qwen2Tokenizer`` so the folder is exactly what AutoTokenizer reconstructs on load."""
+    from transformers import Qwen2Tokenizer
+
+    model = json.loads(tok.to_str())["model"]
+    hf_tok = Qwen2Tokenizer(
+        vocab=model["vocab"],
+        merges=[tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]],
+        unk_token=None,
+        bos_token=None,
+        eos_token=IM_END,
+        pad_token=ENDOFTEXT,
+        additional_special_tokens=[IM_START],
+        model_max_length=_MODEL_MAX_LENGTH,
+        chat_template=CHAT_TEMPLATE,
+    )
+    hf_tok.save_pretrained(out)
+    return hf_tok
+
+
+def _build_into(out: Path, seed: int) -> None:
+    """Build tokenizer + model into an (empty, private) folder; marker written last."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    hf_tok = _save_tokenizer(_train_tokenizer(seed), out)
+    ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = -(-len(hf_tok) // 64) * 64  # round up: tensor-core friendly, mirrors real Qwen padding
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # exercise GQA like real Qwen2
+        head_dim=32,
+        max_position_embeddings=_MODEL_MAX_LENGTH,
+        tie_word_embeddings=False,  # untied head, like Qwen2.5 >= 7B; catches code assuming tied weights
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+        dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):  # do not disturb the caller's global RNG
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    model.generation_config = GenerationConfig(
+        bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
+    )
+    model.save_pretrained(out)
+    marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
+    (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _read_marker(path: Path) -> dict | None:
+    try:
+        return json.loads((path / MARKER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _is_complete(path: Path, seed: int) -> bool:
+    """True if ``path`` holds a finished build of this version; raise if it is a *different* seed's build.
+
+    A different seed is refused rather than silently replaced: another process may be using that build.
+    """
+    marker = _read_marker(path)
+    if not marker or marker.get("version") != TINY_MODEL_VERSION:
+        return False
+    if marker.get("seed") != seed:
+        raise ValueError(
+            f"{path} holds a tiny model built with seed={marker.get('seed')}, not seed={seed}; "
+            "use another output_dir or overwrite=True"
+        )
+    return True
+
+
+def _move_aside(path: Path) -> None:
+    """Atomically rename ``path`` out of the way and delete it; losing a race to another process is fine."""
+    trash = path.with_name(f".{path.name}.old-{uuid.uuid4().hex}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def build_tiny_model(output_dir: str | Path | None = None, seed: int = 0, overwrite: bool = False) -> Path:
+    """Build (or reuse) the tiny model folder and return its path.
+
+    The build happens in a private temp dir next to the target and is then renamed into place, so concurrent
+    callers (e.g. every rank under ``accelerate launch``) never observe a half-written folder; a caller whose
+    rename loses the race simply uses the winner's identical build. ``overwrite=True`` forces a rebuild (the old
+    folder is briefly absent while swapped, so do not overwrite a folder other processes are reading).
+    """
+    target = Path(output_dir) if output_dir is not None else default_tiny_model_dir()
+    target = target.expanduser().absolute()
+    if not overwrite and _is_complete(target, seed):
+        return target
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        _build_into(tmp, seed)
+        for _ in range(5):
+            if target.exists() and (overwrite or not _is_complete(target, seed)):
+                _move_aside(target)  # stale/partial/explicitly overwritten folder
+            try:
+                os.rename(tmp, target)  # atomic; fails if target exists and is non-empty
+                return target
+            except OSError:
+                if not overwrite and _is_complete(target, seed):
+                    return target  # another process finished first: use theirs
+        raise RuntimeError(f"could not move tiny model build into {target}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
