@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 # Loss types whose clipped surrogate TRL computes with `epsilon`/`epsilon_high`; the first four are the ones
@@ -20,7 +21,8 @@ class DAPOConfig(GRPOConfig):
     Configuration for [`DAPOTrainer`]: every [`trl.GRPOConfig`] field, DAPO defaults, and DAPO's own knobs.
 
     Defaults that differ from `GRPOConfig` (paper, Table/Section 5): `epsilon_high=0.28` (clip-higher),
-    `weight_decay=0.1`, `report_to="tensorboard"`. Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
+    `weight_decay=0.1`, `report_to="tensorboard"`, and `bf16` left off (instead of failing) where no bf16
+    accelerator exists. Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
     `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
     """
 
@@ -109,6 +111,9 @@ class DAPOConfig(GRPOConfig):
                     "set only one of them (entropy_coeff is an alias of entropy_coef)."
                 )
             self.entropy_coef = self.entropy_coeff
+        if self.bf16 is None and not self.fp16 and not self.use_cpu and not is_torch_bf16_gpu_available():
+            # GRPOConfig turns bf16 on unconditionally, which makes TrainingArguments refuse a CPU-only machine.
+            self.bf16 = False
         super().__post_init__()
         self._validate_dapo_fields()
 

@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # heavy imports are deferred so importing this module (e.g. for the cache path) stays cheap
+if TYPE_CHECKING:  # torch/transformers/tokenizers are imported lazily inside functions
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 

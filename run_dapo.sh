@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Full DAPO run with the paper's settings (DAPO, arXiv 2503.14476; verl run_dapo_qwen2.5_32b.sh).
+# Every knob is an environment variable; extra arguments go to train_dapo.py and win over these.
+#   MODEL_PATH=Qwen/Qwen2.5-32B NUM_PROCESSES=8 ./run_dapo.sh
+#   MODEL_PATH=./my-model DATASET=./dapo_math_17k.parquet ./run_dapo.sh --max_steps 100
+set -euo pipefail
+cd "$(dirname "$0")"
+
+MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-32B}"
+DATASET="${DATASET:-BytedTsinghua-SIA/DAPO-Math-17k}"
+OUTPUT_DIR="${OUTPUT_DIR:-outputs/dapo-$(basename "$MODEL_PATH")}"
+# Batch: 16 responses per prompt; 512 prompts per step = PER_DEVICE_BATCH_SIZE * processes * steps / 16.
+NUM_GENERATIONS="${NUM_GENERATIONS:-16}"
+PER_DEVICE_BATCH_SIZE="${PER_DEVICE_BATCH_SIZE:-16}"
+GRADIENT_ACCUMULATION_STEPS="${GRADIENT_ACCUMULATION_STEPS:-8}"
+STEPS_PER_GENERATION="${STEPS_PER_GENERATION:-$GRADIENT_ACCUMULATION_STEPS}"
+LEARNING_RATE="${LEARNING_RATE:-1e-6}"
+WARMUP_STEPS="${WARMUP_STEPS:-10}"
+WEIGHT_DECAY="${WEIGHT_DECAY:-0.1}"
+MAX_GRAD_NORM="${MAX_GRAD_NORM:-1.0}"
+NUM_TRAIN_EPOCHS="${NUM_TRAIN_EPOCHS:-1}"
+# Lengths: 20480 = 16384 expected + 4096 overlong buffer.
+MAX_PROMPT_LENGTH="${MAX_PROMPT_LENGTH:-2048}"
+MAX_COMPLETION_LENGTH="${MAX_COMPLETION_LENGTH:-20480}"
+OVERLONG_BUFFER_LEN="${OVERLONG_BUFFER_LEN:-4096}"
+OVERLONG_PENALTY_FACTOR="${OVERLONG_PENALTY_FACTOR:-1.0}"
+APPLY_OVERLONG_PENALTY="${APPLY_OVERLONG_PENALTY:-true}"
+MASK_TRUNCATED_COMPLETIONS="${MASK_TRUNCATED_COMPLETIONS:-false}"
+# Clip-higher and token-level loss.
+LOSS_TYPE="${LOSS_TYPE:-dapo}"
+EPSILON="${EPSILON:-0.2}"
+EPSILON_HIGH="${EPSILON_HIGH:-0.28}"
+BETA="${BETA:-0.0}"
+ENTROPY_COEFF="${ENTROPY_COEFF:-0.0}"
+TEMPERATURE="${TEMPERATURE:-1.0}"
+TOP_P="${TOP_P:-1.0}"
+# Dynamic sampling.
+FILTER_GROUPS_ENABLE="${FILTER_GROUPS_ENABLE:-true}"
+MAX_FILTER_GEN_BATCHES="${MAX_FILTER_GEN_BATCHES:-10}"
+# Infrastructure.
+BF16="${BF16:-true}"
+REPORT_TO="${REPORT_TO:-tensorboard}"
+SAVE_STEPS="${SAVE_STEPS:-50}"
+NUM_PROCESSES="${NUM_PROCESSES:-1}"
+ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"
+
+args=(
+  --model_name_or_path "$MODEL_PATH" --dataset_name "$DATASET" --output_dir "$OUTPUT_DIR"
+  --num_generations "$NUM_GENERATIONS" --per_device_train_batch_size "$PER_DEVICE_BATCH_SIZE"
+  --gradient_accumulation_steps "$GRADIENT_ACCUMULATION_STEPS" --steps_per_generation "$STEPS_PER_GENERATION"
+  --learning_rate "$LEARNING_RATE" --lr_scheduler_type constant_with_warmup --warmup_steps "$WARMUP_STEPS"
+  --weight_decay "$WEIGHT_DECAY" --max_grad_norm "$MAX_GRAD_NORM" --num_train_epochs "$NUM_TRAIN_EPOCHS"
+  --max_prompt_length "$MAX_PROMPT_LENGTH" --max_completion_length "$MAX_COMPLETION_LENGTH"
+  --overlong_buffer_len "$OVERLONG_BUFFER_LEN" --overlong_penalty_factor "$OVERLONG_PENALTY_FACTOR"
+  --apply_overlong_penalty "$APPLY_OVERLONG_PENALTY" --mask_truncated_completions "$MASK_TRUNCATED_COMPLETIONS"
+  --loss_type "$LOSS_TYPE" --epsilon "$EPSILON" --epsilon_high "$EPSILON_HIGH" --beta "$BETA"
+  --entropy_coeff "$ENTROPY_COEFF" --temperature "$TEMPERATURE" --top_p "$TOP_P"
+  --filter_groups_enable "$FILTER_GROUPS_ENABLE" --max_filter_gen_batches "$MAX_FILTER_GEN_BATCHES"
+  --bf16 "$BF16" --report_to "$REPORT_TO" --save_steps "$SAVE_STEPS" --logging_steps 1
+)
+
+launcher=(accelerate launch --num_processes "$NUM_PROCESSES")
+if [[ -n "$ACCELERATE_CONFIG" ]]; then
+  launcher=(accelerate launch --config_file "$ACCELERATE_CONFIG")
+elif [[ "$NUM_PROCESSES" -gt 1 ]]; then
+  launcher+=(--multi_gpu)
+fi
+if [[ "${DRY_RUN:-0}" == "1" ]]; then   # print the command instead of running it
+  printf '%q ' "${launcher[@]}" train_dapo.py "${args[@]}" "$@"; echo
+  exit 0
+fi
+exec "${launcher[@]}" train_dapo.py "${args[@]}" "$@"
