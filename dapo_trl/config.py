@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
@@ -15,14 +16,22 @@ CLIPPED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 DEFAULT_OVERLONG_BUFFER_SHARE = 0.2
 
 
+def _accelerator_available() -> bool:
+    """Whether torch sees a GPU-like device (CUDA, ROCm, XPU, MPS, NPU, ...)."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None:
+        return accelerator.is_available()
+    return torch.cuda.is_available()
+
+
 @dataclass
 class DAPOConfig(GRPOConfig):
     r"""
     Configuration for [`DAPOTrainer`]: every [`trl.GRPOConfig`] field, DAPO defaults, and DAPO's own knobs.
 
     Defaults that differ from `GRPOConfig` (paper, Table/Section 5): `epsilon_high=0.28` (clip-higher),
-    `weight_decay=0.1`, `report_to="tensorboard"`, and `bf16` left off (instead of failing) where no bf16
-    accelerator exists. Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
+    `weight_decay=0.1`, `report_to="tensorboard"`, `bf16` off and `use_cpu` on where there is no GPU (GRPOConfig would refuse to
+    start, or run `accelerate launch --multi_gpu` processes unsynchronised). Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
     `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
     """
 
@@ -111,7 +120,11 @@ class DAPOConfig(GRPOConfig):
                     "set only one of them (entropy_coeff is an alias of entropy_coef)."
                 )
             self.entropy_coef = self.entropy_coeff
-        if self.bf16 is None and not self.fp16 and not self.use_cpu and not is_torch_bf16_gpu_available():
+        if not self.use_cpu and not _accelerator_available():
+            # Without use_cpu, TrainingArguments ignores the process group that `accelerate launch --multi_gpu`
+            # created on a CPU-only machine and silently trains each process alone.
+            self.use_cpu = True
+        if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
             # GRPOConfig turns bf16 on unconditionally, which makes TrainingArguments refuse a CPU-only machine.
             self.bf16 = False
         super().__post_init__()

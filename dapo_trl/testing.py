@@ -181,7 +181,15 @@ def _build_into(out: Path, seed: int) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
     )
-    model.save_pretrained(out)
+    # Not model.save_pretrained: under torch.distributed it silently writes nothing on ranks other than 0, and
+    # every rank of `accelerate launch` may be the one that builds.
+    from safetensors.torch import save_file
+
+    model.config.architectures = [type(model).__name__]
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
     marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 

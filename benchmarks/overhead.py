@@ -1,0 +1,330 @@
+"""Per-step overhead of `DAPOTrainer` against TRL's `GRPOTrainer` on the same tiny configuration.
+
+What is measured
+----------------
+Both trainers train the built-in tiny Qwen2 model (`dapo_trl.testing.build_tiny_model`) on
+`make_arithmetic_dataset(num_problems=512, seed=0)` with the `dapo_math_reward` reward and the same settings
+(batch 16, 4 generations per prompt, 32 completion tokens, fp32 on CPU, no checkpointing, fixed seed).
+`GRPOTrainer` gets a `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28` and `weight_decay=0.1`, so
+its loss and optimizer do the same kind of work as DAPO's; `DAPOTrainer` gets a `DAPOConfig` with its defaults,
+so the soft overlong penalty reward column and the exact per-step token denominator are on: that is the extra
+per-step work being measured.
+
+All runs happen in one process, interleaved GRPO, DAPO, GRPO, DAPO, ... (`--repeats` pairs of `--steps`
+optimizer steps each), so machine noise hits both alike. Per-step time is TRL's own `step_time` metric from
+`trainer.state.log_history` (generation + scoring + forward/backward of each optimizer step; the optimizer
+update itself is outside it); the first step of every run is dropped as warm-up. Also reported:
+
+- the same per step with the time spent in `_generate` (sampling) subtracted, since sampled lengths are noisy;
+- the full optimizer-step wall time (callback `on_step_begin` to `on_step_end`, includes the optimizer update);
+- `train_runtime` of each run (all steps, warm-up included);
+- DAPO's extra bookkeeping in isolation (timeit): `soft_overlong_penalty` + `optimizer_window_token_counts` on a
+  batch of the same size, and the whole per-step path around them, as a share of DAPO's median step.
+
+The goal is a DAPO/GRPO ratio of medians <= 1.03.
+
+Run from the repository root (about 2-3 minutes on 2 CPU cores with the defaults):
+
+    python benchmarks/overhead.py
+    python benchmarks/overhead.py --steps 16 --repeats 5 --batch-size 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+import timeit
+import warnings
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import transformers  # noqa: E402
+from transformers import PrinterCallback, TrainerCallback  # noqa: E402
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
+from dapo_trl.algorithm import (  # noqa: E402
+    optimizer_window_token_counts,
+    soft_overlong_penalty,
+    trl_items_for_exact_normalizer,
+)
+from dapo_trl.data import make_arithmetic_dataset  # noqa: E402
+from dapo_trl.rewards import dapo_math_reward  # noqa: E402
+from dapo_trl.testing import build_tiny_model  # noqa: E402
+from dapo_trl.trainer import SoftOverlongPenalty  # noqa: E402
+
+SEED = 42
+GOAL_RATIO = 1.03
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (first one is warm-up)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer, interleaved")
+    parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions)")
+    parser.add_argument("--num-generations", type=int, default=4)
+    parser.add_argument("--max-completion-length", type=int, default=32)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's default)"
+    )
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the first step of each run is skipped as warm-up)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    return args
+
+
+def quiet() -> None:
+    """Silence warnings, progress bars and per-step log printing."""
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    for name in ("trl", "dapo_trl", "datasets", "accelerate"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+    except ImportError:
+        pass
+
+
+def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOConfig:
+    common: dict[str, Any] = dict(
+        output_dir=output_dir,
+        per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        max_steps=args.steps,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        gradient_checkpointing=False,
+        seed=SEED,
+        disable_tqdm=True,
+    )
+    if kind == "GRPO":
+        # Same loss kind and optimizer work as DAPOConfig's defaults (token-level loss, clip-higher, weight decay).
+        return GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, weight_decay=0.1)
+    return DAPOConfig(**common)
+
+
+class StepTimer(TrainerCallback):
+    """Full optimizer-step wall time, and time spent in `_generate` during each step."""
+
+    def __init__(self) -> None:
+        self.step_wall: list[float] = []
+        self.step_generate: list[float] = []
+        self._start = 0.0
+        self._generate = 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._generate = 0.0
+        self._start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.step_wall.append(time.perf_counter() - self._start)
+        self.step_generate.append(self._generate)
+
+    def wrap_generate(self, trainer: GRPOTrainer) -> None:
+        original = trainer._generate
+
+        def timed_generate(*a: Any, **kw: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                self._generate += time.perf_counter() - start
+
+        trainer._generate = timed_generate
+
+
+def run_once(kind: str, model_path: str, dataset: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Train one fresh trainer for `args.steps` steps; per-step times exclude the first (warm-up) step."""
+    with tempfile.TemporaryDirectory(prefix=f"overhead-{kind.lower()}-") as output_dir:
+        config = make_config(kind, args, output_dir)
+        trainer_cls = GRPOTrainer if kind == "GRPO" else DAPOTrainer
+        torch.manual_seed(SEED)
+        trainer = trainer_cls(model=model_path, reward_funcs=[dapo_math_reward], args=config, train_dataset=dataset)
+        trainer.remove_callback(PrinterCallback)
+        timer = StepTimer()
+        trainer.add_callback(timer)
+        timer.wrap_generate(trainer)
+        result = trainer.train()
+
+    step_logs = [entry for entry in trainer.state.log_history if "step_time" in entry]
+    step_times = [entry["step_time"] for entry in step_logs]
+    if len(step_times) != args.steps or len(timer.step_generate) != args.steps:
+        raise RuntimeError(
+            f"{kind}: expected {args.steps} steps, got {len(step_times)} step_time logs and "
+            f"{len(timer.step_generate)} timed steps"
+        )
+    return {
+        "step": step_times[1:],
+        "no_gen": [s - g for s, g in zip(step_times[1:], timer.step_generate[1:], strict=True)],
+        "wall": timer.step_wall[1:],
+        "runtime": result.metrics["train_runtime"],
+        "lengths": [round(entry.get("completions/mean_length", float("nan")), 4) for entry in step_logs],
+    }
+
+
+def bookkeeping_microbenchmark(args: argparse.Namespace) -> dict[str, float]:
+    """Seconds per call of DAPO's per-step extras, on a batch of the benchmark's size (best of 5 timeit rounds)."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        config = make_config("DAPO", args, output_dir)
+    n, max_len, buffer_len = args.batch_size, config.max_completion_length, config.overlong_buffer_len
+    steps_per_generation, accumulation = config.steps_per_generation, config.gradient_accumulation_steps
+    generator = torch.Generator().manual_seed(SEED)
+    lengths = torch.randint(1, max_len + 1, (n,), generator=generator)
+    chunk_counts = torch.randint(n, n * max_len, (steps_per_generation,), generator=generator).float()
+    completion_ids = [list(range(int(length))) for length in lengths]
+    mask = (torch.arange(max_len).expand(n, max_len) < lengths[:, None]).long()
+    micro_batches = [{"completion_mask": chunk} for chunk in mask.chunk(steps_per_generation)]
+    penalty_column = SoftOverlongPenalty(max_len, buffer_len)
+
+    def core() -> None:
+        soft_overlong_penalty(lengths, max_len, buffer_len)
+        optimizer_window_token_counts(chunk_counts, accumulation)
+
+    def full_path() -> None:
+        # What DAPOTrainer adds per step: the reward column (list -> tensor -> list, one metric) and the exact
+        # denominator (mask sums per micro-batch, window counts, num_items); accelerator.reduce is a no-op here.
+        penalty_column(completion_ids=completion_ids, log_metric=lambda name, value: None)
+        counts = torch.stack([DAPOTrainer._loss_mask(batch).sum() for batch in micro_batches]).float()
+        windows = optimizer_window_token_counts(counts, accumulation)
+        items = trl_items_for_exact_normalizer(windows, steps_per_generation, accumulation)
+        for batch, item in zip(micro_batches, items, strict=True):
+            batch["num_items_in_batch"] = item
+
+    timings = {}
+    for name, fn in (("core", core), ("full", full_path)):
+        timer = timeit.Timer(fn)
+        number, _ = timer.autorange()
+        timings[name] = min(timer.repeat(repeat=5, number=number)) / number
+    return timings
+
+
+def summarize(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    quiet()
+    model_path = str(build_tiny_model())
+    dataset = make_arithmetic_dataset(num_problems=512, seed=0)
+
+    results: dict[str, list[dict[str, Any]]] = {"GRPO": [], "DAPO": []}
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    for repeat in range(args.repeats):
+        for kind in ("GRPO", "DAPO"):
+            run = run_once(kind, model_path, dataset, args)
+            results[kind].append(run)
+            print(
+                f"[{repeat + 1}/{args.repeats}] {kind}: median step_time {statistics.median(run['step']):.4f} s, "
+                f"train_runtime {run['runtime']:.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
+    total = time.perf_counter() - started
+
+    def pooled(kind: str, key: str) -> list[float]:
+        return [value for run in results[kind] for value in run[key]]
+
+    print(
+        f"\nDAPOTrainer vs GRPOTrainer: batch {args.batch_size}, {args.num_generations} generations, "
+        f"max_completion_length {args.max_completion_length}, {args.steps} steps x {args.repeats} runs each "
+        f"(first step of each run skipped), torch threads {torch.get_num_threads()}, trl {_version('trl')}, "
+        f"transformers {transformers.__version__}, torch {torch.__version__}\n"
+    )
+    print(
+        "| trainer | median step (s) | min | max | runs | steps | median step excl. generate (s) "
+        "| median full step (s) | median train_runtime (s) |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    medians: dict[str, dict[str, float]] = {}
+    for kind in ("GRPO", "DAPO"):
+        step_median, step_min, step_max = summarize(pooled(kind, "step"))
+        medians[kind] = {
+            "step": step_median,
+            "no_gen": statistics.median(pooled(kind, "no_gen")),
+            "wall": statistics.median(pooled(kind, "wall")),
+            "runtime": statistics.median(run["runtime"] for run in results[kind]),
+        }
+        print(
+            f"| {kind} | {step_median:.4f} | {step_min:.4f} | {step_max:.4f} | {len(results[kind])} "
+            f"| {len(pooled(kind, 'step'))} | {medians[kind]['no_gen']:.4f} | {medians[kind]['wall']:.4f} "
+            f"| {medians[kind]['runtime']:.2f} |"
+        )
+
+    ratio = medians["DAPO"]["step"] / medians["GRPO"]["step"]
+    pair_ratios = [
+        statistics.median(d["step"]) / statistics.median(g["step"])
+        for g, d in zip(results["GRPO"], results["DAPO"], strict=True)
+    ]
+    print(f"\nratio DAPO/GRPO = {ratio:.3f}  (goal <= {GOAL_RATIO:.2f}: {'met' if ratio <= GOAL_RATIO else 'NOT met'})")
+    print(f"ratio DAPO/GRPO excl. generate = {medians['DAPO']['no_gen'] / medians['GRPO']['no_gen']:.3f}")
+    print(f"ratio DAPO/GRPO full step = {medians['DAPO']['wall'] / medians['GRPO']['wall']:.3f}")
+    print(f"ratio DAPO/GRPO train_runtime = {medians['DAPO']['runtime'] / medians['GRPO']['runtime']:.3f}")
+    print("per-pair ratios (run medians) = " + ", ".join(f"{r:.3f}" for r in pair_ratios))
+    same_work = all(g["lengths"] == d["lengths"] for g, d in zip(results["GRPO"], results["DAPO"], strict=True))
+    print(
+        f"same sampled completion lengths in every GRPO/DAPO pair (same work per step): {'yes' if same_work else 'no'}"
+    )
+    if same_work:
+        # Step i does the same work in every run, so its fastest time over the runs is the least noisy estimate.
+        best = {kind: sum(map(min, zip(*(run["step"] for run in runs), strict=True))) for kind, runs in results.items()}
+        print(
+            f"ratio DAPO/GRPO, per-step best of {args.repeats} runs (noise-robust) = {best['DAPO'] / best['GRPO']:.3f}"
+        )
+    load_after, cores = os.getloadavg()[0], os.cpu_count() or 1
+    busy = max(load_before, load_after) > cores
+    print(
+        f"1-min load average {load_before:.2f} -> {load_after:.2f} on {cores} cores"
+        + (": machine busy, medians are noisy; prefer the best-of ratio or rerun" if busy else "")
+    )
+
+    extra = bookkeeping_microbenchmark(args)
+    step = medians["DAPO"]["step"]
+    print(f"\nDAPO bookkeeping in isolation (timeit, batch of {args.batch_size} completions):\n")
+    print("| work | time per step (us) | share of median DAPO step |")
+    print("|---|---|---|")
+    print(
+        f"| soft_overlong_penalty + optimizer_window_token_counts | {extra['core'] * 1e6:.1f} "
+        f"| {extra['core'] / step:.3%} |"
+    )
+    print(
+        f"| full path (reward column + exact token denominator) | {extra['full'] * 1e6:.1f} "
+        f"| {extra['full'] / step:.3%} |"
+    )
+    print(f"\ntraining runs took {total:.1f} s in all")
+    return 0
+
+
+def _version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "?"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""One DAPO optimizer step on a fixed global batch; saves the parameter update and the rows each micro-batch held.
+
+Run as `python denominator_run.py OUT K S` (one process) or under `accelerate launch --multi_gpu --num_processes 2`.
+With plain SGD (lr 1, no clipping, no decay) the update is minus the gradient, which the test compares with a
+reference gradient of paper Eq. 11 computed on the rows of the same optimizer step.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.testing import build_tiny_model
+
+GLOBAL_ROWS = 16
+PROMPT_LEN = 6
+MAX_COMPLETION = 12
+
+
+def fixed_global_batch(vocab_size: int) -> dict[str, torch.Tensor]:
+    """A deterministic batch with very different completion lengths, so every normaliser choice differs."""
+    generator = torch.Generator().manual_seed(1234)
+    lengths = torch.randint(1, MAX_COMPLETION + 1, (GLOBAL_ROWS,), generator=generator)
+    return {
+        "prompt_ids": torch.randint(3, vocab_size, (GLOBAL_ROWS, PROMPT_LEN), generator=generator),
+        "prompt_mask": torch.ones(GLOBAL_ROWS, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab_size, (GLOBAL_ROWS, MAX_COMPLETION), generator=generator),
+        "completion_mask": (torch.arange(MAX_COMPLETION)[None, :] < lengths[:, None]).long(),
+        "advantages": torch.randn(GLOBAL_ROWS, generator=generator),
+        "row_index": torch.arange(GLOBAL_ROWS),
+    }
+
+
+class FixedBatchTrainer(DAPOTrainer):
+    """Replaces generation with a slice of the fixed batch; records which rows each micro-batch trained on."""
+
+    def _generate_and_score_completions(self, inputs):
+        batch = fixed_global_batch(self.model.config.vocab_size)
+        local_rows = len(inputs)
+        start = self.accelerator.process_index * local_rows
+        local = {key: value[start : start + local_rows] for key, value in batch.items()}
+        local["num_items_in_batch"] = torch.tensor(-1.0)  # poisoned: the trainer must recompute it
+        return local
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        self.recorded_rows.append(inputs["row_index"].tolist())
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+def main() -> None:
+    out, accumulation, steps_per_generation = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    model_dir = build_tiny_model(out / "model")
+    per_device = GLOBAL_ROWS // (int(os.environ.get("WORLD_SIZE", "1")) * steps_per_generation)
+    config = DAPOConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps_per_generation,
+        num_generations=2,
+        max_completion_length=MAX_COMPLETION,
+        apply_overlong_penalty=False,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=0.0,
+        max_steps=1,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 64)
+    trainer = FixedBatchTrainer(model=str(model_dir), args=config, train_dataset=prompts)
+    trainer.recorded_rows = []
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    delta = {name: p.detach() - before[name] for name, p in model.named_parameters()}
+    # Only the micro-batches of the first optimizer step count (max_steps=1 trains exactly one).
+    rank = trainer.accelerator.process_index
+    torch.save({"rows": trainer.recorded_rows[:accumulation]}, out / f"rows_rank{rank}.pt")
+    if trainer.accelerator.is_main_process:
+        torch.save(delta, out / "delta.pt")
+
+
+if __name__ == "__main__":
+    main()
