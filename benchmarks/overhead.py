@@ -8,22 +8,29 @@ Both trainers train the built-in tiny Qwen2 model (`dapo_trl.testing.build_tiny_
 `GRPOTrainer` gets a `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28` and `weight_decay=0.1`, so
 its loss and optimizer do the same kind of work as DAPO's; `DAPOTrainer` gets a `DAPOConfig` with its defaults,
 so the soft overlong penalty reward column and the exact per-step token denominator are on: that is the extra
-per-step work being measured.
+per-step work being measured. With the same seed both sample the same completions, so step i is the same work
+in every run (the script checks the logged mean completion lengths and says so).
 
-All runs happen in one process, interleaved GRPO, DAPO, GRPO, DAPO, ... (`--repeats` pairs of `--steps`
-optimizer steps each), so machine noise hits both alike. Per-step time is TRL's own `step_time` metric from
-`trainer.state.log_history` (generation + scoring + forward/backward of each optimizer step; the optimizer
-update itself is outside it); the first step of every run is dropped as warm-up. Also reported:
+All runs happen in one process: one short untimed warm-up run of each trainer, then GRPO, DAPO, GRPO, DAPO, ...
+(`--repeats` runs of `--steps` optimizer steps each), so machine noise hits both alike. Per-step time is TRL's
+own `step_time` metric from `trainer.state.log_history` (generation + scoring + forward/backward of each
+optimizer step; the optimizer update is outside it); the first step of every run is dropped as warm-up.
+The table gives the median, min and max over all kept steps and `ratio DAPO/GRPO` is the ratio of medians
+(goal <= 1.03). Also reported:
 
-- the same per step with the time spent in `_generate` (sampling) subtracted, since sampled lengths are noisy;
-- the full optimizer-step wall time (callback `on_step_begin` to `on_step_end`, includes the optimizer update);
-- `train_runtime` of each run (all steps, warm-up included);
+- the median step with the time spent in `_generate` (sampling) subtracted;
+- the median full optimizer-step wall time (callback `on_step_begin` to `on_step_end`, optimizer update included);
+- the median `train_runtime` of the runs (all steps, warm-up step included);
+- the ratio of run medians for each GRPO/DAPO pair, and a noise-robust ratio that sums, over step indices, the
+  fastest time of that step over the runs (valid because step i is the same work in every run);
 - DAPO's extra bookkeeping in isolation (timeit): `soft_overlong_penalty` + `optimizer_window_token_counts` on a
   batch of the same size, and the whole per-step path around them, as a share of DAPO's median step.
 
-The goal is a DAPO/GRPO ratio of medians <= 1.03.
+A step takes ~0.13 s here, so other processes on the machine move the medians a lot; the script prints the load
+average and says when the machine was busy. Rerun on a quiet machine, or raise `--repeats`, before reading
+a ratio near the goal.
 
-Run from the repository root (about 2-3 minutes on 2 CPU cores with the defaults):
+Run from the repository root (under a minute on 2 idle CPU cores with the defaults):
 
     python benchmarks/overhead.py
     python benchmarks/overhead.py --steps 16 --repeats 5 --batch-size 32
@@ -230,6 +237,11 @@ def main(argv: list[str] | None = None) -> int:
     dataset = make_arithmetic_dataset(num_problems=512, seed=0)
 
     results: dict[str, list[dict[str, Any]]] = {"GRPO": [], "DAPO": []}
+    # One short untimed run of each first, so one-off process warm-up (lazy imports, allocator) hits neither.
+    warmup = argparse.Namespace(**{**vars(args), "steps": 2})
+    for kind in ("GRPO", "DAPO"):
+        run_once(kind, model_path, dataset, warmup)
+
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     for repeat in range(args.repeats):

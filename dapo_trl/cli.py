@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,8 +124,11 @@ def print_summary(log_history: list[dict[str, Any]]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # transformers 5 renamed gradient_checkpointing, which GRPOConfig still sets: noise on every run.
+    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig))
+    # No abbreviations: a typo such as --epsilon_hi must fail, not silently set epsilon_high.
+    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
     try:
         script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
     except ValueError as error:  # DAPOConfig validation: the message names the field and the fix

@@ -1,0 +1,67 @@
+"""The user-facing commands end to end: test_dapo.sh, train_dapo.py flags and YAML, and their error messages."""
+
+import subprocess
+import sys
+
+import pytest
+
+from .helpers import REPO, run_command
+
+pytestmark = pytest.mark.e2e
+
+
+def run_failing(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    result = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout[-2000:]
+    return result
+
+
+def test_smoke_script_trains_two_steps_and_prints_metrics(tmp_path):
+    result = run_command(["./test_dapo.sh"], env={"OUTPUT_DIR": str(tmp_path)})
+    assert "DAPO metrics per logged step" in result.stdout
+    for metric in ("rewards/dapo_math_reward/mean", "rewards/overlong_penalty/mean", "clip_ratio/high_mean"):
+        assert metric in result.stdout
+    assert "step 2" in result.stdout
+    assert (tmp_path / "model.safetensors").exists()
+    assert list((tmp_path / "runs").glob("*/events.out.tfevents.*")), "TensorBoard is the default logger"
+
+
+def test_smoke_script_with_two_processes(tmp_path):
+    result = run_command(["./test_dapo.sh"], env={"OUTPUT_DIR": str(tmp_path), "NUM_PROCESSES": "2"})
+    assert "DAPO metrics per logged step" in result.stdout
+
+
+def test_yaml_recipe(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\nper_device_train_batch_size: 4\nnum_generations: 2\n"
+        "max_completion_length: 16\noverlong_buffer_len: 4\nreport_to: none\nsave_strategy: 'no'\n"
+        "clip_ratio_c: 3.0\nlogging_steps: 1\n"
+    )
+    result = run_command([sys.executable, "train_dapo.py", "--config", str(recipe), "--loss_type", "dapo"])
+    assert "step 1" in result.stdout
+
+
+def test_bad_value_names_the_field_without_traceback(tmp_path):
+    result = run_failing([sys.executable, "train_dapo.py", "--output_dir", str(tmp_path), "--clip_ratio_c", "1.1"])
+    assert "clip_ratio_c=1.1 must be > 1 + epsilon_high" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_flag_is_named(tmp_path):
+    result = run_failing([sys.executable, "train_dapo.py", "--output_dir", str(tmp_path), "--epsilon_hi", "0.3"])
+    assert "--epsilon_hi" in result.stderr
+
+
+def test_unreachable_model_gives_one_clear_message(tmp_path):
+    result = run_failing(["./test_dapo.sh"], env={"MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct", "OUTPUT_DIR": str(tmp_path)})
+    assert "could not load model 'Qwen/Qwen2.5-0.5B-Instruct'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_reward_is_named(tmp_path):
+    result = run_failing([sys.executable, "train_dapo.py", "--output_dir", str(tmp_path), "--reward_funcs", "nope"])
+    assert "--reward_funcs 'nope'" in result.stderr

@@ -1,0 +1,114 @@
+"""DAPOTrainer's loss: equal to GRPOTrainer's with the extras off, and to the paper's formula with them on."""
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.rewards import dapo_math_reward
+from dapo_trl.testing import build_tiny_model
+
+ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny")))
+
+
+def common_args(tmp_path, **overrides):
+    args = dict(
+        output_dir=str(tmp_path), per_device_train_batch_size=ROWS, num_generations=4, max_completion_length=16,
+        report_to="none", gradient_checkpointing=False, bf16=False, use_cpu=True, epsilon_high=0.28,
+    )
+    args.update(overrides)
+    return args
+
+
+def make_trainer(trainer_cls, config, model_dir):
+    dataset = Dataset.from_list([{"prompt": "What is 1 + 1?", "solution": "2"}] * 8)
+    trainer = trainer_cls(model=model_dir, reward_funcs=dapo_math_reward, args=config, train_dataset=dataset)
+    trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps
+    trainer.model.train()
+    return trainer
+
+
+def fixed_batch(vocab_size: int, model, ratio_noise: float = 0.4) -> dict:
+    """A batch whose old log-probs differ from the current ones, so both clip sides and dual-clip are active."""
+    generator = torch.Generator().manual_seed(7)
+    lengths = torch.randint(1, COMPLETION_LEN + 1, (ROWS,), generator=generator)
+    completion_mask = (torch.arange(COMPLETION_LEN)[None, :] < lengths[:, None]).long()
+    batch = {
+        "prompt_ids": torch.randint(3, vocab_size, (ROWS, PROMPT_LEN), generator=generator),
+        "prompt_mask": torch.ones(ROWS, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab_size, (ROWS, COMPLETION_LEN), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.5, -1.5, 0.7, -0.7, 1.0, -1.0, 0.3, -2.0]),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    with torch.no_grad():
+        logps = token_logps(model, batch)
+    batch["old_per_token_logps"] = logps + ratio_noise * torch.randn(logps.shape, generator=generator)
+    return batch
+
+
+def token_logps(model, batch) -> torch.Tensor:
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, PROMPT_LEN - 1 : -1]
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+
+
+def paper_loss(model, batch, eps_low, eps_high, clip_ratio_c=None) -> torch.Tensor:
+    """Eq. 10-11 written out, plus verl's dual-clip: min(r A, clip(r) A), capped at -A c for A < 0."""
+    ratio = torch.exp(token_logps(model, batch) - batch["old_per_token_logps"])
+    advantage = batch["advantages"][:, None]
+    surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantage)
+    per_token = -surrogate
+    if clip_ratio_c is not None:
+        per_token = torch.where(advantage < 0, torch.minimum(per_token, -advantage * clip_ratio_c), per_token)
+    mask = batch["completion_mask"].float()
+    return (per_token * mask).sum() / mask.sum()
+
+
+def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
+    dapo = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path / "d", apply_overlong_penalty=False)), model_dir)
+    grpo = make_trainer(GRPOTrainer, GRPOConfig(**common_args(tmp_path / "g", loss_type="dapo")), model_dir)
+    batch = fixed_batch(dapo.model.config.vocab_size, dapo.model)
+    dapo_loss = dapo.compute_loss(dapo.model, dict(batch))
+    grpo_loss = grpo.compute_loss(grpo.model, dict(batch))
+    torch.testing.assert_close(dapo_loss, grpo_loss, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("clip_ratio_c", [None, 1.5, 3.0])
+def test_loss_equals_paper_formula(tmp_path, model_dir, clip_ratio_c):
+    config = DAPOConfig(**common_args(tmp_path, clip_ratio_c=clip_ratio_c))
+    trainer = make_trainer(DAPOTrainer, config, model_dir)
+    batch = fixed_batch(trainer.model.config.vocab_size, trainer.model, ratio_noise=0.8)
+    got = trainer.compute_loss(trainer.model, dict(batch))
+    expected = paper_loss(trainer.model, batch, 0.2, 0.28, clip_ratio_c)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    if clip_ratio_c == 1.5:  # the cap must actually bind in this batch, or the test proves nothing
+        assert not torch.allclose(expected, paper_loss(trainer.model, batch, 0.2, 0.28, None))
+
+
+def test_soft_overlong_penalty_is_a_weighted_reward_column(tmp_path, model_dir):
+    config = DAPOConfig(**common_args(tmp_path, overlong_buffer_len=4, overlong_penalty_factor=0.5))
+    trainer = make_trainer(DAPOTrainer, config, model_dir)
+    assert trainer.reward_func_names == ["dapo_math_reward", "overlong_penalty"]
+    assert trainer.reward_weights.tolist() == [1.0, 0.5]
+    penalty = trainer.reward_funcs[-1](completion_ids=[[1] * 12, [1] * 13, [1] * 14, [1] * 16])
+    assert penalty == pytest.approx([0.0, -0.25, -0.5, -1.0])
+    assert trainer.accuracy_reward_index == 0
+
+
+def test_unknown_accuracy_reward_is_explained(tmp_path, model_dir):
+    config = DAPOConfig(**common_args(tmp_path, accuracy_reward_name="nope"))
+    with pytest.raises(ValueError, match="accuracy_reward_name='nope'"):
+        make_trainer(DAPOTrainer, config, model_dir)
+
+
+def test_grpo_config_is_refused_with_the_fix(tmp_path, model_dir):
+    with pytest.raises(TypeError, match="DAPOConfig"):
+        DAPOTrainer(model=model_dir, args=GRPOConfig(**common_args(tmp_path)))
