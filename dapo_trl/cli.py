@@ -93,8 +93,9 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     if model_args.attn_implementation is not None:
         model_kwargs["attn_implementation"] = model_args.attn_implementation
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name, revision=model_args.model_revision,
-                                                  trust_remote_code=training_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(
+            name, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+        )
         model = AutoModelForCausalLM.from_pretrained(name, **model_kwargs)
     except OSError as error:
         raise UserFacingError(

@@ -29,10 +29,10 @@ class DAPOConfig(GRPOConfig):
     r"""
     Configuration for [`DAPOTrainer`]: every [`trl.GRPOConfig`] field, DAPO defaults, and DAPO's own knobs.
 
-    Defaults that differ from `GRPOConfig` (paper, Table/Section 5): `epsilon_high=0.28` (clip-higher),
-    `weight_decay=0.1`, `report_to="tensorboard"`, `bf16` off and `use_cpu` on where there is no GPU (GRPOConfig would refuse to
-    start, or run `accelerate launch --multi_gpu` processes unsynchronised). Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`,
-    `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
+    Defaults that differ from `GRPOConfig` (paper, Section 5): `epsilon_high=0.28` (clip-higher),
+    `weight_decay=0.1`, `report_to="tensorboard"`; on a machine without a GPU, `use_cpu=True` and `bf16=False`
+    (GRPOConfig would refuse to start there, or let `accelerate launch --multi_gpu` processes train unsynchronised).
+    Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`, `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
     """
 
     # Overridden GRPOConfig / TrainingArguments defaults.
@@ -145,9 +145,7 @@ class DAPOConfig(GRPOConfig):
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"max_prompt_length={self.max_prompt_length} must be a positive integer or None.")
         if self.overlong_prompt_policy not in ("filter", "error"):
-            raise ValueError(
-                f"overlong_prompt_policy={self.overlong_prompt_policy!r} must be 'filter' or 'error'."
-            )
+            raise ValueError(f"overlong_prompt_policy={self.overlong_prompt_policy!r} must be 'filter' or 'error'.")
 
         if self.overlong_buffer_len is None:
             self.overlong_buffer_len = max(1, int(self.max_completion_length * DEFAULT_OVERLONG_BUFFER_SHARE))

@@ -15,7 +15,9 @@ def run_command(args: list[str], timeout: int = 600, env: dict | None = None) ->
     full_env.update(env or {})
     result = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
     if result.returncode != 0:
-        raise AssertionError(f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}")
+        raise AssertionError(
+            f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
     return result
 
 
@@ -27,7 +29,20 @@ def python_command(script: str, *args: str, num_processes: int = 1) -> list[str]
     if num_processes == 1:
         return [sys.executable, script, *args]
     return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(num_processes),
-        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
-        str(29500 + os.getpid() % 1000), script, *args,
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(29500 + os.getpid() % 1000),
+        script,
+        *args,
     ]

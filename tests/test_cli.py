@@ -57,7 +57,9 @@ def test_unknown_flag_is_named(tmp_path):
 
 
 def test_unreachable_model_gives_one_clear_message(tmp_path):
-    result = run_failing(["./test_dapo.sh"], env={"MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct", "OUTPUT_DIR": str(tmp_path)})
+    result = run_failing(
+        ["./test_dapo.sh"], env={"MODEL_PATH": "Qwen/Qwen2.5-0.5B-Instruct", "OUTPUT_DIR": str(tmp_path)}
+    )
     assert "could not load model 'Qwen/Qwen2.5-0.5B-Instruct'" in result.stderr
     assert "Traceback" not in result.stderr
 

@@ -19,8 +19,15 @@ def model_dir(tmp_path_factory):
 
 def common_args(tmp_path, **overrides):
     args = dict(
-        output_dir=str(tmp_path), per_device_train_batch_size=ROWS, num_generations=4, max_completion_length=16,
-        report_to="none", gradient_checkpointing=False, bf16=False, use_cpu=True, epsilon_high=0.28,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=ROWS,
+        num_generations=4,
+        max_completion_length=16,
+        report_to="none",
+        gradient_checkpointing=False,
+        bf16=False,
+        use_cpu=True,
+        epsilon_high=0.28,
     )
     args.update(overrides)
     return args
