@@ -26,9 +26,9 @@ The table gives the median, min and max over all kept steps and `ratio DAPO/GRPO
 - DAPO's extra bookkeeping in isolation (timeit): `soft_overlong_penalty` + `optimizer_window_token_counts` on a
   batch of the same size, and the whole per-step path around them, as a share of DAPO's median step.
 
-A step takes ~0.13 s here, so other processes on the machine move the medians a lot; the script prints the load
-average and says when the machine was busy. Rerun on a quiet machine, or raise `--repeats`, before reading
-a ratio near the goal.
+A step takes ~0.13 s here, so other processes on the machine move the medians a lot; the script measures how
+many cores other processes used during the timed runs (/proc/stat) and warns when the machine was busy. Rerun
+on a quiet machine, or raise `--repeats`, before reading a ratio near the goal.
 
 Run from the repository root (under a minute on 2 idle CPU cores with the defaults):
 
@@ -224,6 +224,19 @@ def bookkeeping_microbenchmark(args: argparse.Namespace) -> dict[str, float]:
     return timings
 
 
+def cpu_seconds() -> tuple[float, float]:
+    """(CPU seconds used by the whole machine, by this process) so far; machine = nan where /proc/stat is missing."""
+    times = os.times()
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(value) for value in stat.readline().split()[1:]]
+        # user nice system idle iowait irq softirq steal ...: everything but idle and iowait is busy time.
+        machine = (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        machine = float("nan")
+    return machine, times.user + times.system
+
+
 def summarize(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
@@ -244,17 +257,25 @@ def main(argv: list[str] | None = None) -> int:
 
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
+    machine_start, own_start = cpu_seconds()
     for repeat in range(args.repeats):
         for kind in ("GRPO", "DAPO"):
+            machine_before, own_before = cpu_seconds()
+            run_started = time.perf_counter()
             run = run_once(kind, model_path, dataset, args)
+            machine_after, own_after = cpu_seconds()
+            others = max(0.0, (machine_after - machine_before) - (own_after - own_before))
             results[kind].append(run)
             print(
                 f"[{repeat + 1}/{args.repeats}] {kind}: median step_time {statistics.median(run['step']):.4f} s, "
-                f"train_runtime {run['runtime']:.2f} s",
+                f"train_runtime {run['runtime']:.2f} s, other processes used "
+                f"{others / (time.perf_counter() - run_started):.2f} cores",
                 file=sys.stderr,
                 flush=True,
             )
     total = time.perf_counter() - started
+    machine_end, own_end = cpu_seconds()
+    other_cores = max(0.0, (machine_end - machine_start) - (own_end - own_start)) / total
 
     def pooled(kind: str, key: str) -> list[float]:
         return [value for run in results[kind] for value in run[key]]
@@ -306,10 +327,15 @@ def main(argv: list[str] | None = None) -> int:
             f"ratio DAPO/GRPO, per-step best of {args.repeats} runs (noise-robust) = {best['DAPO'] / best['GRPO']:.3f}"
         )
     load_after, cores = os.getloadavg()[0], os.cpu_count() or 1
-    busy = max(load_before, load_after) > cores
+    busy = other_cores > 0.1 * cores or max(load_before, load_after) > cores
     print(
-        f"1-min load average {load_before:.2f} -> {load_after:.2f} on {cores} cores"
-        + (": machine busy, medians are noisy; prefer the best-of ratio or rerun" if busy else "")
+        f"machine: {cores} cores, other processes used {other_cores:.2f} cores on average during the timed runs, "
+        f"1-min load average {load_before:.2f} -> {load_after:.2f}"
+        + (
+            "\nWARNING: machine busy, medians are noisy; prefer the best-of ratio or rerun on a quiet machine"
+            if busy
+            else ""
+        )
     )
 
     extra = bookkeeping_microbenchmark(args)

@@ -98,6 +98,33 @@ class DAPOConfig(GRPOConfig):
         default=10,
         metadata={"help": "Most generation rounds per step for dynamic sampling (DAPO: 10). 0 = unlimited."},
     )
+    filter_groups_oversample: int = field(
+        default=1,
+        metadata={
+            "help": "Each dynamic-sampling round generates this many generation batches of prompts (verl's "
+            "gen_batch_size / train_batch_size; DAPO used 3). Fewer rounds, more generation per round."
+        },
+    )
+    filter_groups_on_exhausted: str = field(
+        default="fill",
+        metadata={
+            "help": "When max_filter_gen_batches rounds still leave the batch short: 'fill' trains on the kept groups "
+            "plus zero-advantage filler that adds nothing to the loss nor to its token denominator (logged as "
+            "dynamic_sampling/filler_groups); 'error' stops with a message (verl's behaviour)."
+        },
+    )
+    filter_groups_carry_surplus: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep kept groups beyond the batch target for the next step instead of discarding them (paper). "
+            "They are one step stale: their behaviour-policy log-probs are stored, so the clipped importance "
+            "ratio corrects for it."
+        },
+    )
+    filter_groups_atol: float = field(
+        default=1e-6,
+        metadata={"help": "A group is kept when max - min of its accuracy exceeds this (float-noise tolerance)."},
+    )
     accuracy_reward_name: str | None = field(
         default=None,
         metadata={
@@ -190,6 +217,14 @@ class DAPOConfig(GRPOConfig):
             )
         if self.max_filter_gen_batches < 0:
             raise ValueError(f"max_filter_gen_batches={self.max_filter_gen_batches} must be >= 0 (0 = unlimited).")
+        if self.filter_groups_oversample < 1:
+            raise ValueError(f"filter_groups_oversample={self.filter_groups_oversample} must be an integer >= 1.")
+        if self.filter_groups_on_exhausted not in ("fill", "error"):
+            raise ValueError(
+                f"filter_groups_on_exhausted={self.filter_groups_on_exhausted!r} must be 'fill' or 'error'."
+            )
+        if self.filter_groups_atol < 0:
+            raise ValueError(f"filter_groups_atol={self.filter_groups_atol} must be >= 0.")
         if self.filter_groups_enable and self.scale_rewards == "batch":
             raise ValueError(
                 "filter_groups_enable with scale_rewards='batch' would normalise kept groups by the std of "

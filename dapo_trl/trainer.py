@@ -12,18 +12,45 @@ The trainer stays thin: the math lives in `dapo_trl.algorithm`, and every overri
 from __future__ import annotations
 
 import logging
+import os
+from collections import Counter
 from typing import Any
 
 import torch
+from accelerate.utils import gather_object
+from datasets import IterableDataset
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from .algorithm import optimizer_window_token_counts, soft_overlong_penalty, trl_items_for_exact_normalizer
+from .algorithm import (
+    assemble_batch,
+    group_keep_mask,
+    optimizer_window_token_counts,
+    soft_overlong_penalty,
+    trl_items_for_exact_normalizer,
+)
 from .config import DAPOConfig
 from .rewards import dapo_math_reward
+from .sampling import PromptStream
 
 logger = logging.getLogger(__name__)
 
 OVERLONG_PENALTY_NAME = "overlong_penalty"
+SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
+# Per-row tensors of a generated batch that dynamic sampling moves between processes: 2-D ones are widened with
+# (pad value, pad on the left?) to concatenate rounds; the token-id pads use the tokenizer's pad id instead of 0.
+ROW_TENSORS = {
+    "prompt_ids": (0, True),
+    "prompt_mask": (0, True),
+    "completion_ids": (0, False),
+    "completion_mask": (0, False),
+    "advantages": (0, False),
+    "old_per_token_logps": (0.0, False),
+    "ref_per_token_logps": (0.0, False),
+    "sampling_per_token_logps": (0.0, False),
+    "importance_sampling_ratio": (1.0, False),
+    "tool_mask": (1, False),
+}
 
 
 class SoftOverlongPenalty:
@@ -85,6 +112,14 @@ class DAPOTrainer(GRPOTrainer):
                 SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len),
                 weight=args.overlong_penalty_factor,
             )
+        self._prompt_stream: PromptStream | None = None
+        self._carried_groups: dict[str, torch.Tensor] | None = None
+        self._last_rewards_per_func: torch.Tensor | None = None
+        if args.filter_groups_enable and isinstance(self.train_dataset, IterableDataset):
+            raise ValueError(
+                "filter_groups_enable needs a map-style train_dataset to draw fresh prompts from; "
+                "materialise the IterableDataset (e.g. Dataset.from_list(list(stream))) or disable dynamic sampling."
+            )
         if args.max_prompt_length is not None and self.train_dataset is not None:
             from .data import filter_overlong_prompts
 
@@ -109,6 +144,11 @@ class DAPOTrainer(GRPOTrainer):
                 f"accuracy_reward_name={name!r} is not one of the reward functions {self.reward_func_names}."
             )
         return self.reward_func_names.index(name)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        self._last_rewards_per_func = rewards_per_func  # gathered over processes: dynamic sampling reads accuracy
+        return rewards_per_func
 
     def _add_reward_column(self, reward_func: Any, weight: float) -> None:
         """Append a built-in reward function, the way TRL itself appends environment rewards."""
@@ -150,3 +190,190 @@ class DAPOTrainer(GRPOTrainer):
     def _loss_mask(batch: dict[str, Any]) -> torch.Tensor:
         mask = batch["completion_mask"]
         return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+    # ---------------------------------------------------------------------------------------- dynamic sampling
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not (self.model.training and self.args.filter_groups_enable):
+            return super()._generate_and_score_completions(inputs)
+        return self._generate_with_dynamic_sampling(inputs)
+
+    def _generate_with_dynamic_sampling(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """DAPO's dynamic sampling: keep only groups with accuracy spread, generating more rounds until full.
+
+        Round 1 uses the dataloader's prompts, later rounds fresh prompts from the trainer's own seeded stream.
+        Every process gathers each round's rows and the (already gathered) rewards, so all take the same keep
+        decisions and hold the same kept groups; the batch is cut at a group boundary to exactly the generation
+        batch size and each process takes its equal slice. No weight update happens between rounds, so the old
+        log-probs of every round stay valid.
+        """
+        group_size = self.num_generations
+        local_rows = len(inputs)
+        target_rows = local_rows * self.accelerator.num_processes
+        stats: Counter = Counter()
+        kept_parts: list[dict[str, torch.Tensor]] = []
+        if self._carried_groups is not None:
+            kept_parts.append(self._carried_groups)
+            stats["carried_in_groups"] = self._carried_groups["advantages"].numel() // group_size
+            self._carried_groups = None
+        kept_rows = sum(part["advantages"].numel() for part in kept_parts)
+        round_inputs = self._first_round_inputs(inputs)
+        while True:
+            stats["rounds"] += 1
+            round_rows = self._gather_rows(self._score_round(round_inputs))
+            accuracy = self._last_rewards_per_func[:, self.accuracy_reward_index]
+            group_kept = group_keep_mask(accuracy.cpu(), group_size, self.args.filter_groups_atol)
+            row_kept = group_kept.repeat_interleave(group_size).to(round_rows["advantages"].device)
+            stats["groups_generated"] += group_kept.numel()
+            stats["groups_kept"] += int(group_kept.sum())
+            if row_kept.any():
+                kept_parts.append({key: value[row_kept] for key, value in round_rows.items()})
+                kept_rows += int(row_kept.sum())
+            rounds_left = self.args.max_filter_gen_batches == 0 or stats["rounds"] < self.args.max_filter_gen_batches
+            if kept_rows >= target_rows or not rounds_left:
+                break
+            round_inputs = self._fresh_round_inputs(local_rows * self.args.filter_groups_oversample)
+
+        if kept_rows < target_rows:
+            self._handle_exhausted_rounds(stats, kept_rows // group_size, target_rows // group_size)
+            filler = self._zero_advantage_filler(
+                {k: v[~row_kept] for k, v in round_rows.items()}, target_rows - kept_rows
+            )
+            kept_parts.append(filler)
+            stats["filler_groups"] = (target_rows - kept_rows) // group_size
+        padding = self._row_padding()
+        batch, surplus = assemble_batch(kept_parts, target_rows, padding)
+        surplus_groups = 0 if surplus is None else surplus["advantages"].numel() // group_size
+        if self.args.filter_groups_carry_surplus:
+            self._carried_groups = surplus
+            stats["surplus_carried_groups"] = surplus_groups
+        else:
+            stats["surplus_discarded_groups"] = surplus_groups
+        self._log_dynamic_sampling(stats)
+
+        start = self.accelerator.process_index * local_rows
+        local = {key: value[start : start + local_rows] for key, value in batch.items()}
+        local["num_items_in_batch"] = self.accelerator.gather(self._loss_mask(local).sum()).sum()
+        return local
+
+    def _score_round(self, round_inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One TRL generation + scoring pass; with carried surplus on, also store behaviour-policy log-probs."""
+        output = super()._generate_and_score_completions(round_inputs)
+        unsupported = sorted(set(output) - set(ROW_TENSORS) - {"num_items_in_batch"})
+        if unsupported:
+            raise ValueError(
+                f"dynamic sampling cannot regroup these batch fields yet: {unsupported} (multimodal inputs); "
+                "disable filter_groups_enable for this model."
+            )
+        if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
+            # A carried group trains one step later: its ratio must be against the policy that sampled it.
+            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+            with torch.no_grad():
+                output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
+                    batch_size=self.args.per_device_train_batch_size,
+                )
+        return output
+
+    def _row_padding(self) -> dict[str, tuple[float, bool]]:
+        pad_id = self._tokenizer.pad_token_id
+        return {**ROW_TENSORS, "prompt_ids": (pad_id, True), "completion_ids": (pad_id, False)}
+
+    def _gather_rows(self, local: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The whole round on every process, in process order (TRL's global row order)."""
+        padding = self._row_padding()
+        rows = {}
+        for key, value in local.items():
+            if key == "num_items_in_batch" or value is None:
+                continue
+            if value.dim() == 2:
+                pad_value, pad_left = padding[key]
+                value = self.accelerator.pad_across_processes(value, dim=1, pad_index=pad_value, pad_first=pad_left)
+            rows[key] = self.accelerator.gather(value)
+        return rows
+
+    def _stream(self) -> PromptStream:
+        if self._prompt_stream is None:
+            self._prompt_stream = PromptStream(len(self.train_dataset), self.args.seed, shuffle=self.shuffle_dataset)
+        return self._prompt_stream
+
+    def _fresh_round_inputs(self, local_rows: int) -> list[dict[str, Any]]:
+        """This process's slice of a round of fresh prompts, each repeated num_generations times."""
+        global_rows = local_rows * self.accelerator.num_processes
+        indices = self._stream().draw(global_rows // self.num_generations)
+        rows = [self.train_dataset[index] for index in indices for _ in range(self.num_generations)]
+        start = self.accelerator.process_index * local_rows
+        return rows[start : start + local_rows]
+
+    def _first_round_inputs(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous."""
+        if self.args.filter_groups_oversample == 1:
+            return inputs
+        local_rows = len(inputs) * self.args.filter_groups_oversample
+        extra = self._fresh_round_inputs(len(inputs) * (self.args.filter_groups_oversample - 1))
+        global_rows = gather_object(inputs) + gather_object(extra)
+        start = self.accelerator.process_index * local_rows
+        return global_rows[start : start + local_rows]
+
+    @staticmethod
+    def _zero_advantage_filler(dropped: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+        """Zero-spread groups that pad a short batch: no advantage, and masked out of the loss and its denominator."""
+        filler = {key: value[:rows].clone() for key, value in dropped.items()}
+        filler["advantages"].zero_()
+        filler["completion_mask"].zero_()
+        return filler
+
+    def _handle_exhausted_rounds(self, stats: Counter, kept_groups: int, target_groups: int) -> None:
+        message = (
+            f"dynamic sampling kept {kept_groups} of the {target_groups} groups a step needs after "
+            f"{stats['rounds']} rounds ({stats['groups_kept']} kept of {stats['groups_generated']} generated)"
+        )
+        if self.args.filter_groups_on_exhausted == "error":
+            raise RuntimeError(
+                f"{message}. The data is too easy or too hard for the model: raise max_filter_gen_batches "
+                "(0 = unlimited) or filter_groups_oversample, change the data, or set "
+                "filter_groups_on_exhausted='fill' to train on the kept groups."
+            )
+        logger.warning("%s; training on them plus zero-advantage filler", message)
+
+    def _log_dynamic_sampling(self, stats: Counter) -> None:
+        metrics = self._metrics["train"]
+        for name in (
+            "rounds",
+            "groups_generated",
+            "groups_kept",
+            "filler_groups",
+            "carried_in_groups",
+            "surplus_carried_groups",
+            "surplus_discarded_groups",
+        ):
+            metrics[f"dynamic_sampling/{name}"].append(float(stats[name]))
+        metrics["dynamic_sampling/keep_rate"].append(stats["groups_kept"] / max(stats["groups_generated"], 1))
+
+    # ----------------------------------------------------------------------------------------- checkpointing
+    def _save_checkpoint(self, model, trial):
+        super()._save_checkpoint(model, trial)
+        if self.args.filter_groups_enable and self.args.should_save:
+            folder = os.path.join(
+                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            )
+            state = {
+                "prompt_stream": self._stream().state_dict(),
+                "carried_groups": None
+                if self._carried_groups is None
+                else {key: value.cpu() for key, value in self._carried_groups.items()},
+            }
+            torch.save(state, os.path.join(folder, SAMPLING_STATE_FILE))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = None if checkpoint is None else os.path.join(checkpoint, SAMPLING_STATE_FILE)
+        if self.args.filter_groups_enable and path is not None and os.path.exists(path):
+            state = torch.load(path, map_location="cpu")
+            self._stream().load_state_dict(state["prompt_stream"])
+            carried = state["carried_groups"]
+            device = self.accelerator.device
+            self._carried_groups = None if carried is None else {k: v.to(device) for k, v in carried.items()}
