@@ -26,6 +26,7 @@ args=(
   --max_completion_length "${MAX_COMPLETION_LENGTH:-64}"
   --overlong_buffer_len "${OVERLONG_BUFFER_LEN:-16}"
   --learning_rate 1e-6
+  --max_filter_gen_batches "${MAX_FILTER_GEN_BATCHES:-3}"
   --logging_steps 1
   --save_strategy no
   --report_to "${REPORT_TO:-tensorboard}"

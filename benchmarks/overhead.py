@@ -123,10 +123,20 @@ def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOCon
         seed=SEED,
         disable_tqdm=True,
     )
-    if kind == "GRPO":
-        # Same loss kind and optimizer work as DAPOConfig's defaults (token-level loss, clip-higher, weight decay).
-        return GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, weight_decay=0.1)
-    return DAPOConfig(**common)
+    dapo = DAPOConfig(**common)
+    if kind == "DAPO":
+        return dapo
+    # Same loss kind and optimizer work as DAPOConfig's defaults (token-level loss, clip-higher, weight decay), and
+    # the same device settings (DAPOConfig sets use_cpu, hence no pinned memory, on machines without a GPU).
+    return GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, weight_decay=0.1, use_cpu=dapo.use_cpu)
+
+
+def config_differences(args: argparse.Namespace) -> list[str]:
+    """GRPOConfig fields whose values differ between the two trainers' configs (should be none)."""
+    with tempfile.TemporaryDirectory() as output_dir:
+        grpo = make_config("GRPO", args, output_dir).to_dict()
+        dapo = make_config("DAPO", args, output_dir).to_dict()
+    return [f"{key}: {grpo[key]!r} vs {dapo[key]!r}" for key in grpo if grpo[key] != dapo.get(key)]
 
 
 class StepTimer(TrainerCallback):
@@ -316,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ratio DAPO/GRPO full step = {medians['DAPO']['wall'] / medians['GRPO']['wall']:.3f}")
     print(f"ratio DAPO/GRPO train_runtime = {medians['DAPO']['runtime'] / medians['GRPO']['runtime']:.3f}")
     print("per-pair ratios (run medians) = " + ", ".join(f"{r:.3f}" for r in pair_ratios))
+    differences = config_differences(args)
+    print("GRPOConfig fields that differ between the two configs: " + ("; ".join(differences) or "none"))
     same_work = all(g["lengths"] == d["lengths"] for g, d in zip(results["GRPO"], results["DAPO"], strict=True))
     print(
         f"same sampled completion lengths in every GRPO/DAPO pair (same work per step): {'yes' if same_work else 'no'}"

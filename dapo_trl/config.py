@@ -88,7 +88,7 @@ class DAPOConfig(GRPOConfig):
 
     # Dynamic sampling.
     filter_groups_enable: bool = field(
-        default=False,
+        default=True,
         metadata={
             "help": "Dynamic sampling: drop groups whose accuracy is all-correct or all-wrong and refill the batch "
             "with groups from fresh prompts."

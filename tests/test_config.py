@@ -20,6 +20,7 @@ def test_dapo_defaults(tmp_path):
     assert config.apply_overlong_penalty and config.overlong_penalty_factor == 1.0
     assert config.overlong_buffer_len == int(0.2 * config.max_completion_length)
     assert config.delta is None and config.clip_ratio_c is None
+    assert config.filter_groups_enable and config.max_filter_gen_batches == 10
 
 
 def test_tensorboard_is_the_default_logger(tmp_path):

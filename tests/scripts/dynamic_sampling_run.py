@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from datasets import Dataset
+from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.testing import build_tiny_model
@@ -55,6 +56,17 @@ class RecordingTrainer(DAPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+class CrashAfterSave(TrainerCallback):
+    """Simulates a crash: the process dies right after writing the checkpoint of step `step`."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os._exit(3)
+
+
 def parse_value(text: str):
     for cast in (int, float):
         try:
@@ -69,6 +81,7 @@ def main() -> None:
     overrides = {k: parse_value(v) for k, v in (arg.split("=", 1) for arg in sys.argv[4:])}
     mixed_share = overrides.pop("mixed_share", 0.25)
     resume = overrides.pop("resume", None)
+    crash_after = overrides.pop("crash_after_save", None)
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
     settings = dict(
@@ -94,6 +107,8 @@ def main() -> None:
         args=DAPOConfig(**settings),
         train_dataset=difficulty_dataset(mixed_share),
     )
+    if crash_after is not None:
+        trainer.add_callback(CrashAfterSave(crash_after))
     trainer.train(resume_from_checkpoint=resume)
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
