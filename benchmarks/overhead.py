@@ -5,11 +5,16 @@ What is measured
 Both trainers train the built-in tiny Qwen2 model (`dapo_trl.testing.build_tiny_model`) on
 `make_arithmetic_dataset(num_problems=512, seed=0)` with the `dapo_math_reward` reward and the same settings
 (batch 16, 4 generations per prompt, 32 completion tokens, fp32 on CPU, no checkpointing, fixed seed).
-`GRPOTrainer` gets a `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28` and `weight_decay=0.1`, so
-its loss and optimizer do the same kind of work as DAPO's; `DAPOTrainer` gets a `DAPOConfig` with its defaults,
-so the soft overlong penalty reward column and the exact per-step token denominator are on: that is the extra
-per-step work being measured. With the same seed both sample the same completions, so step i is the same work
-in every run (the script checks the logged mean completion lengths and says so).
+`GRPOTrainer` gets a `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28`, `weight_decay=0.1` and
+DAPOConfig's `use_cpu`, so its loss, optimizer and device settings are the same as DAPO's (the script checks that
+no shared field differs); `DAPOTrainer` gets a `DAPOConfig` with its defaults, so the soft overlong penalty reward
+column and the exact per-step token denominator are on: that is the extra per-step work being measured.
+The one exception is dynamic sampling (`filter_groups_enable`, on by default), which is turned off: it generates
+extra rounds to replace filtered groups, which is more work per step rather than overhead (on the random tiny
+model nearly every group is all-wrong, so it would run up to `max_filter_gen_batches` rounds per step);
+`benchmarks/dynamic_sampling.py` measures it, and `--dynamic-sampling` keeps it on here anyway.
+With the same seed both trainers sample the same completions, so step i is the same work in every run (the
+script checks the logged mean completion lengths and says so).
 
 All runs happen in one process: one short untimed warm-up run of each trainer, then GRPO, DAPO, GRPO, DAPO, ...
 (`--repeats` runs of `--steps` optimizer steps each), so machine noise hits both alike. Per-step time is TRL's
@@ -82,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--max-completion-length", type=int, default=32)
     parser.add_argument(
+        "--dynamic-sampling",
+        action="store_true",
+        help="keep DAPOConfig's dynamic sampling on (extra generation rounds per step, so not the same work)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's default)"
     )
     args = parser.parse_args(argv)
@@ -123,7 +133,8 @@ def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOCon
         seed=SEED,
         disable_tqdm=True,
     )
-    dapo = DAPOConfig(**common)
+    # Dynamic sampling (on by default) regenerates filtered groups: more generation per step, not overhead.
+    dapo = DAPOConfig(**common, filter_groups_enable=args.dynamic_sampling)
     if kind == "DAPO":
         return dapo
     # Same loss kind and optimizer work as DAPOConfig's defaults (token-level loss, clip-higher, weight decay), and
@@ -293,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\nDAPOTrainer vs GRPOTrainer: batch {args.batch_size}, {args.num_generations} generations, "
         f"max_completion_length {args.max_completion_length}, {args.steps} steps x {args.repeats} runs each "
-        f"(first step of each run skipped), torch threads {torch.get_num_threads()}, trl {_version('trl')}, "
+        f"(first step of each run skipped), DAPO dynamic sampling {'on' if args.dynamic_sampling else 'off'}, "
+        f"torch threads {torch.get_num_threads()}, trl {_version('trl')}, "
         f"transformers {transformers.__version__}, torch {torch.__version__}\n"
     )
     print(

@@ -215,7 +215,7 @@ class DAPOTrainer(GRPOTrainer):
             kept_parts.append(self._carried_groups)
             stats["carried_in_groups"] = self._carried_groups["advantages"].numel() // group_size
             self._carried_groups = None
-        kept_rows = sum(part["advantages"].numel() for part in kept_parts)
+        carried_in_rows = kept_rows = sum(part["advantages"].numel() for part in kept_parts)
         round_inputs = self._first_round_inputs(inputs)
         while True:
             stats["rounds"] += 1
@@ -242,12 +242,17 @@ class DAPOTrainer(GRPOTrainer):
             stats["filler_groups"] = (target_rows - kept_rows) // group_size
         padding = self._row_padding()
         batch, surplus = assemble_batch(kept_parts, target_rows, padding)
-        surplus_groups = 0 if surplus is None else surplus["advantages"].numel() // group_size
-        if self.args.filter_groups_carry_surplus:
-            self._carried_groups = surplus
-            stats["surplus_carried_groups"] = surplus_groups
+        surplus_rows = 0 if surplus is None else surplus["advantages"].numel()
+        if self.args.filter_groups_carry_surplus and surplus is not None:
+            # Carried groups come first, so any left over now are two steps old: drop them, carry only this
+            # step's groups. That bounds both the backlog and the staleness to one step.
+            stale_rows = max(0, carried_in_rows - target_rows)
+            fresh = {key: value[stale_rows:] for key, value in surplus.items()}
+            self._carried_groups = fresh if surplus_rows > stale_rows else None
+            stats["surplus_carried_groups"] = (surplus_rows - stale_rows) // group_size
+            stats["surplus_discarded_groups"] = stale_rows // group_size
         else:
-            stats["surplus_discarded_groups"] = surplus_groups
+            stats["surplus_discarded_groups"] = surplus_rows // group_size
         self._log_dynamic_sampling(stats)
 
         start = self.accelerator.process_index * local_rows
@@ -304,9 +309,12 @@ class DAPOTrainer(GRPOTrainer):
         """This process's slice of a round of fresh prompts, each repeated num_generations times."""
         global_rows = local_rows * self.accelerator.num_processes
         indices = self._stream().draw(global_rows // self.num_generations)
-        rows = [self.train_dataset[index] for index in indices for _ in range(self.num_generations)]
         start = self.accelerator.process_index * local_rows
-        return rows[start : start + local_rows]
+        local_positions = range(start, start + local_rows)
+        first_prompt, last_prompt = start // self.num_generations, (start + local_rows - 1) // self.num_generations
+        prompts = {i: self.train_dataset[indices[i]] for i in range(first_prompt, last_prompt + 1)}
+        # One copy per row: TRL may write per-row fields into its input dicts.
+        return [dict(prompts[position // self.num_generations]) for position in local_positions]
 
     def _first_round_inputs(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous."""

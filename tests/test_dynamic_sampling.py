@@ -87,6 +87,8 @@ def test_oversampling_and_carried_surplus(tmp_path):
     carried_in = [entry["dynamic_sampling/carried_in_groups"] for entry in metrics]
     assert carried_in[1:] == carried[:-1] and carried_in[0] == 0
     assert any(carried)
+    for entry in metrics:  # only this step's groups are carried: the backlog and staleness stay one step
+        assert entry["dynamic_sampling/surplus_carried_groups"] <= entry["dynamic_sampling/groups_kept"]
     for rows in trained_by_step(out).values():
         assert len(rows) == 8 and all(prompt.startswith("mixed") for prompt, _, _ in rows)
 
