@@ -117,9 +117,8 @@ class DAPOConfig(GRPOConfig):
         default=False,
         metadata={
             "help": "Keep kept groups beyond the batch target for the next step instead of discarding them (paper). "
-            "Only the current step's groups are carried (older leftovers are discarded), so they are one step stale. "
-            "They are one step stale: their behaviour-policy log-probs are stored, so the clipped importance "
-            "ratio corrects for it."
+            "Only the current step's groups are carried (older leftovers are discarded), so they are one step "
+            "stale; their behaviour-policy log-probs are stored, so the clipped importance ratio corrects for it."
         },
     )
     filter_groups_atol: float = field(
