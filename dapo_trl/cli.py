@@ -55,6 +55,36 @@ class DAPOScriptArguments(ScriptArguments):
             f"file, or '{BUILTIN_ARITHMETIC}' (generated problems, offline)."
         },
     )
+    prompt_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column holding the problem text or chat messages (default: the preset's, or auto-detected)."
+        },
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the answer; dotted names reach nested fields (reward_model.ground_truth)."},
+    )
+    prompt_template: str = field(
+        default="dapo",
+        metadata={
+            "help": "Template for text problems: 'dapo' (DAPO's \"Answer:\" template), 'none', or a string "
+            "with {problem}. Ignored for chat-message prompts."
+        },
+    )
+    skip_malformed_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip (and count) rows with a missing answer, empty prompt or wrong types instead of failing."
+        },
+    )
+    eval_dataset_name: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Validation sets (presets aime2024, aime2025, gsm8k, hub ids or files); reported as avg@n and "
+            "pass@k per data source every eval_steps and, with val_before_train, before training."
+        },
+    )
     reward_funcs: list[str] = field(
         default_factory=lambda: ["dapo_math"],
         metadata={
@@ -145,17 +175,35 @@ def main(argv: list[str] | None = None) -> int:
 
         reward_funcs = [resolve_reward_function(name) for name in script_args.reward_funcs]
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)
+        data_options = {
+            "prompt_column": script_args.prompt_column,
+            "answer_column": script_args.answer_column,
+            "template": script_args.prompt_template,
+            "skip_malformed": script_args.skip_malformed_rows,
+        }
         train_dataset = load_prompt_dataset(
             script_args.dataset_name,
             split=script_args.dataset_train_split,
             config=script_args.dataset_config,
             seed=training_args.seed,
+            **data_options,
         )
+        eval_dataset = None
+        if script_args.eval_dataset_name:
+            from datasets import concatenate_datasets
+
+            eval_dataset = concatenate_datasets(
+                [
+                    load_prompt_dataset(name, template=script_args.prompt_template)
+                    for name in script_args.eval_dataset_name
+                ]
+            )
         trainer = DAPOTrainer(
             model=model,
             reward_funcs=reward_funcs,
             args=training_args,
             train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             processing_class=tokenizer,
             peft_config=get_peft_config(model_args),
         )

@@ -1,7 +1,8 @@
-"""Training data as TRL prompt rows: a `prompt` (chat messages) and a `solution` (the ground-truth answer).
+"""Datasets as TRL prompt rows: `prompt` (chat messages), `solution` (ground-truth answer), `data_source`.
 
-Sources: the built-in generated arithmetic problems (offline smoke runs and tests), DAPO-Math-17k's hub format
-(`prompt` messages + `reward_model.ground_truth`), and plain problem/answer tables from the hub or local files.
+Sources: named presets for DAPO-Math-17k, AIME 2024, AIME 2025 and GSM8K (their hub column names differ; the
+presets map them), any hub dataset or local parquet / jsonl / json / csv file with configurable columns, and the
+built-in generated arithmetic problems for offline runs.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import random
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from datasets import Dataset, load_dataset
@@ -22,15 +25,53 @@ DAPO_PROMPT_TEMPLATE = (
     "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{problem}\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
-
-_PROBLEM_COLUMNS = ("problem", "question", "Problem", "Question")
-_ANSWER_COLUMNS = ("solution", "answer", "Answer", "ground_truth")
+PROMPT_TEMPLATES = {"dapo": DAPO_PROMPT_TEMPLATE, "none": "{problem}"}
 _LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+# Tried in order when no column is named: the first present one wins.
+_PROBLEM_COLUMNS = ("prompt", "problem", "question", "Problem", "Question")
+_ANSWER_COLUMNS = ("reward_model.ground_truth", "answer", "Answer", "ground_truth", "solution")
 
 
-def dapo_prompt(problem: str) -> list[dict[str, str]]:
-    """One user turn holding the problem in DAPO's "Answer:" template."""
-    return [{"role": "user", "content": DAPO_PROMPT_TEMPLATE.format(problem=problem)}]
+def gsm8k_final_answer(answer: str) -> str:
+    """GSM8K answers end with '#### 42' after the worked solution."""
+    return answer.split("####")[-1].strip().replace(",", "")
+
+
+@dataclass(frozen=True)
+class DatasetPreset:
+    """Where a known dataset lives and which of its columns hold the problem and the answer."""
+
+    hub_id: str
+    split: str
+    problem_column: str
+    answer_column: str
+    data_source: str
+    config: str | None = None
+    answer_extractor: Callable[[str], str] | None = None
+
+
+PRESETS = {
+    "dapo-math-17k": DatasetPreset(
+        "BytedTsinghua-SIA/DAPO-Math-17k", "train", "prompt", "reward_model.ground_truth", "math_dapo"
+    ),
+    "aime2024": DatasetPreset("Maxwell-Jia/AIME_2024", "train", "Problem", "Answer", "aime2024"),
+    "aime2025": DatasetPreset("yentinglin/aime_2025", "train", "problem", "answer", "aime2025"),
+    "gsm8k": DatasetPreset("openai/gsm8k", "test", "question", "answer", "gsm8k", "main", gsm8k_final_answer),
+}
+_PRESET_BY_HUB_ID = {preset.hub_id.lower(): name for name, preset in PRESETS.items()}
+
+
+class MalformedRowError(ValueError):
+    """A dataset row that cannot become a training prompt; the message names the row and the column."""
+
+
+def make_prompt(problem: str, template: str = "dapo") -> list[dict[str, str]]:
+    """One user turn holding the problem in a template: 'dapo' (DAPO's "Answer:" template), 'none', or a
+    custom string containing `{problem}`."""
+    text = PROMPT_TEMPLATES.get(template, template)
+    if "{problem}" not in text:
+        raise ValueError(f"prompt template {template!r} must be 'dapo', 'none' or a string containing {{problem}}")
+    return [{"role": "user", "content": text.replace("{problem}", problem)}]
 
 
 def make_arithmetic_dataset(num_problems: int = 256, seed: int = 0, max_operand: int = 20) -> Dataset:
@@ -41,75 +82,163 @@ def make_arithmetic_dataset(num_problems: int = 256, seed: int = 0, max_operand:
         a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
         op = rng.choice("+-*")
         answer = a + b if op == "+" else a - b if op == "-" else a * b
-        rows.append({"prompt": dapo_prompt(f"What is {a} {op} {b}?"), "solution": str(answer)})
+        rows.append(
+            {"prompt": make_prompt(f"What is {a} {op} {b}?"), "solution": str(answer), "data_source": "arithmetic"}
+        )
     return Dataset.from_list(rows)
 
 
-def _to_prompt_row(row: dict[str, Any]) -> dict[str, Any]:
-    """Map one row of a supported schema to {prompt, solution}."""
-    if isinstance(row.get("reward_model"), dict) and "ground_truth" in row["reward_model"]:
-        solution = row["reward_model"]["ground_truth"]
-    else:
-        solution = next((row[c] for c in _ANSWER_COLUMNS if row.get(c) is not None), None)
-    prompt = row.get("prompt")
-    if prompt is None:
-        problem = next((row[c] for c in _PROBLEM_COLUMNS if row.get(c)), None)
-        prompt = dapo_prompt(str(problem)) if problem is not None else None
-    elif isinstance(prompt, str):
-        prompt = dapo_prompt(prompt)
-    return {"prompt": prompt, "solution": None if solution is None else str(solution)}
+def _get_field(row: dict[str, Any], column: str) -> Any:
+    """A column value; dotted names reach into nested dicts (DAPO-Math-17k's reward_model.ground_truth)."""
+    value: Any = row
+    for part in column.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
 
 
-def prepare_prompt_dataset(dataset: Dataset, deduplicate: bool = True) -> Dataset:
-    """Normalise a dataset to {prompt, solution}, check every row, and drop repeated prompts.
+def _pick_column(columns: set[str], sample: dict[str, Any], candidates: tuple[str, ...]) -> str | None:
+    for candidate in candidates:
+        if candidate.split(".")[0] in columns and _get_field(sample, candidate) is not None:
+            return candidate
+    return None
 
-    DAPO-Math-17k's hub copy repeats each problem about 100 times (DAPO repo issues #15, #36): training on it
-    as-is over-weights nothing but wastes 99% of an epoch, so duplicates are removed and counted.
+
+def _check_messages(prompt: Any, index: int, column: str) -> list[dict[str, str]]:
+    if not prompt or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
+    ):
+        raise MalformedRowError(f"row {index}, column {column!r}: expected chat messages with 'role' and 'content'")
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+
+def prepare_prompt_dataset(
+    dataset: Dataset,
+    problem_column: str | None = None,
+    answer_column: str | None = None,
+    template: str = "dapo",
+    data_source: str = "custom",
+    answer_extractor: Callable[[str], str] | None = None,
+    skip_malformed: bool = False,
+    deduplicate: bool = True,
+) -> Dataset:
+    """Map any table to {prompt, solution, data_source}, checking every row and dropping repeated prompts.
+
+    A problem column holding chat messages (DAPO-Math-17k) is used as is; a string gets the prompt template.
+    Malformed rows (missing answer, empty prompt, wrong types) raise naming the row and column, or are skipped
+    and counted with `skip_malformed`. DAPO-Math-17k's hub copy repeats each problem about 100 times (DAPO repo
+    issues #15, #36), so repeated prompts are dropped and the count is logged.
     """
     columns = set(dataset.column_names)
-    has_answer = "reward_model" in columns or columns & set(_ANSWER_COLUMNS)
-    has_prompt = "prompt" in columns or columns & set(_PROBLEM_COLUMNS)
-    if not (has_answer and has_prompt):
-        raise ValueError(
-            f"dataset columns {sorted(columns)} have no prompt/answer: expected 'prompt' or one of "
-            f"{_PROBLEM_COLUMNS}, and 'reward_model.ground_truth' or one of {_ANSWER_COLUMNS}."
-        )
-    rows = []
-    seen: set[str] = set()
+    sample = dataset[0] if len(dataset) else {}
+    problem_column = problem_column or _pick_column(columns, sample, _PROBLEM_COLUMNS)
+    answer_column = answer_column or _pick_column(columns, sample, _ANSWER_COLUMNS)
+    for role, column in (("problem/prompt", problem_column), ("answer", answer_column)):
+        if column is None or column.split(".")[0] not in columns:
+            raise ValueError(
+                f"no {role} column {column!r} in dataset columns {sorted(columns)}: name it with "
+                f"--{'prompt' if role.startswith('problem') else 'answer'}_column."
+            )
+    rows, seen = [], set()
+    malformed = duplicates = 0
     for index, raw in enumerate(dataset):
-        row = _to_prompt_row(raw)
-        if not row["prompt"] or row["solution"] in (None, ""):
-            missing = "prompt" if not row["prompt"] else "solution"
-            raise ValueError(f"row {index}: empty or missing {missing}; fix or remove that row.")
-        key = repr(row["prompt"])
+        try:
+            problem, answer = _get_field(raw, problem_column), _get_field(raw, answer_column)
+            if isinstance(problem, str):
+                if not problem.strip():
+                    raise MalformedRowError(f"row {index}, column {problem_column!r}: empty prompt")
+                prompt = make_prompt(problem, template)
+            elif isinstance(problem, list):
+                prompt = _check_messages(problem, index, problem_column)
+            else:
+                raise MalformedRowError(
+                    f"row {index}, column {problem_column!r}: expected text or chat messages, got "
+                    f"{type(problem).__name__}"
+                )
+            if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
+                raise MalformedRowError(f"row {index}, column {answer_column!r}: missing or empty answer ({answer!r})")
+            solution = str(answer).strip()
+            if answer_extractor is not None:
+                solution = answer_extractor(solution)
+        except MalformedRowError:
+            if not skip_malformed:
+                raise
+            malformed += 1
+            continue
+        key = repr(prompt)
         if deduplicate and key in seen:
+            duplicates += 1
             continue
         seen.add(key)
-        rows.append(row)
-    removed = len(dataset) - len(rows)
-    if removed:
-        logger.info("removed %d duplicated prompts (%d unique remain)", removed, len(rows))
+        source = raw.get("data_source") if isinstance(raw.get("data_source"), str) else data_source
+        rows.append({"prompt": prompt, "solution": solution, "data_source": source})
+    if malformed:
+        logger.warning("skipped %d malformed rows of %d", malformed, len(dataset))
+    if duplicates:
+        logger.info("removed %d duplicated prompts (%d unique remain)", duplicates, len(rows))
+    if not rows:
+        raise ValueError("no usable rows in the dataset")
     return Dataset.from_list(rows)
 
 
-def load_prompt_dataset(name: str, split: str = "train", config: str | None = None, seed: int = 0) -> Dataset:
-    """Load `builtin:arithmetic`, a local json/jsonl/parquet/csv file, or a hub dataset, as prompt rows."""
+def load_prompt_dataset(
+    name: str,
+    split: str | None = None,
+    config: str | None = None,
+    prompt_column: str | None = None,
+    answer_column: str | None = None,
+    template: str = "dapo",
+    skip_malformed: bool = False,
+    seed: int = 0,
+) -> Dataset:
+    """Load a preset (dapo-math-17k, aime2024, aime2025, gsm8k), a hub id, a local file or `builtin:arithmetic`.
+
+    Hub ids of the presets get the preset's column mapping; a local file in a preset's hub format can be
+    loaded with `name="aime2024:/path/file.parquet"`.
+    """
     if name == BUILTIN_ARITHMETIC:
         return make_arithmetic_dataset(seed=seed)
-    extension = os.path.splitext(name)[1].lower()
-    if os.path.isfile(name):
+    preset_name, _, path = name.partition(":") if name.split(":")[0] in PRESETS else ("", "", name)
+    preset_name = preset_name or _PRESET_BY_HUB_ID.get(name.lower(), name if name in PRESETS else "")
+    preset = PRESETS.get(preset_name)
+    source = path or (preset.hub_id if preset else name)
+    if os.path.isfile(source):
+        extension = os.path.splitext(source)[1].lower()
         if extension not in _LOCAL_FORMATS:
-            raise ValueError(f"dataset file {name!r}: unsupported extension; use one of {sorted(_LOCAL_FORMATS)}.")
-        dataset = load_dataset(_LOCAL_FORMATS[extension], data_files=name, split="train")
+            raise ValueError(f"dataset file {source!r}: unsupported extension; use one of {sorted(_LOCAL_FORMATS)}.")
+        dataset = load_dataset(_LOCAL_FORMATS[extension], data_files=source, split="train")
     else:
+        split = split or (preset.split if preset else "train")
         try:
-            dataset = load_dataset(name, config, split=split)
+            dataset = load_dataset(source, config or (preset.config if preset else None), split=split)
         except Exception as error:  # the hub raises many types; the user needs one actionable message
+            first_line = str(error).splitlines()[0] if str(error) else ""
             raise RuntimeError(
-                f"could not load dataset {name!r} (split {split!r}): {type(error).__name__}: {error}. "
-                f"Without hub access, pass a local .jsonl/.parquet/.csv file or '{BUILTIN_ARITHMETIC}'."
+                f"could not load dataset {source!r} (split {split!r}): {type(error).__name__}: {first_line}. "
+                f"Without hub access, pass a local .jsonl/.parquet/.csv file (e.g. 'aime2024:/data/aime.parquet' "
+                f"for a copy in a preset's format) or '{BUILTIN_ARITHMETIC}'."
             ) from None
-    return prepare_prompt_dataset(dataset)
+    return prepare_prompt_dataset(
+        dataset,
+        problem_column=prompt_column or (preset.problem_column if preset else None),
+        answer_column=answer_column or (preset.answer_column if preset else None),
+        template=template,
+        data_source=preset.data_source if preset else os.path.splitext(os.path.basename(source))[0],
+        answer_extractor=preset.answer_extractor if preset else None,
+        skip_malformed=skip_malformed,
+    )
+
+
+def prompt_token_length(tokenizer: Any, prompt: Any, chat_template_kwargs: dict[str, Any] | None = None) -> int:
+    """Length in tokens of a prompt as the trainer will feed it (chat template and generation prompt included)."""
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap the tokenizer
+    if isinstance(prompt, str):
+        return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    ids = tokenizer.apply_chat_template(
+        prompt, tokenize=True, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+    return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
 def filter_overlong_prompts(
@@ -119,18 +248,9 @@ def filter_overlong_prompts(
     policy: str = "filter",
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> Dataset:
-    """Drop (policy 'filter', logged) or reject (policy 'error') prompts longer than max_prompt_length tokens."""
-    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap the tokenizer
-    kwargs = chat_template_kwargs or {}
-
-    def prompt_length(row: dict[str, Any]) -> int:
-        prompt = row["prompt"]
-        if isinstance(prompt, str):
-            return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-        ids = tokenizer.apply_chat_template(prompt, tokenize=True, add_generation_prompt=True, **kwargs)
-        return len(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-    lengths = [prompt_length(row) for row in dataset]
+    """Drop (policy 'filter', logged) or reject (policy 'error') prompts longer than max_prompt_length tokens,
+    like verl's filter_overlong_prompts / truncation='error'."""
+    lengths = [prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs) for row in dataset]
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
     if not too_long:
         return dataset
@@ -140,5 +260,5 @@ def filter_overlong_prompts(
             f"with {lengths[too_long[0]]}); raise max_prompt_length or use overlong_prompt_policy='filter'."
         )
     logger.warning("filtered %d of %d prompts longer than %d tokens", len(too_long), len(dataset), max_prompt_length)
-    keep = sorted(set(range(len(dataset))) - set(too_long))
-    return dataset.select(keep)
+    drop = set(too_long)
+    return dataset.select([i for i in range(len(dataset)) if i not in drop])

@@ -1,12 +1,14 @@
-"""Prompt datasets: built-in problems, DAPO-Math-17k's hub schema (local copy), checks and prompt-length filter."""
+"""Prompt datasets: built-in problems, the presets' hub schemas (as local copies), checks, prompt-length filter."""
 
 import json
+import logging
 
 import pytest
 from datasets import Dataset
 
 from dapo_trl.data import (
     DAPO_PROMPT_TEMPLATE,
+    MalformedRowError,
     filter_overlong_prompts,
     load_prompt_dataset,
     make_arithmetic_dataset,
@@ -34,37 +36,83 @@ def dapo_math_row(problem: str, answer: str) -> dict:
     }
 
 
-def test_dapo_math_17k_schema_is_mapped_and_deduplicated(tmp_path):
-    rows = [dapo_math_row("1+1?", "2")] * 5 + [dapo_math_row("2+2?", "4")] * 3
-    path = tmp_path / "dapo.jsonl"
+def write_jsonl(path, rows) -> str:
     path.write_text("\n".join(json.dumps(r) for r in rows))
-    dataset = load_prompt_dataset(str(path))
-    assert len(dataset) == 2
-    assert dataset["solution"] == ["2", "4"]
+    return str(path)
 
 
-def test_problem_answer_tables(tmp_path):
-    path = tmp_path / "aime.csv"
-    path.write_text("Problem,Answer\nWhat is 3*3?,9\n")
-    dataset = load_prompt_dataset(str(path))
-    assert dataset[0]["solution"] == "9" and "What is 3*3?" in dataset[0]["prompt"][0]["content"]
+def test_dapo_math_17k_schema_is_mapped_and_deduplicated(tmp_path, caplog):
+    rows = [dapo_math_row("1+1?", "2")] * 5 + [dapo_math_row("2+2?", "4")] * 3
+    with caplog.at_level(logging.INFO, logger="dapo_trl.data"):
+        dataset = load_prompt_dataset(f"dapo-math-17k:{write_jsonl(tmp_path / 'dapo.jsonl', rows)}")
+    assert dataset["solution"] == ["2", "4"] and dataset["data_source"] == ["math_dapo", "math_dapo"]
+    assert dataset[0]["prompt"] == rows[0]["prompt"]  # already templated: used as is
+    assert "removed 6 duplicated prompts" in caplog.text
 
 
-def test_malformed_row_names_row_and_column():
-    dataset = Dataset.from_list([{"problem": "a", "answer": "1"}, {"problem": "b", "answer": ""}])
-    with pytest.raises(ValueError, match="row 1: empty or missing solution"):
+def test_aime_presets_read_the_answer_not_the_worked_solution(tmp_path):
+    aime24 = [{"ID": "2024-I-1", "Problem": "Find x.", "Solution": "Long worked solution ... 204", "Answer": 204}]
+    aime25 = [{"id": 0, "problem": "Find y.", "solution": "worked ... 70", "answer": "70", "url": "u", "year": 2025}]
+    d24 = load_prompt_dataset(f"aime2024:{write_jsonl(tmp_path / 'a24.jsonl', aime24)}")
+    d25 = load_prompt_dataset(f"aime2025:{write_jsonl(tmp_path / 'a25.jsonl', aime25)}")
+    assert (d24[0]["solution"], d24[0]["data_source"]) == ("204", "aime2024")
+    assert (d25[0]["solution"], d25[0]["data_source"]) == ("70", "aime2025")
+    assert "Find x." in d24[0]["prompt"][0]["content"] and "Answer: $Answer" in d24[0]["prompt"][0]["content"]
+
+
+def test_gsm8k_final_answer_is_extracted(tmp_path):
+    rows = [{"question": "Tom has 3 apples...", "answer": "He has 3+4=7.\n#### 1,007"}]
+    dataset = load_prompt_dataset(f"gsm8k:{write_jsonl(tmp_path / 'gsm.jsonl', rows)}")
+    assert dataset[0]["solution"] == "1007"
+
+
+def test_local_table_with_named_columns_and_template(tmp_path):
+    path = tmp_path / "mine.csv"
+    path.write_text("q,final,notes\nWhat is 3*3?,9,x\n")
+    dataset = load_prompt_dataset(str(path), prompt_column="q", answer_column="final", template="none")
+    assert dataset[0]["prompt"] == [{"role": "user", "content": "What is 3*3?"}]
+    assert (dataset[0]["solution"], dataset[0]["data_source"]) == ("9", "mine")
+    custom = load_prompt_dataset(str(path), prompt_column="q", answer_column="final", template="Q: {problem}\nA:")
+    assert custom[0]["prompt"][0]["content"] == "Q: What is 3*3?\nA:"
+    with pytest.raises(ValueError, match="containing"):
+        load_prompt_dataset(str(path), prompt_column="q", answer_column="final", template="no placeholder")
+
+
+@pytest.mark.parametrize(
+    "bad_row,message",
+    [
+        ({"problem": "b", "answer": ""}, "row 1, column 'answer': missing or empty answer"),
+        ({"problem": "", "answer": "1"}, "row 1, column 'problem': empty prompt"),
+        ({"problem": "b", "answer": None}, "row 1, column 'answer': missing or empty answer"),
+    ],
+)
+def test_malformed_row_names_row_and_column(bad_row, message):
+    dataset = Dataset.from_list([{"problem": "a", "answer": "1"}, bad_row, {"problem": "c", "answer": "3"}])
+    with pytest.raises(MalformedRowError, match=message):
+        prepare_prompt_dataset(dataset)
+    assert len(prepare_prompt_dataset(dataset, skip_malformed=True)) == 2
+
+
+def test_malformed_chat_messages_are_named():
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}] * 2)
+    dataset = dataset.add_item({"prompt": [{"role": "user", "content": None}], "answer": "1"})
+    with pytest.raises(MalformedRowError, match="row 2, column 'prompt': expected chat messages"):
         prepare_prompt_dataset(dataset)
 
 
-def test_unknown_schema_is_explained():
-    with pytest.raises(ValueError, match="no prompt/answer"):
-        prepare_prompt_dataset(Dataset.from_list([{"text": "x"}]))
+def test_missing_columns_are_explained():
+    with pytest.raises(ValueError, match="--prompt_column"):
+        prepare_prompt_dataset(Dataset.from_list([{"text": "x", "answer": "1"}]))
+    with pytest.raises(ValueError, match="--answer_column"):
+        prepare_prompt_dataset(Dataset.from_list([{"problem": "x", "label": "1"}]), answer_column="final")
 
 
 def test_unreachable_hub_dataset_gives_one_message(monkeypatch):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(RuntimeError, match="could not load dataset 'no-such/dataset'"):
+    def no_hub(*args, **kwargs):
+        raise ConnectionError("Couldn't reach 'no-such/dataset' on the Hub (LocalEntryNotFoundError)\nmore lines")
+
+    monkeypatch.setattr("dapo_trl.data.load_dataset", no_hub)
+    with pytest.raises(RuntimeError, match="could not load dataset 'no-such/dataset'.*aime2024:/data"):
         load_prompt_dataset("no-such/dataset")
 
 
