@@ -133,6 +133,24 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # Validation (avg@n / pass@k per data source).
+    eval_num_samples: int = field(
+        default=8,
+        metadata={"help": "Responses sampled per validation prompt: avg@n and pass@1..n (paper: 32 for AIME)."},
+    )
+    eval_temperature: float = field(default=1.0, metadata={"help": "Validation sampling temperature (paper: 1.0)."})
+    eval_top_p: float = field(default=0.7, metadata={"help": "Validation nucleus sampling top_p (paper: 0.7)."})
+    eval_max_new_tokens: int | None = field(
+        default=None, metadata={"help": "Longest validation response in tokens; None = max_completion_length."}
+    )
+    eval_samples_to_log: int = field(
+        default=16,
+        metadata={"help": "Validation prompts whose sampled responses are written to output_dir/eval_samples/."},
+    )
+    val_before_train: bool = field(
+        default=False, metadata={"help": "Run validation once before the first training step (verl's option)."}
+    )
+
     # Alias kept for the original dapo_trl / verl command line.
     entropy_coeff: float | None = field(
         default=None,
@@ -214,6 +232,12 @@ class DAPOConfig(GRPOConfig):
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} for the exact token-level loss: "
                 "an optimizer step must not span two generation batches, whose token counts are not known yet. "
                 "Raise generation_batch_size / steps_per_generation or lower gradient_accumulation_steps."
+            )
+        if self.eval_num_samples < 1:
+            raise ValueError(f"eval_num_samples={self.eval_num_samples} must be >= 1.")
+        if self.eval_temperature <= 0 or not 0 < self.eval_top_p <= 1:
+            raise ValueError(
+                f"eval_temperature={self.eval_temperature} must be > 0 and eval_top_p={self.eval_top_p} in (0, 1]."
             )
         if self.max_filter_gen_batches < 0:
             raise ValueError(f"max_filter_gen_batches={self.max_filter_gen_batches} must be >= 0 (0 = unlimited).")

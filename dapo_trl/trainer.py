@@ -18,9 +18,11 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather_object
-from datasets import IterableDataset
+from datasets import IterableDataset, concatenate_datasets
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.models import unwrap_model_for_generation
 
 from .algorithm import (
     assemble_batch,
@@ -30,6 +32,7 @@ from .algorithm import (
     trl_items_for_exact_normalizer,
 )
 from .config import DAPOConfig
+from .evaluation import build_results, sample_with_transformers, score_responses, summarize, write_samples
 from .rewards import dapo_math_reward
 from .sampling import PromptStream
 
@@ -53,6 +56,10 @@ ROW_TENSORS = {
 }
 
 
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """Reward-function hooks (log_metric, log_extra) that validation does not record."""
+
+
 class SoftOverlongPenalty:
     """Built-in reward column for Eq. 13; TRL weights it by `overlong_penalty_factor` and adds it to the reward."""
 
@@ -69,6 +76,17 @@ class SoftOverlongPenalty:
         if log_metric is not None and len(penalty) > 0:
             log_metric("overlong/penalized_frac", (penalty < 0).float().mean().item())
         return penalty.tolist()
+
+
+class ValidateBeforeTraining(TrainerCallback):
+    """verl's `val_before_train`: one validation pass once the model is prepared, before the first step."""
+
+    def __init__(self, trainer: DAPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0:
+            self.trainer.evaluate()
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -120,6 +138,10 @@ class DAPOTrainer(GRPOTrainer):
                 "filter_groups_enable needs a map-style train_dataset to draw fresh prompts from; "
                 "materialise the IterableDataset (e.g. Dataset.from_list(list(stream))) or disable dynamic sampling."
             )
+        if args.val_before_train:
+            if self.eval_dataset is None:
+                raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
+            self.add_callback(ValidateBeforeTraining(self))
         if args.max_prompt_length is not None and self.train_dataset is not None:
             from .data import filter_overlong_prompts
 
@@ -360,6 +382,56 @@ class DAPOTrainer(GRPOTrainer):
         ):
             metrics[f"dynamic_sampling/{name}"].append(float(stats[name]))
         metrics["dynamic_sampling/keep_rate"].append(stats["groups_kept"] / max(stats["groups_generated"], 1))
+
+    # --------------------------------------------------------------------------------------------- validation
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Validation: avg@n and pass@k per data source with the eval sampling parameters.
+
+        Replaces TRL's evaluation loss (a policy-gradient loss on fresh samples says little about quality).
+        Prompts are sharded over processes and the results gathered; the sampled responses of the first
+        `eval_samples_to_log` prompts go to output_dir/eval_samples/step_XXXXXX.jsonl.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset: pass one to DAPOTrainer or to evaluate().")
+        if isinstance(dataset, dict):
+            dataset = concatenate_datasets(list(dataset.values()))
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        indices = list(range(rank, len(dataset), world))
+        rows = [dataset[i] for i in indices]
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation
+            ) as model:
+                completions = sample_with_transformers(
+                    model,
+                    self._tokenizer,
+                    [row["prompt"] for row in rows],
+                    num_samples=self.args.eval_num_samples,
+                    temperature=self.args.eval_temperature,
+                    top_p=self.args.eval_top_p,
+                    max_new_tokens=self.args.eval_max_new_tokens or self.args.max_completion_length,
+                    batch_size=self.args.per_device_eval_batch_size,
+                    chat_template_kwargs=self.chat_template_kwargs,
+                )
+            reward_context = {"trainer_state": self.state, "log_metric": _ignore, "log_extra": _ignore}
+            correct = score_responses(self.reward_funcs[self.accuracy_reward_index], rows, completions, reward_context)
+            local_results = build_results(indices, rows, completions, correct)
+            results = sorted(gather_object(local_results), key=lambda result: result.index)
+            metrics = {f"{metric_key_prefix}_{key}": value for key, value in summarize(results).items()}
+            if self.accelerator.is_main_process:
+                name = f"step_{self.state.global_step:06d}.jsonl"
+                write_samples(
+                    os.path.join(self.args.output_dir, "eval_samples", name), results, self.args.eval_samples_to_log
+                )
+            self.log(metrics)
+        finally:
+            if was_training:
+                self.model.train()
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
 
     # ----------------------------------------------------------------------------------------- checkpointing
     def _save_checkpoint(self, model, trial):

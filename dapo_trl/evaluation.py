@@ -1,0 +1,185 @@
+"""Validation with avg@n and unbiased pass@k, per data source: used by DAPOTrainer.evaluate and dapo_trl.evaluate.
+
+For each prompt, n responses are sampled with the validation sampling parameters (paper: temperature 1.0,
+top_p 0.7, n = 32 for AIME) and scored with the accuracy reward; a response is correct when its reward is > 0.
+avg@n is the mean accuracy over all n x prompts responses; pass@k (k = 1..n) uses the unbiased estimator of
+Chen et al. (2021), averaged over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k: 1 - C(n - c, k) / C(n, k), the chance that k of the n samples hold a correct one."""
+    if not 0 <= num_correct <= num_samples or not 1 <= k <= num_samples:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={num_samples}, c={num_correct}, k={k}")
+    if num_samples - num_correct < k:
+        return 1.0
+    # Product form avoids huge binomials: prod_{i=n-c+1}^{n} (1 - k / i).
+    return 1.0 - math.prod(1.0 - k / i for i in range(num_samples - num_correct + 1, num_samples + 1))
+
+
+@dataclass
+class PromptResult:
+    """The sampled responses to one validation prompt and whether each was correct."""
+
+    index: int
+    data_source: str
+    prompt: Any
+    solution: str
+    completions: list[str]
+    correct: list[bool]
+
+
+def summarize(results: Sequence[PromptResult], ks: Sequence[int] | None = None) -> dict[str, float]:
+    """avg@n, pass@k and prompt counts per data source and over everything (`all/...`)."""
+    if not results:
+        raise ValueError("no validation results to summarize")
+    num_samples = len(results[0].correct)
+    if any(len(r.correct) != num_samples for r in results):
+        raise ValueError("every prompt needs the same number of samples")
+    ks = list(ks) if ks is not None else list(range(1, num_samples + 1))
+    by_source: dict[str, list[PromptResult]] = defaultdict(list)
+    for result in results:
+        by_source[result.data_source].append(result)
+    if len(by_source) > 1:
+        by_source["all"] = list(results)
+    metrics = {}
+    for source, group in sorted(by_source.items()):
+        correct_counts = [sum(r.correct) for r in group]
+        metrics[f"{source}/avg@{num_samples}"] = sum(correct_counts) / (num_samples * len(group))
+        for k in ks:
+            metrics[f"{source}/pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in correct_counts) / len(group)
+        metrics[f"{source}/num_prompts"] = float(len(group))
+    return metrics
+
+
+def _prompt_text(tokenizer: Any, prompt: Any, chat_template_kwargs: dict[str, Any] | None) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+
+
+@torch.no_grad()
+def sample_with_transformers(
+    model: Any,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[list[str]]:
+    """n sampled responses per prompt with `model.generate` (left padding, special tokens stripped)."""
+    texts = [_prompt_text(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    outputs: list[list[str]] = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(
+                texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(model.device)
+            generated = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=num_samples,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            decoded = tokenizer.batch_decode(generated[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
+            outputs.extend(decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples))
+    finally:
+        tokenizer.padding_side = padding_side
+    return outputs
+
+
+def sample_with_vllm(
+    model_path: str,
+    tokenizer: Any,
+    prompts: Sequence[Any],
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int = 0,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[list[str]]:
+    """n sampled responses per prompt with a local vLLM engine (standalone evaluation of a checkpoint)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_path, seed=seed)
+    params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    texts = [_prompt_text(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
+    return [[choice.text for choice in output.outputs] for output in llm.generate(texts, params)]
+
+
+def score_responses(
+    reward_func: Callable[..., list[float]],
+    rows: Sequence[dict[str, Any]],
+    completions: Sequence[Sequence[str]],
+    extra_kwargs: dict[str, Any] | None = None,
+) -> list[list[bool]]:
+    """Correct (reward > 0) per response, calling the reward as TRL does: dataset columns as keyword lists."""
+    flat_rows = [row for row, responses in zip(rows, completions, strict=True) for _ in responses]
+    flat = [text for responses in completions for text in responses]
+    conversational = bool(flat_rows) and not isinstance(flat_rows[0]["prompt"], str)
+    formatted = [[{"role": "assistant", "content": text}] for text in flat] if conversational else flat
+    columns = {key: [row[key] for row in flat_rows] for key in flat_rows[0] if key != "prompt"} if flat_rows else {}
+    rewards = reward_func(
+        prompts=[row["prompt"] for row in flat_rows], completions=formatted, **columns, **(extra_kwargs or {})
+    )
+    correct, position = [], 0
+    for responses in completions:
+        correct.append([reward is not None and reward > 0 for reward in rewards[position : position + len(responses)]])
+        position += len(responses)
+    return correct
+
+
+def build_results(
+    indices: Sequence[int],
+    rows: Sequence[dict[str, Any]],
+    completions: Sequence[list[str]],
+    correct: Sequence[list[bool]],
+) -> list[PromptResult]:
+    return [
+        PromptResult(index, row.get("data_source") or "validation", row["prompt"], str(row["solution"]), texts, marks)
+        for index, row, texts, marks in zip(indices, rows, completions, correct, strict=True)
+    ]
+
+
+def write_samples(path: str, results: Sequence[PromptResult], limit: int | None = None) -> None:
+    """The sampled generations as JSON lines: prompt, solution, responses and their correctness."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        for result in results[:limit]:
+            f.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """A markdown table: one row per data source, avg@n and pass@k columns."""
+    sources = sorted({key.split("/")[0] for key in metrics})
+    columns = sorted(
+        {key.split("/", 1)[1] for key in metrics if "/num_prompts" not in key},
+        key=lambda name: (not name.startswith("avg"), int(name.split("@")[1])),
+    )
+    lines = ["| source | prompts | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for source in sources:
+        cells = " | ".join(f"{metrics.get(f'{source}/{c}', float('nan')):.4f}" for c in columns)
+        lines.append(f"| {source} | {int(metrics[f'{source}/num_prompts'])} | {cells} |")
+    return "\n".join(lines)
