@@ -14,7 +14,9 @@ GROUP = 4
 
 
 def run(out, per_device: int, steps: int, *overrides: str, processes: int = 1):
-    return run_command(python_command(SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes))
+    return run_command(
+        python_command(SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes)
+    )
 
 
 def read_jsonl(path) -> list[dict]:
@@ -60,8 +62,15 @@ def test_every_trained_group_has_spread_and_the_batch_is_exact(tmp_path):
 
 
 def test_exhausted_rounds_raise_with_the_fix(tmp_path):
-    command = python_command(SCRIPT, str(tmp_path / "run"), "8", "2", "mixed_share=0", "max_filter_gen_batches=2",
-                             "filter_groups_on_exhausted=error")
+    command = python_command(
+        SCRIPT,
+        str(tmp_path / "run"),
+        "8",
+        "2",
+        "mixed_share=0",
+        "max_filter_gen_batches=2",
+        "filter_groups_on_exhausted=error",
+    )
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert "kept 0 of the 2 groups a step needs after 2 rounds" in result.stderr
@@ -115,12 +124,22 @@ def prompts_seen(out) -> list[tuple[int, tuple[str, ...]]]:
 
 
 def test_kill_and_resume_sees_the_same_prompts(tmp_path):
-    common = ("mixed_share=0.3", "filter_groups_carry_surplus=true", "filter_groups_oversample=2",
-              "save_strategy=steps", "save_steps=2")
+    common = (
+        "mixed_share=0.3",
+        "filter_groups_carry_surplus=true",
+        "filter_groups_oversample=2",
+        "save_strategy=steps",
+        "save_steps=2",
+    )
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     run(full, 8, 4, *common)
-    result = subprocess.run(python_command(SCRIPT, str(crashed), "8", "4", *common, "crash_after_save=2"),
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        python_command(SCRIPT, str(crashed), "8", "4", *common, "crash_after_save=2"),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 3, result.stderr[-2000:]
     checkpoint = crashed / "run" / "checkpoint-2"
     assert (checkpoint / "dapo_sampling_state.pt").exists()
