@@ -85,17 +85,31 @@ class DAPOScriptArguments(ScriptArguments):
             "pass@k per data source every eval_steps and, with val_before_train, before training."
         },
     )
+    judge_base_url: str | None = field(
+        default=None,
+        metadata={"help": "OpenAI-compatible endpoint (e.g. a vLLM server http://host:8000) for --reward_funcs judge."},
+    )
+    judge_model: str | None = field(default=None, metadata={"help": "Model name the judge endpoint serves."})
+    judge_max_concurrency: int = field(default=32, metadata={"help": "Concurrent requests to the judge."})
     reward_funcs: list[str] = field(
         default_factory=lambda: ["dapo_math"],
         metadata={
-            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)} or dotted import paths "
+            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)}, 'judge', or dotted import paths "
             "(my_pkg.rewards.my_reward). The first one is the accuracy reward unless accuracy_reward_name says."
         },
     )
 
 
-def resolve_reward_function(name: str) -> Any:
-    """A built-in reward by name, or any importable callable by dotted path."""
+def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None = None) -> Any:
+    """A built-in reward by name, the judge reward, or any importable callable by dotted path."""
+    if name == "judge":
+        if script_args is None or not (script_args.judge_base_url and script_args.judge_model):
+            raise UserFacingError("--reward_funcs judge needs --judge_base_url and --judge_model.")
+        from .judge import JudgeReward
+
+        return JudgeReward(
+            script_args.judge_base_url, script_args.judge_model, max_concurrency=script_args.judge_max_concurrency
+        )
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
     module_name, _, attribute = name.rpartition(".")
@@ -173,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from .trainer import DAPOTrainer
 
-        reward_funcs = [resolve_reward_function(name) for name in script_args.reward_funcs]
+        reward_funcs = [resolve_reward_function(name, script_args) for name in script_args.reward_funcs]
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)
         data_options = {
             "prompt_column": script_args.prompt_column,
