@@ -27,7 +27,8 @@ The table gives the median, min and max over all kept steps and `ratio DAPO/GRPO
 - the median full optimizer-step wall time (callback `on_step_begin` to `on_step_end`, optimizer update included);
 - the median `train_runtime` of the runs (all steps, warm-up step included);
 - the ratio of run medians for each GRPO/DAPO pair, and a noise-robust ratio that sums, over step indices, the
-  fastest time of that step over the runs (valid because step i is the same work in every run);
+  fastest time of that step over the runs (robust to bursts of load, not to jitter; valid because step i is
+  the same work in every run);
 - DAPO's extra bookkeeping in isolation (timeit): `soft_overlong_penalty` + `optimizer_window_token_counts` on a
   batch of the same size, and the whole per-step path around them, as a share of DAPO's median step.
 
@@ -83,7 +84,7 @@ GOAL_RATIO = 1.03
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (first one is warm-up)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each trainer, interleaved")
+    parser.add_argument("--repeats", type=int, default=10, help="runs of each trainer, interleaved")
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions)")
     parser.add_argument("--num-generations", type=int, default=4)
     parser.add_argument("--max-completion-length", type=int, default=32)
@@ -366,7 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         # Step i does the same work in every run, so its fastest time over the runs is the least noisy estimate.
         best = {kind: sum(map(min, zip(*(run["step"] for run in runs), strict=True))) for kind, runs in results.items()}
         print(
-            f"ratio DAPO/GRPO, per-step best of {args.repeats} runs (noise-robust) = {best['DAPO'] / best['GRPO']:.3f}"
+            f"ratio DAPO/GRPO, per-step best of {args.repeats} runs (robust to bursts of load) = "
+            f"{best['DAPO'] / best['GRPO']:.3f}"
         )
     cores = os.cpu_count() or 1
     idle = quiet_pairs_medians(results, max_other_cores=0.05 * cores)
