@@ -5,15 +5,13 @@ import sys
 
 import pytest
 
-from .helpers import REPO, run_command
+from .helpers import REPO, offline_environment, run_command
 
 pytestmark = pytest.mark.e2e
 
 
 def run_failing(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
-
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", **(env or {})}
+    full_env = offline_environment(env)
     result = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0, result.stdout[-2000:]
     return result

@@ -5,6 +5,7 @@ With plain SGD (lr 1, no clipping, no decay) the update is minus the gradient, w
 reference gradient of paper Eq. 11 computed on the rows of the same optimizer step.
 """
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -50,6 +51,17 @@ class FixedBatchTrainer(DAPOTrainer):
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
+def full_parameters(model) -> dict[str, torch.Tensor]:
+    """A full copy of every parameter, gathering ZeRO-3 shards (a collective: every rank calls it)."""
+    parameters = dict(model.named_parameters())
+    if not hasattr(next(iter(parameters.values())), "ds_numel"):
+        return {name: p.detach().clone() for name, p in parameters.items()}
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(parameters.values()), modifier_rank=None):
+        return {name: p.detach().clone() for name, p in parameters.items()}
+
+
 def main() -> None:
     out, accumulation, steps_per_generation = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     model_dir = build_tiny_model(out / "model")
@@ -78,10 +90,18 @@ def main() -> None:
     prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 64)
     trainer = FixedBatchTrainer(model=str(model_dir), args=config, train_dataset=prompts)
     trainer.recorded_rows = []
-    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    before = full_parameters(trainer.model)
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
-    delta = {name: p.detach() - before[name] for name, p in model.named_parameters()}
+    parameters = dict(model.named_parameters())
+    if hasattr(next(iter(parameters.values())), "ds_numel"):  # DeepSpeed ZeRO-3: prove the weights are sharded
+        shards = {
+            "local_numel": sum(p.numel() for p in parameters.values()),
+            "total_numel": sum(p.ds_numel for p in parameters.values()),
+        }
+        (out / f"zero3_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(shards))
+    after = full_parameters(model)
+    delta = {name: after[name] - before[name] for name in after}
     # Only the micro-batches of the first optimizer step count (max_steps=1 trains exactly one).
     rank = trainer.accelerator.process_index
     torch.save({"rows": trainer.recorded_rows[:accumulation]}, out / f"rows_rank{rank}.pt")
