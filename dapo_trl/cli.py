@@ -23,8 +23,6 @@ SUMMARY_METRICS = (
     "loss",
     "reward",
     "reward_std",
-    "rewards/dapo_math_reward/mean",
-    "rewards/overlong_penalty/mean",
     "overlong/penalized_frac",
     "completions/mean_length",
     "completions/clipped_ratio",
@@ -163,7 +161,13 @@ def print_summary(log_history: list[dict[str, Any]]) -> None:
     steps = [entry for entry in log_history if "loss" in entry or "reward" in entry]
     if not steps:
         return
-    names = [name for name in SUMMARY_METRICS if any(name in entry for entry in steps)]
+    reward_means = sorted(
+        {key for entry in steps for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
+    )
+    names = [
+        name for name in (*SUMMARY_METRICS[:3], *reward_means, *SUMMARY_METRICS[3:]) if any(name in e for e in steps)
+    ]
+    names = list(dict.fromkeys(names))
     print("\nDAPO metrics per logged step")
     print(f"{'metric':<34}" + "".join(f"{'step ' + str(entry.get('step', '?')):>12}" for entry in steps))
     for name in names:
