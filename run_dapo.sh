@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Full DAPO run with the paper's settings (DAPO, arXiv 2503.14476; verl run_dapo_qwen2.5_32b.sh).
 # Every knob is an environment variable; extra arguments go to train_dapo.py and win over these.
-#   MODEL_PATH=Qwen/Qwen2.5-32B NUM_PROCESSES=8 ./run_dapo.sh
+#   MODEL_PATH=Qwen/Qwen2.5-32B ACCELERATE_CONFIG=configs/accelerate/zero3_1node_8gpu.yaml ./run_dapo.sh
+#   NNODES=2 NODE_RANK=$SLURM_NODEID MASTER_ADDR=node0 ACCELERATE_CONFIG=configs/accelerate/zero3_2nodes_16gpu.yaml \
+#     VLLM_SERVER_HOST=node2 ./run_dapo.sh            (see examples/slurm_dapo.sbatch)
 #   MODEL_PATH=./my-model DATASET=./dapo_math_17k.parquet ./run_dapo.sh --max_steps 100
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,8 +43,14 @@ MAX_FILTER_GEN_BATCHES="${MAX_FILTER_GEN_BATCHES:-10}"
 BF16="${BF16:-true}"
 REPORT_TO="${REPORT_TO:-tensorboard}"
 SAVE_STEPS="${SAVE_STEPS:-50}"
-NUM_PROCESSES="${NUM_PROCESSES:-1}"
-ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"
+NUM_PROCESSES="${NUM_PROCESSES:-}"            # processes in all (all nodes); default: the accelerate config's, else 1
+ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"      # e.g. configs/accelerate/zero3_1node_8gpu.yaml
+NNODES="${NNODES:-1}"
+NODE_RANK="${NODE_RANK:-0}"
+MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT="${MASTER_PORT:-29500}"
+VLLM_SERVER_HOST="${VLLM_SERVER_HOST:-}"        # set to generate on a separate vLLM server (vllm_mode=server)
+VLLM_SERVER_PORT="${VLLM_SERVER_PORT:-8000}"
 
 args=(
   --model_name_or_path "$MODEL_PATH" --dataset_name "$DATASET" --output_dir "$OUTPUT_DIR"
@@ -59,11 +67,20 @@ args=(
   --bf16 "$BF16" --report_to "$REPORT_TO" --save_steps "$SAVE_STEPS" --logging_steps 1
 )
 
-launcher=(accelerate launch --num_processes "$NUM_PROCESSES")
+if [[ -n "$VLLM_SERVER_HOST" ]]; then
+  args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT")
+fi
+
+launcher=(accelerate launch)
 if [[ -n "$ACCELERATE_CONFIG" ]]; then
-  launcher=(accelerate launch --config_file "$ACCELERATE_CONFIG")
-elif [[ "$NUM_PROCESSES" -gt 1 ]]; then
+  launcher+=(--config_file "$ACCELERATE_CONFIG")
+elif [[ "${NUM_PROCESSES:-1}" -gt 1 || "$NNODES" -gt 1 ]]; then
   launcher+=(--multi_gpu)
+fi
+[[ -n "$NUM_PROCESSES" ]] && launcher+=(--num_processes "$NUM_PROCESSES")
+if [[ "$NNODES" -gt 1 ]]; then
+  launcher+=(--num_machines "$NNODES" --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR"
+             --main_process_port "$MASTER_PORT")
 fi
 if [[ "${DRY_RUN:-0}" == "1" ]]; then   # print the command instead of running it
   printf '%q ' "${launcher[@]}" train_dapo.py "${args[@]}" "$@"; echo

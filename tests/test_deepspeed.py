@@ -16,7 +16,7 @@ from .test_dynamic_sampling import step_metrics, trained_by_step
 
 pytest.importorskip("deepspeed", reason="install the deepspeed extra: pip install -e '.[dev,deepspeed]'")
 pytestmark = pytest.mark.e2e
-ZERO3 = str(REPO / "configs" / "ds_zero3_cpu_test.json")
+ZERO3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
 
 
 def test_zero3_update_is_exact_and_matches_ddp(tmp_path):

@@ -1,0 +1,85 @@
+"""The shipped accelerate / DeepSpeed configs load, say what their names say, and run_dapo.sh wires them."""
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+from accelerate.commands.config.config_args import load_config_from_file
+
+from .helpers import REPO
+
+ACCELERATE_CONFIGS = sorted((REPO / "configs" / "accelerate").glob("*.yaml"))
+DEEPSPEED_CONFIGS = sorted((REPO / "configs" / "deepspeed").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", ACCELERATE_CONFIGS, ids=lambda p: p.stem)
+def test_accelerate_configs_load_and_point_to_existing_deepspeed_files(path):
+    config = load_config_from_file(str(path))
+    raw = yaml.safe_load(path.read_text())
+    if "zero3" in path.stem:
+        assert config.distributed_type == "DEEPSPEED"
+        deepspeed_file = REPO / raw["deepspeed_config"]["deepspeed_config_file"]
+        assert deepspeed_file.exists()
+        assert json.loads(deepspeed_file.read_text())["zero_optimization"]["stage"] == 3
+        assert ("offload" in path.stem) == ("offload" in deepspeed_file.stem)
+    assert config.num_machines == (2 if "2nodes" in path.stem else 1)
+
+
+@pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=lambda p: p.stem)
+def test_deepspeed_configs_leave_batch_sizes_to_the_trainer(path):
+    config = json.loads(path.read_text())
+    assert config["train_micro_batch_size_per_gpu"] == "auto" and config["gradient_accumulation_steps"] == "auto"
+    offload = config["zero_optimization"].get("offload_param", {}).get("device")
+    assert (offload == "cpu") == ("offload" in path.stem)
+
+
+def dry_run(**env) -> list[str]:
+    result = subprocess.run(
+        ["./run_dapo.sh", "--max_steps", "3"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DRY_RUN": "1", **env},
+        check=True,
+    )
+    return result.stdout.split()
+
+
+def flag(words: list[str], name: str) -> str:
+    return words[words.index(name) + 1]
+
+
+def test_run_dapo_defaults_are_the_papers():
+    words = dry_run()
+    expected = {
+        "--epsilon": "0.2",
+        "--epsilon_high": "0.28",
+        "--num_generations": "16",
+        "--max_completion_length": "20480",
+        "--overlong_buffer_len": "4096",
+        "--learning_rate": "1e-6",
+        "--weight_decay": "0.1",
+        "--max_filter_gen_batches": "10",
+        "--filter_groups_enable": "true",
+        "--loss_type": "dapo",
+    }
+    for name, value in expected.items():
+        assert flag(words, name) == value
+    assert words[-2:] == ["--max_steps", "3"]  # extra arguments come last and win
+
+
+def test_run_dapo_multi_node_with_a_vllm_server():
+    words = dry_run(
+        NNODES="2",
+        NODE_RANK="1",
+        MASTER_ADDR="10.1.2.3",
+        MASTER_PORT="29600",
+        ACCELERATE_CONFIG="configs/accelerate/zero3_2nodes_16gpu.yaml",
+        VLLM_SERVER_HOST="gen-node",
+    )
+    assert flag(words, "--config_file") == "configs/accelerate/zero3_2nodes_16gpu.yaml"
+    assert (flag(words, "--num_machines"), flag(words, "--machine_rank")) == ("2", "1")
+    assert (flag(words, "--main_process_ip"), flag(words, "--main_process_port")) == ("10.1.2.3", "29600")
+    assert flag(words, "--vllm_mode") == "server" and flag(words, "--vllm_server_host") == "gen-node"
