@@ -61,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from common import package_version
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
@@ -302,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nDynamic sampling on prompts of known difficulty: {args.dataset_size} shuffled prompts, batch {BATCH_SIZE} "
         f"({BATCH_SIZE // NUM_GENERATIONS} groups of {NUM_GENERATIONS}), max_completion_length "
         f"{MAX_COMPLETION_LENGTH}, max_filter_gen_batches 0, {args.steps} steps per run, torch threads "
-        f"{torch.get_num_threads()}, trl {_version('trl')}, transformers {transformers.__version__}, "
+        f"{torch.get_num_threads()}, trl {package_version('trl')}, transformers {transformers.__version__}, "
         f"torch {torch.__version__}\n"
     )
     print("### 1. Sampling efficiency\n")
@@ -333,15 +334,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")
     return 0
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "?"
 
 
 if __name__ == "__main__":

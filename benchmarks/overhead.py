@@ -63,6 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
+from common import package_version
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         f"\nDAPOTrainer vs GRPOTrainer: batch {args.batch_size}, {args.num_generations} generations, "
         f"max_completion_length {args.max_completion_length}, {args.steps} steps x {args.repeats} runs each "
         f"(first step of each run skipped), DAPO dynamic sampling {'on' if args.dynamic_sampling else 'off'}, "
-        f"torch threads {torch.get_num_threads()}, trl {_version('trl')}, "
+        f"torch threads {torch.get_num_threads()}, trl {package_version('trl')}, "
         f"transformers {transformers.__version__}, torch {torch.__version__}\n"
     )
     print(
@@ -405,15 +406,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"\ntraining runs took {total:.1f} s in all")
     return 0
-
-
-def _version(package: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return "?"
 
 
 if __name__ == "__main__":
