@@ -426,12 +426,29 @@ class DAPOTrainer(GRPOTrainer):
                 write_samples(
                     os.path.join(self.args.output_dir, "eval_samples", name), results, self.args.eval_samples_to_log
                 )
+                self._log_samples_table(results[: self.args.eval_samples_to_log])
             self.log(metrics)
         finally:
             if was_training:
                 self.model.train()
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
+
+    def _log_samples_table(self, results: list) -> None:
+        """The sampled validation responses as a wandb table, when wandb is the active logger."""
+        if "wandb" not in (self.args.report_to or []):
+            return
+        import wandb
+
+        if wandb.run is None:
+            return
+        rows = [
+            [self.state.global_step, r.data_source, str(r.prompt), r.solution, text, ok]
+            for r in results
+            for text, ok in zip(r.completions, r.correct, strict=True)
+        ]
+        columns = ["step", "data_source", "prompt", "solution", "response", "correct"]
+        wandb.log({"eval_samples": wandb.Table(columns=columns, data=rows)})
 
     # ----------------------------------------------------------------------------------------- checkpointing
     def _save_checkpoint(self, model, trial):

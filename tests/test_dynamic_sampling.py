@@ -39,7 +39,7 @@ def step_metrics(out) -> list[dict]:
 
 def test_every_trained_group_has_spread_and_the_batch_is_exact(tmp_path):
     out = tmp_path / "run"
-    run(out, 8, 3, "mixed_share=0.25")
+    run(out, 8, 3, "mixed_share=0.25", "save_strategy=steps", "save_steps=2")
     trained = trained_by_step(out)
     assert sorted(trained) == [0, 1, 2]
     for rows in trained.values():
@@ -59,6 +59,11 @@ def test_every_trained_group_has_spread_and_the_batch_is_exact(tmp_path):
         )
         assert entry["dynamic_sampling/filler_groups"] == 0
     assert sum(entry["dynamic_sampling/rounds"] for entry in metrics) > 3  # a 25% keep rate needs extra rounds
+    # Accounting is in optimizer steps whatever the rounds: the linear LR schedule spans 3 steps, a checkpoint
+    # is written at save_steps and at the end (verl #991, #2619), each with the sampling state.
+    assert [entry["learning_rate"] for entry in metrics] == pytest.approx([1e-6, 2e-6 / 3, 1e-6 / 3])
+    for step in (2, 3):
+        assert (out / "run" / f"checkpoint-{step}" / "dapo_sampling_state.pt").exists()
 
 
 def test_exhausted_rounds_raise_with_the_fix(tmp_path):
