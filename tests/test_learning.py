@@ -42,6 +42,7 @@ def test_mean_reward_rises(tmp_path):
     trainer = DAPOTrainer(model=str(model_dir), reward_funcs=even_token_reward, args=config, train_dataset=dataset)
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
+    print("mean reward per step:", [round(r, 3) for r in rewards])
     assert len(rewards) == 30
     start, end = statistics.mean(rewards[:5]), statistics.mean(rewards[-5:])
     assert end > start + 0.5, f"reward did not rise: first steps {rewards[:5]}, last steps {rewards[-5:]}"
