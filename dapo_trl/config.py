@@ -133,6 +133,36 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # vLLM server weight sync.
+    vllm_weight_sync: str = field(
+        default="nccl",
+        metadata={
+            "help": "How vllm_mode='server' gets new weights: 'nccl' (TRL's broadcast; GPUs on a shared network) or "
+            "'shared_storage' (save safetensors to vllm_weight_sync_dir, ask the server to reload them: for "
+            "clusters where trainer and server cannot form an NCCL group, and for CPU machines). The server must "
+            "run with VLLM_SERVER_DEV_MODE=1."
+        },
+    )
+    vllm_weight_sync_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory the trainer writes weights to for shared_storage sync (default output_dir/vllm_weights)."
+        },
+    )
+    vllm_weight_sync_server_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "The same directory as the vLLM server sees it, if mounted elsewhere (default: the same path)."
+        },
+    )
+    vllm_request_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "Seconds any single request to the vLLM server may take (generation, weight reload) with "
+            "shared_storage sync; past it the run stops with an error naming the URL instead of hanging."
+        },
+    )
+
     # Validation (avg@n / pass@k per data source).
     eval_num_samples: int = field(
         default=8,
@@ -239,6 +269,15 @@ class DAPOConfig(GRPOConfig):
             raise ValueError(
                 f"eval_temperature={self.eval_temperature} must be > 0 and eval_top_p={self.eval_top_p} in (0, 1]."
             )
+        if self.vllm_weight_sync not in ("nccl", "shared_storage"):
+            raise ValueError(f"vllm_weight_sync={self.vllm_weight_sync!r} must be 'nccl' or 'shared_storage'.")
+        if self.vllm_weight_sync == "shared_storage" and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "vllm_weight_sync='shared_storage' syncs a separate vLLM server: also pass --use_vllm true "
+                "--vllm_mode server (colocate mode shares the weights in memory)."
+            )
+        if self.vllm_request_timeout <= 0:
+            raise ValueError(f"vllm_request_timeout={self.vllm_request_timeout} must be > 0 seconds.")
         if self.max_filter_gen_batches < 0:
             raise ValueError(f"max_filter_gen_batches={self.max_filter_gen_batches} must be >= 0 (0 = unlimited).")
         if self.filter_groups_oversample < 1:

