@@ -157,7 +157,12 @@ class DAPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _vllm_backend_context(args: DAPOConfig) -> contextlib.AbstractContextManager:
-        """With shared-storage sync, TRL's vLLM backend is built as our subclass (see dapo_trl.vllm_sync)."""
+        """TRL's vLLM backend is built as our subclass (see dapo_trl.vllm_sync) with shared-storage sync (server
+        mode) and in colocate mode on vLLM-CPU; otherwise it is TRL's own."""
+        if args.use_vllm and args.vllm_mode == "colocate":
+            from .vllm_sync import colocate_vllm_backend
+
+            return colocate_vllm_backend()
         if not (args.use_vllm and args.vllm_mode == "server" and args.vllm_weight_sync == "shared_storage"):
             return contextlib.nullcontext()
         from .vllm_sync import shared_storage_vllm_backend

