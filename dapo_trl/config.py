@@ -158,8 +158,8 @@ class DAPOConfig(GRPOConfig):
     vllm_request_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Seconds any single request to the vLLM server may take (generation, weight reload) with "
-            "shared_storage sync; past it the run stops with an error naming the URL instead of hanging."
+            "help": "Seconds any single HTTP request to the vLLM server may take (generation, weight reload); past "
+            "it the run stops with an error naming the URL instead of hanging."
         },
     )
 

