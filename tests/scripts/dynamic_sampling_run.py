@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from datasets import Dataset
+from script_args import parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
@@ -67,18 +68,9 @@ class CrashAfterSave(TrainerCallback):
             os._exit(3)
 
 
-def parse_value(text: str):
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
-
-
 def main() -> None:
     out, per_device, max_steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    overrides = {k: parse_value(v) for k, v in (arg.split("=", 1) for arg in sys.argv[4:])}
+    overrides = parse_overrides(sys.argv[4:])
     mixed_share = overrides.pop("mixed_share", 0.25)
     resume = overrides.pop("resume", None)
     crash_after = overrides.pop("crash_after_save", None)

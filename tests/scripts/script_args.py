@@ -1,0 +1,15 @@
+"""`key=value` command-line overrides for the test scripts, typed the way a user would mean them."""
+
+
+def parse_value(text: str):
+    """'3' -> 3, '0.5' -> 0.5, 'true'/'false'/'none' -> True/False/None, anything else stays a string."""
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def parse_overrides(arguments: list[str]) -> dict:
+    return {key: parse_value(value) for key, value in (argument.split("=", 1) for argument in arguments)}

@@ -1,0 +1,139 @@
+"""Two DAPO steps with vLLM generation, in server or colocate mode; check every weight sync.
+
+Usage:
+  python vllm_run.py server OUT MODEL_DIR BASE_URL [key=value DAPOConfig overrides...]
+  python vllm_run.py colocate OUT MODEL_DIR [key=value ...]
+Server mode syncs through shared storage; the server must already run on MODEL_DIR in float32 and dev mode
+(`--dtype auto` runs a float32 checkpoint in bfloat16 on vLLM-CPU: log-prob gaps ~1e-3). On vLLM-CPU set
+VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1.
+After every weight sync the engine's log-probabilities of a fixed token sequence are compared with the trainer
+model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a gap after a sync exceeds 1e-5, or a
+gap before a later sync does not (the weights did not move). `check_syncs=false` just trains.
+"""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+from script_args import parse_overrides
+from trl.models import unwrap_model_for_generation
+
+from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.vllm_sync import (
+    engine_sequence_logprobs,
+    model_sequence_logprobs,
+    served_model_name,
+    server_sequence_logprobs,
+)
+
+TOLERANCE = 1e-5
+CHECK_TEXT = "What is 12 plus 7? First, 12 + 7 = 19.\nAnswer: 19"
+
+
+def parity_reward(completion_ids, **kwargs) -> list[float]:
+    """+1 / -1 by the parity of the completion's token-id sum: random-looking, so groups have spread (or not)."""
+    return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
+
+
+def mode_settings(mode: str, out: Path, arguments: list[str]) -> tuple[dict, list[str]]:
+    """The DAPOConfig fields of a mode, and the arguments left for overrides."""
+    if mode == "server":
+        base_url = arguments[0]
+        settings = {"vllm_mode": "server", "vllm_server_base_url": base_url, "vllm_server_timeout": 120.0,
+                    "vllm_weight_sync": "shared_storage", "vllm_weight_sync_dir": str(out / "vllm_weights"),
+                    "vllm_request_timeout": 300.0}  # fmt: skip
+        return settings, arguments[1:]
+    if mode == "colocate":
+        return {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": 256}, arguments
+    raise SystemExit(f"mode must be 'server' or 'colocate', got {mode!r}")
+
+
+def main() -> None:
+    mode, out, model_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    settings, rest = mode_settings(mode, out, sys.argv[4:])
+    overrides = parse_overrides(rest)
+    check_syncs = overrides.pop("check_syncs", True)
+    out.mkdir(parents=True, exist_ok=True)
+    settings.update(
+        output_dir=str(out / "run"),
+        use_vllm=True,
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=2,
+        learning_rate=1e-2,  # large, so each step visibly moves the weights the engine must pick up
+        filter_groups_enable=True,
+        max_filter_gen_batches=2,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+    )
+    settings.update(overrides)
+    rows = [{"prompt": f"What is {i} plus {i % 7}?", "solution": str(i + i % 7)} for i in range(64)]
+    trainer = DAPOTrainer(
+        model=model_dir, reward_funcs=parity_reward, args=DAPOConfig(**settings), train_dataset=Dataset.from_list(rows)
+    )
+    if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
+        trainer.train()
+        return
+    token_ids = trainer.processing_class(CHECK_TEXT).input_ids
+    backend = trainer.vllm_generation
+    if mode == "server":
+        base_url, served_model = settings["vllm_server_base_url"], served_model_name(settings["vllm_server_base_url"])
+
+        def engine_logprobs():
+            return server_sequence_logprobs(base_url, served_model, token_ids)[1:]
+    else:
+
+        def engine_logprobs():
+            return engine_sequence_logprobs(backend.llm, token_ids)[1:]
+
+    def gap_to_engine() -> float:
+        served = engine_logprobs()
+        # Gathered like TRL's generation does (ZeRO-3: a bare forward of the partitioned module breaks backward).
+        with unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model:
+            was_training = model.training
+            model.eval()
+            local = model_sequence_logprobs(model, token_ids)
+            model.train(was_training)
+        return max(abs(a - b) for a, b in zip(served, local, strict=True))
+
+    checks = []
+    original_sync = backend.sync_weights
+
+    def checked_sync():
+        before = gap_to_engine()  # the engine still has the previous weights
+        start = time.monotonic()
+        original_sync()
+        seconds = time.monotonic() - start
+        after = gap_to_engine()
+        step = trainer.state.global_step
+        checks.append(
+            {"global_step": step, "gap_before_sync": before, "gap_after_sync": after, "sync_seconds": seconds}
+        )
+        print(f"[sync check] step {step}: gap before {before:.3g}, after {after:.3g}, sync {seconds:.3f} s", flush=True)
+
+    backend.sync_weights = checked_sync
+    start = time.monotonic()
+    trainer.train()
+    train_seconds = time.monotonic() - start
+    checked_sync()  # the weights after the last step
+    worst = max(check["gap_after_sync"] for check in checks)
+    moved = [check["gap_before_sync"] for check in checks[1:]]
+    passed = worst <= TOLERANCE and all(gap > TOLERANCE for gap in moved)
+    if trainer.accelerator.is_main_process:
+        result = {"train_seconds": train_seconds, "backend": type(backend).__name__, "checks": checks,
+                  "log_history": trainer.state.log_history, "tolerance": TOLERANCE}  # fmt: skip
+        (out / "sync_checks.json").write_text(json.dumps(result, indent=2, default=float))
+        print(f"train {train_seconds:.1f} s; worst gap after sync {worst:.3g}; gaps before sync {moved}")
+    sys.exit(0 if passed else 1)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()
