@@ -99,6 +99,18 @@ def stop(process: subprocess.Popen) -> None:
         process.wait(10)
 
 
+def assert_exact_syncs(result: dict) -> None:
+    """Exactly one sync per optimizer step, each leaving the engine's log-probs equal to the trainer model's."""
+    checks = result["checks"]
+    # One sync per step however many dynamic-sampling rounds it took (all rounds sample one policy), plus the
+    # check after the last step.
+    assert [check["global_step"] for check in checks] == [0, 1, 2]
+    assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
+    assert all(check["gap_before_sync"] > 1e-5 for check in checks[1:])  # the weights really moved
+    rounds = [entry["dynamic_sampling/rounds"] for entry in result["log_history"] if "dynamic_sampling/rounds" in entry]
+    assert len(rounds) == 2
+
+
 def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
     with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, _):
         run_command(
@@ -106,14 +118,7 @@ def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, mode
             timeout=600,
         )
     result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
-    checks = result["checks"]
-    # One sync per optimizer step however many dynamic-sampling rounds it took (all rounds sample one policy),
-    # plus the check after the last step.
-    assert [check["global_step"] for check in checks] == [0, 1, 2]
-    assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
-    assert all(check["gap_before_sync"] > 1e-5 for check in checks[1:])  # the weights really moved
-    rounds = [entry["dynamic_sampling/rounds"] for entry in result["log_history"] if "dynamic_sampling/rounds" in entry]
-    assert len(rounds) == 2
+    assert_exact_syncs(result)
 
 
 def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
@@ -126,14 +131,7 @@ def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir
     )
     result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
     assert result["backend"] == "CPUColocateVLLMGeneration"  # picked automatically on vLLM-CPU
-    checks = result["checks"]
-    # One sync per optimizer step however many dynamic-sampling rounds it took (all rounds sample one policy),
-    # plus the check after the last step.
-    assert [check["global_step"] for check in checks] == [0, 1, 2]
-    assert all(check["gap_after_sync"] <= 1e-5 for check in checks)
-    assert all(check["gap_before_sync"] > 1e-5 for check in checks[1:])  # the weights really moved
-    rounds = [entry["dynamic_sampling/rounds"] for entry in result["log_history"] if "dynamic_sampling/rounds" in entry]
-    assert len(rounds) == 2
+    assert_exact_syncs(result)
 
 
 def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, tmp_path):
