@@ -1,5 +1,7 @@
 """Helpers shared by the benchmark scripts (run as `python benchmarks/<name>.py`, so this is importable)."""
 
+import logging
+import warnings
 from importlib.metadata import PackageNotFoundError, version
 
 
@@ -9,3 +11,21 @@ def package_version(package: str) -> str:
         return version(package)
     except PackageNotFoundError:
         return "?"
+
+
+def quiet() -> None:
+    """Silence warnings, progress bars and per-step log printing, so the tables are what is printed."""
+    import transformers
+
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    for name in ("trl", "dapo_trl", "datasets", "accelerate", "transformers"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        import datasets
+
+        datasets.disable_progress_bars()
+        datasets.logging.set_verbosity_error()
+    except ImportError:
+        pass

@@ -44,14 +44,12 @@ CPU cores with the defaults, about 80 s with `--steps 50`):
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import random
 import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -61,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from common import package_version
+from common import package_version, quiet
 from datasets import Dataset  # noqa: E402
 from transformers import PrinterCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
@@ -99,22 +97,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.dataset_size < BATCH_SIZE // NUM_GENERATIONS:
         parser.error(f"--dataset-size must be >= {BATCH_SIZE // NUM_GENERATIONS}")
     return args
-
-
-def quiet() -> None:
-    """Silence warnings, progress bars and per-step log printing."""
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    for name in ("trl", "dapo_trl", "datasets", "accelerate", "transformers"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import datasets
-
-        datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def difficulty_dataset(mixed_share: float, size: int, seed: int = SEED) -> Dataset:

@@ -46,14 +46,12 @@ Run from the repository root (under a minute on 2 idle CPU cores with the defaul
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import statistics
 import sys
 import tempfile
 import time
 import timeit
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from common import package_version
+from common import package_version, quiet
 from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
@@ -103,22 +101,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
     return args
-
-
-def quiet() -> None:
-    """Silence warnings, progress bars and per-step log printing."""
-    warnings.filterwarnings("ignore")
-    transformers.logging.set_verbosity_error()
-    transformers.logging.disable_progress_bar()
-    for name in ("trl", "dapo_trl", "datasets", "accelerate"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        import datasets
-
-        datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
-    except ImportError:
-        pass
 
 
 def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOConfig:
