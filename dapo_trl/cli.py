@@ -18,11 +18,10 @@ from .rewards import REWARD_FUNCTIONS
 logger = logging.getLogger("dapo_trl")
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
-# Metrics printed in the end-of-run summary, in this order, when they were logged.
+# Metrics printed in the end-of-run summary, in this order, when they were logged: the leading ones, then every
+# reward function's mean (rewards/<name>/mean), then the rest.
+LEADING_SUMMARY_METRICS = ("loss", "reward", "reward_std")
 SUMMARY_METRICS = (
-    "loss",
-    "reward",
-    "reward_std",
     "overlong/penalized_frac",
     "completions/mean_length",
     "completions/clipped_ratio",
@@ -164,10 +163,8 @@ def print_summary(log_history: list[dict[str, Any]]) -> None:
     reward_means = sorted(
         {key for entry in steps for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
     )
-    names = [
-        name for name in (*SUMMARY_METRICS[:3], *reward_means, *SUMMARY_METRICS[3:]) if any(name in e for e in steps)
-    ]
-    names = list(dict.fromkeys(names))
+    ordered = (*LEADING_SUMMARY_METRICS, *reward_means, *SUMMARY_METRICS)
+    names = [name for name in ordered if any(name in entry for entry in steps)]
     print("\nDAPO metrics per logged step")
     print(f"{'metric':<34}" + "".join(f"{'step ' + str(entry.get('step', '?')):>12}" for entry in steps))
     for name in names:
