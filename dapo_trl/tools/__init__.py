@@ -1,0 +1,15 @@
+"""Tools the policy can call during generation, and the sandboxes that run model-written code."""
+
+from .gate import ExecutionGate, TokenBucket
+from .sandbox import ExecutionResult, ExecutionStatus, LocalSandbox, Sandbox, SandboxLimits, SandboxUnavailable
+
+__all__ = [
+    "ExecutionGate",
+    "ExecutionResult",
+    "ExecutionStatus",
+    "LocalSandbox",
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "TokenBucket",
+]
