@@ -230,13 +230,24 @@ def load_prompt_dataset(
     )
 
 
-def prompt_token_length(tokenizer: Any, prompt: Any, chat_template_kwargs: dict[str, Any] | None = None) -> int:
-    """Length in tokens of a prompt as the trainer will feed it (chat template and generation prompt included)."""
+def prompt_token_length(
+    tokenizer: Any,
+    prompt: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list | None = None,
+    chat_template: str | None = None,
+) -> int:
+    """Length in tokens of a prompt as the trainer will feed it (chat template, tool schemas, generation prompt)."""
     tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # processors wrap the tokenizer
     if isinstance(prompt, str):
         return len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
     ids = tokenizer.apply_chat_template(
-        prompt, tokenize=True, add_generation_prompt=True, **(chat_template_kwargs or {})
+        prompt,
+        tools=tools,
+        chat_template=chat_template,
+        tokenize=True,
+        add_generation_prompt=True,
+        **(chat_template_kwargs or {}),
     )
     return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
@@ -247,10 +258,14 @@ def filter_overlong_prompts(
     max_prompt_length: int,
     policy: str = "filter",
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list | None = None,
+    chat_template: str | None = None,
 ) -> Dataset:
     """Drop (policy 'filter', logged) or reject (policy 'error') prompts longer than max_prompt_length tokens,
     like verl's filter_overlong_prompts / truncation='error'."""
-    lengths = [prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs) for row in dataset]
+    lengths = [
+        prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs, tools, chat_template) for row in dataset
+    ]
     too_long = [i for i, n in enumerate(lengths) if n > max_prompt_length]
     if not too_long:
         return dataset

@@ -34,8 +34,9 @@ from .algorithm import (
 )
 from .config import DAPOConfig
 from .evaluation import build_results, sample_with_transformers, score_responses, summarize, write_samples
-from .rewards import dapo_math_reward
+from .rewards import dapo_math_reward, tool_turns
 from .sampling import PromptStream
+from .tools.code_interpreter import interpreter_of
 
 logger = logging.getLogger(__name__)
 
@@ -132,6 +133,10 @@ class DAPOTrainer(GRPOTrainer):
                 SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len),
                 weight=args.overlong_penalty_factor,
             )
+        self._interpreters = {tool.__name__: interpreter_of(tool) for tool in self.tools if interpreter_of(tool)}
+        self._generation_turn = 0
+        if self.tools and self.eval_dataset is not None:
+            logger.warning("validation samples single-turn without tools; the tools are used in training only")
         self._prompt_stream: PromptStream | None = None
         self._carried_groups: dict[str, torch.Tensor] | None = None
         self._last_rewards_per_func: torch.Tensor | None = None
@@ -153,6 +158,8 @@ class DAPOTrainer(GRPOTrainer):
                 args.max_prompt_length,
                 policy=args.overlong_prompt_policy,
                 chat_template_kwargs=self.chat_template_kwargs,
+                tools=self.tools or None,
+                chat_template=self.chat_template,
             )
 
     @staticmethod
@@ -232,6 +239,79 @@ class DAPOTrainer(GRPOTrainer):
     def _loss_mask(batch: dict[str, Any]) -> torch.Tensor:
         mask = batch["completion_mask"]
         return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
+
+    # ------------------------------------------------------------------------------------------------ tool use
+    def _generate(self, prompts: list):
+        """TRL's generation (and tool loop); then tool metrics, and prefetched executions nobody used are dropped."""
+        self._generation_turn = 0
+        try:
+            output = super()._generate(prompts)
+        finally:
+            for interpreter in self._interpreters.values():
+                interpreter.discard_prefetched()
+        if self.tools:
+            self._log_tool_metrics(output[3])
+        return output
+
+    def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        self._on_generated_turn(prompt_ids, completion_ids)
+        return completion_ids, logprobs
+
+    def _on_generated_turn(self, prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> None:
+        """Start every code_interpreter call of the turn just generated, in parallel, before TRL asks for them.
+
+        TRL executes a turn's calls one by one; starting them here bounds a turn's tool time by its slowest call.
+        Calls of the last allowed turn are not started: TRL will not execute them.
+        """
+        turn = self._generation_turn
+        self._generation_turn += 1
+        if not self._interpreters or turn >= self.max_tool_calling_iterations:
+            return
+        if len(prompt_ids) != len(completion_ids):
+            return
+        from trl.chat_template_utils import parse_response
+
+        for prefix, ids in zip(prompt_ids, completion_ids, strict=True):
+            if not ids:
+                continue
+            message = parse_response(self._tokenizer, ids, prefix=prefix, tools=self.tools)
+            for call in message.get("tool_calls") or []:
+                function = call.get("function") or {}
+                interpreter = self._interpreters.get(function.get("name"))
+                arguments = function.get("arguments")
+                if interpreter is not None and isinstance(arguments, dict) and set(arguments) == {"code"}:
+                    interpreter.prefetch(arguments["code"])
+
+    def _log_tool_metrics(self, completions: list) -> None:
+        """Tool rounds per response (ReTool's turns) and how the sandbox executions ended, over all processes."""
+        mode = "train" if self.model.training else "eval"
+        rounds = torch.tensor(
+            [(tool_turns(completion) - 2) / 2 for completion in completions], device=self.accelerator.device
+        )
+        rounds = self.accelerator.gather(rounds)
+        metrics = self._metrics[mode]
+        metrics["tools/rounds_per_response"].append(rounds.mean().item())
+        metrics["tools/max_rounds_per_response"].append(rounds.max().item())
+        metrics["tools/responses_with_tool_use"].append((rounds > 0).float().mean().item())
+        if not self._interpreters:
+            return
+        totals: Counter = Counter()
+        for interpreter in self._interpreters.values():
+            totals.update(interpreter.stats())
+        names = sorted(totals)
+        counts = self.accelerator.reduce(
+            torch.tensor([totals[name] for name in names], device=self.accelerator.device, dtype=torch.float64),
+            reduction="sum",
+        )
+        totals = dict(zip(names, counts.tolist(), strict=True))
+        executions = totals.pop("calls")
+        seconds = totals.pop("seconds")
+        metrics["tools/executions"].append(executions)
+        metrics["tools/exec_seconds_mean"].append(seconds / executions if executions else 0.0)
+        for status, count in totals.items():
+            if status != "ok":
+                metrics[f"tools/{status}_rate"].append(count / executions if executions else 0.0)
 
     # ---------------------------------------------------------------------------------------- dynamic sampling
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -51,7 +51,14 @@ RUNNER_SOURCE = (_HERE / "_runner.py").read_text(encoding="utf-8")
 SETUP_FAILURE_EXIT = 125
 DEFAULT_MASK_PATHS = ("/root", "/home")
 # Layers whose absence weakens the boundary in a way the user must know about.
-EXPECTED_LAYERS = ("pid_namespace", "network_namespace", "mount_namespace", "private_tmp", "cgroup:memory", "cgroup:pids")
+EXPECTED_LAYERS = (
+    "pid_namespace",
+    "network_namespace",
+    "mount_namespace",
+    "private_tmp",
+    "cgroup:memory",
+    "cgroup:pids",
+)
 
 
 class SandboxUnavailable(RuntimeError):
