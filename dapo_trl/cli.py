@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
@@ -35,6 +37,9 @@ SUMMARY_METRICS = (
     "clip_ratio/high_mean",
     "entropy",
 )
+
+
+TOOL_NAMES = ("code_interpreter",)
 
 
 class UserFacingError(RuntimeError):
@@ -95,6 +100,39 @@ class DAPOScriptArguments(ScriptArguments):
             "(my_pkg.rewards.my_reward). The first one is the accuracy reward unless accuracy_reward_name says."
         },
     )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={"help": f"Tools the policy may call: {list(TOOL_NAMES)} (ReTool's sandboxed Python interpreter)."},
+    )
+    sandbox: str = field(
+        default="local",
+        metadata={"help": "Where tool code runs: 'local' (isolated processes here) or 'remote' (SandboxFusion)."},
+    )
+    sandbox_url: str | None = field(
+        default=None, metadata={"help": "SandboxFusion base URL for --sandbox remote, e.g. http://host:8080."}
+    )
+    sandbox_timeout: float = field(default=30.0, metadata={"help": "Wall-clock seconds per tool call."})
+    sandbox_memory_mb: int = field(default=1024, metadata={"help": "Memory limit per tool call (MB)."})
+    sandbox_max_concurrency: int = field(
+        default=128, metadata={"help": "Tool calls running at once, per training process."}
+    )
+    sandbox_rate_limit: float | None = field(
+        default=None, metadata={"help": "Tool calls started per second, per training process (default: no limit)."}
+    )
+    sandbox_require_isolation: bool = field(
+        default=False,
+        metadata={"help": "Fail instead of warning when the local sandbox cannot use namespaces or drop privileges."},
+    )
+    tool_max_output_chars: int = field(
+        default=1024, metadata={"help": "Characters of a tool's output the model sees (head and tail kept)."}
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Replace the tokenizer's chat template: a TRL template name (e.g. qwen2_5, the Hermes tool "
+            "format) or a .jinja file. Tools need a template that renders tool calls."
+        },
+    )
 
 
 def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None = None) -> Any:
@@ -118,6 +156,47 @@ def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None =
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
         raise UserFacingError(f"--reward_funcs {name!r}: cannot import it ({error}).") from None
+
+
+def build_tools(script_args: DAPOScriptArguments) -> list[Any]:
+    """The tool functions named by --tools, each over the sandbox the --sandbox_* flags describe."""
+    unknown = [name for name in script_args.tools if name not in TOOL_NAMES]
+    if unknown:
+        raise UserFacingError(f"--tools {' '.join(unknown)}: unknown tool; available: {', '.join(TOOL_NAMES)}.")
+    if not script_args.tools:
+        return []
+    from .tools.code_interpreter import build_code_interpreter
+
+    try:
+        interpreter = build_code_interpreter(
+            script_args.sandbox,
+            url=script_args.sandbox_url,
+            timeout_s=script_args.sandbox_timeout,
+            memory_mb=script_args.sandbox_memory_mb,
+            max_concurrency=script_args.sandbox_max_concurrency,
+            rate_limit=script_args.sandbox_rate_limit,
+            require_isolation=script_args.sandbox_require_isolation,
+            max_output_chars=script_args.tool_max_output_chars,
+        )
+    except ValueError as error:
+        raise UserFacingError(f"--tools code_interpreter: {error}") from None
+    if script_args.sandbox == "local" and script_args.sandbox_require_isolation:
+        interpreter.sandbox.isolation()  # fail now, not at the first tool call
+    return [interpreter.tool]
+
+
+def resolve_chat_template(value: str) -> str:
+    """A TRL chat template by name (trl/chat_templates/NAME.jinja) or the text of a .jinja file."""
+    import trl
+
+    if os.path.isfile(value):
+        return Path(value).read_text(encoding="utf-8")
+    bundled = Path(trl.__file__).parent / "chat_templates"
+    candidate = bundled / f"{value}.jinja"
+    if candidate.is_file():
+        return candidate.read_text(encoding="utf-8")
+    names = sorted(p.stem for p in bundled.glob("*.jinja") if not p.stem.endswith("_training"))
+    raise UserFacingError(f"--chat_template {value!r}: not a file nor a TRL template; TRL has {', '.join(names)}.")
 
 
 def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig) -> tuple[Any, Any]:
@@ -190,6 +269,17 @@ def main(argv: list[str] | None = None) -> int:
 
         reward_funcs = [resolve_reward_function(name, script_args) for name in script_args.reward_funcs]
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)
+        if script_args.chat_template:
+            tokenizer.chat_template = resolve_chat_template(script_args.chat_template)
+        tools = build_tools(script_args)
+        if tools:
+            from trl.chat_template_utils import supports_tool_calling
+
+            if not supports_tool_calling(tokenizer):
+                raise UserFacingError(
+                    "--tools: the tokenizer's chat template cannot render tool calls; pass --chat_template qwen2_5 "
+                    "(the Hermes format ReTool uses) or a .jinja file with tool support."
+                )
         data_options = {
             "prompt_column": script_args.prompt_column,
             "answer_column": script_args.answer_column,
@@ -221,6 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
             peft_config=get_peft_config(model_args),
+            tools=tools or None,
         )
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     except (UserFacingError, ValueError, RuntimeError) as error:

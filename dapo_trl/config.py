@@ -30,8 +30,9 @@ class DAPOConfig(GRPOConfig):
     Configuration for [`DAPOTrainer`]: every [`trl.GRPOConfig`] field, DAPO defaults, and DAPO's own knobs.
 
     Defaults that differ from `GRPOConfig` (paper, Section 5): `epsilon_high=0.28` (clip-higher),
-    `weight_decay=0.1`, `report_to="tensorboard"`; on a machine without a GPU, `use_cpu=True` and `bf16=False`
-    (GRPOConfig would refuse to start there, or let `accelerate launch --multi_gpu` processes train unsynchronised).
+    `weight_decay=0.1`, `report_to="tensorboard"`, `max_tool_calling_iterations=7` (ReTool's 8 turns); on a machine
+    without a GPU, `use_cpu=True` and `bf16=False` (GRPOConfig would refuse to start there, or let
+    `accelerate launch --multi_gpu` processes train unsynchronised).
     Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`, `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
     """
 
@@ -44,6 +45,13 @@ class DAPOConfig(GRPOConfig):
     report_to: None | str | list[str] = field(
         default="tensorboard",
         metadata={"help": "Loggers to report to: 'tensorboard' (default), 'wandb', 'none', or a list."},
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=7,
+        metadata={
+            "help": "Tool rounds per response when training with tools. 7 rounds = 8 assistant turns, ReTool's "
+            "max_turns=8 in verl. None means no limit (TRL's default)."
+        },
     )
 
     # Prompt length (TRL 1.16 dropped max_prompt_length; DAPO data needs it to bound memory).

@@ -142,3 +142,31 @@ def interpreter_of(tool: Callable) -> CodeInterpreter | None:
     """The `CodeInterpreter` behind a tool function made by it, else None."""
     interpreter = getattr(tool, "interpreter", None)
     return interpreter if isinstance(interpreter, CodeInterpreter) else None
+
+
+def build_code_interpreter(
+    backend: str = "local",
+    *,
+    url: str | None = None,
+    timeout_s: float = 30.0,
+    memory_mb: int = 1024,
+    max_concurrency: int = 128,
+    rate_limit: float | None = None,
+    require_isolation: bool = False,
+    max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
+) -> CodeInterpreter:
+    """The code interpreter over a local sandbox or a remote SandboxFusion service, with ReTool's defaults."""
+    from .sandbox import LocalSandbox, SandboxLimits
+
+    limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
+    if backend == "local":
+        sandbox: Sandbox = LocalSandbox(limits, max_concurrency, rate_limit, require_isolation=require_isolation)
+    elif backend == "remote":
+        if not url:
+            raise ValueError("sandbox='remote' needs sandbox_url, e.g. --sandbox_url http://sandbox-host:8080")
+        from .remote import RemoteSandbox
+
+        sandbox = RemoteSandbox(url, limits, max_concurrency, rate_limit)
+    else:
+        raise ValueError(f"sandbox={backend!r}: use 'local' (this machine) or 'remote' (a SandboxFusion service)")
+    return CodeInterpreter(sandbox, max_output_chars=max_output_chars)

@@ -1,0 +1,290 @@
+"""`RemoteSandbox`: runs model-written Python on a SandboxFusion service (bytedance/SandboxFusion) over HTTP.
+
+Use it instead of `LocalSandbox` when the code is untrusted and the volume is large: the programs then run on
+separate machines, in the service's own containers, so a kernel exploit or a resource-hungry program cannot reach
+the trainer, and the sandbox scales apart from the GPUs. It needs nothing of the trainer's OS (no Linux namespaces
+or cgroups).
+
+Each call is one `POST {base_url}/run_code`. The code sent is this package's runner (`_runner.py`, the program
+`LocalSandbox` runs too) and the model's code goes on its stdin, so both backends behave alike: the value of a final
+bare expression is printed, and a traceback shows only the model's own `<code>` frames.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import signal
+import time
+import urllib.parse
+from typing import Any
+
+import requests
+import urllib3
+from requests.adapters import HTTPAdapter
+
+from .sandbox import RUNNER_SOURCE, ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, _last_line, _signal_name
+
+logger = logging.getLogger(__name__)
+
+RETRY_HTTP_STATUSES = frozenset({429, 502, 503, 504})
+MAX_DELAY_S = 30.0  # the longest wait before one retry, Retry-After included
+CONNECT_TIMEOUT_S = 10.0
+_URL_EXAMPLE = "'http://127.0.0.1:8080' (the SandboxFusion server's root; a trailing '/run_code' is accepted)"
+
+
+def run_code_url(base_url: str) -> str:
+    """`{base_url}/run_code`, after checking that `base_url` is an http(s) URL of the service."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(f"sandbox_url={base_url!r} {problem}; give the sandbox service's URL, e.g. {_URL_EXAMPLE}")
+
+    if not isinstance(base_url, str) or not base_url.strip():
+        raise bad("is empty")
+    url = base_url.strip()
+    if any(c.isspace() for c in url):
+        raise bad("contains whitespace")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise bad("must start with http:// or https://")
+    if not parts.hostname:
+        raise bad("has no host")
+    try:
+        _ = parts.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError:
+        raise bad("has an invalid port") from None
+    if parts.query or parts.fragment:
+        raise bad("must not have a query string or fragment")
+    path = parts.path.rstrip("/")
+    if path.endswith("/run_code"):
+        path = path[: -len("/run_code")]
+    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"{path}/run_code", "", ""))
+
+
+class _Retryable(Exception):
+    def __init__(self, message: str, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class _Fatal(Exception):
+    """A failure that a retry would not mend (or must not repeat)."""
+
+
+class RemoteSandbox(Sandbox):
+    """Runs each call on a SandboxFusion service; see the module docstring for when to prefer it.
+
+    Args:
+        base_url: the service's URL, e.g. "http://127.0.0.1:8080" (a trailing "/run_code" is accepted).
+        limits: `timeout_s` is sent as `run_timeout` (and `compile_timeout`), `memory_mb` as `memory_limit_MB`;
+            `max_code_bytes` is checked before sending and `max_output_bytes` applied to the reply. The service
+            enforces the rest by its own configuration.
+        max_concurrency / rate_limit: calls in flight at once and starts per second, across all threads (the gate).
+        request_timeout: seconds to wait for the reply; default `limits.timeout_s + 10`.
+        max_retries / backoff_s: retries after a connection error, HTTP 429, 502, 503 or 504, waiting
+            `backoff_s * 2**attempt` (with jitter, at most 30 s, at least a Retry-After header's seconds). A retry
+            runs the program again from scratch, which is harmless. Other 4xx and 5xx are not retried, nor is a read
+            timeout: the program may have run for its whole time already, the service should have answered
+            TimeLimitExceeded by then, and retrying would multiply the delay of the training step. A read timeout
+            is a SANDBOX_ERROR (the service is overloaded or stuck, not the program at fault).
+        language: the service's language for the runner, which is Python source ("python").
+        session: a `requests.Session` to use (its proxies, TLS and auth settings); default a fresh one with a
+            connection pool of `max_concurrency`, closed by `close()`.
+
+    Replies map to statuses thus: run Finished with exit code 0: OK; non-zero: ERROR ("exit code N"), or MEMORY if
+    stderr ends in MemoryError, or KILLED for a signal (a negative code, or 128 + N as a shell reports it; SIGKILL
+    may be the memory limit); TimeLimitExceeded: TIMEOUT; a run status Error or a top-level SandboxError:
+    SANDBOX_ERROR with the service's message. stdout + stderr past `max_output_bytes` are cut to their head and the
+    status is OUTPUT_LIMIT (the program itself ran to its end). `layers` is ["remote"].
+
+    No network failure raises out of `run`: it returns SANDBOX_ERROR naming the URL and the error, so the training
+    step goes on.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        limits: SandboxLimits | None = None,
+        max_concurrency: int = 128,
+        rate_limit: float | None = None,
+        *,
+        request_timeout: float | None = None,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        language: str = "python",
+        session: requests.Session | None = None,
+    ) -> None:
+        super().__init__(limits, max_concurrency, rate_limit)
+        self.url = run_code_url(base_url)
+        if request_timeout is not None and not request_timeout > 0:
+            raise ValueError(f"RemoteSandbox request_timeout must be > 0 seconds, got {request_timeout!r}")
+        if not isinstance(max_retries, int) or max_retries < 0:
+            raise ValueError(f"RemoteSandbox max_retries must be an integer >= 0, got {max_retries!r}")
+        if not backoff_s >= 0:
+            raise ValueError(f"RemoteSandbox backoff_s must be >= 0, got {backoff_s!r}")
+        self.request_timeout = float(request_timeout if request_timeout is not None else self.limits.timeout_s + 10)
+        self.max_retries = max_retries
+        self.backoff_s = float(backoff_s)
+        self.language = language
+        self._owns_session = session is None
+        if session is None:
+            session = requests.Session()
+            adapter = HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency, max_retries=0)
+            session.mount("http://", adapter)
+            session.mount("https://", adapter)
+        self.session = session
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteSandbox(url={self.url!r}, max_concurrency={self.gate.max_concurrency}, "
+            f"request_timeout={self.request_timeout}, max_retries={self.max_retries})"
+        )
+
+    def close(self) -> None:
+        if self._owns_session:
+            self.session.close()
+
+    # ------------------------------------------------------------------------------------------ one call
+    def request_body(self, code: str) -> dict[str, Any]:
+        """The SandboxFusion `run_code` request for `code`: the runner as the program, the code on its stdin."""
+        return {
+            "code": RUNNER_SOURCE,
+            "language": self.language,
+            "compile_timeout": float(self.limits.timeout_s),
+            "run_timeout": float(self.limits.timeout_s),
+            "memory_limit_MB": int(self.limits.memory_mb),
+            "stdin": code,
+            "files": {},
+            "fetch_files": [],
+        }
+
+    def _execute(self, code: str) -> ExecutionResult:
+        body = self.request_body(code)
+        error = ""
+        attempts = 0
+        for attempt in range(self.max_retries + 1):
+            attempts += 1
+            try:
+                return self._classify(self._post(body))
+            except _Retryable as retryable:
+                error = str(retryable)
+                if attempt == self.max_retries:
+                    break
+                delay = min(MAX_DELAY_S, self.backoff_s * 2**attempt * random.uniform(0.5, 1.0))
+                if retryable.retry_after is not None:
+                    delay = max(delay, min(MAX_DELAY_S, retryable.retry_after))
+                logger.debug("sandbox request to %s failed (%s); retrying in %.2f s", self.url, error, delay)
+                time.sleep(delay)
+            except _Fatal as fatal:
+                return self._failure(str(fatal))
+        return self._failure(f"{error} (after {attempts} attempts)")
+
+    def _failure(self, error: str) -> ExecutionResult:
+        message = f"sandbox service at {self.url} failed: {error}"
+        logger.warning(message)
+        return ExecutionResult(ExecutionStatus.SANDBOX_ERROR, message=message, layers=["remote"])
+
+    def _post(self, body: dict[str, Any]) -> Any:
+        """One HTTP attempt; the decoded JSON reply, or _Retryable / _Fatal."""
+        timeout = (min(CONNECT_TIMEOUT_S, self.request_timeout), self.request_timeout)
+        try:
+            response = self.session.post(self.url, json=body, timeout=timeout)
+        except requests.RequestException as error:
+            if _is_read_timeout(error):
+                raise _Fatal(f"no reply within request_timeout={self.request_timeout:g} s (not retried)") from None
+            if isinstance(error, (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)):
+                raise _Retryable(f"{type(error).__name__}: {error}") from None
+            raise _Fatal(f"{type(error).__name__}: {error}") from None
+        with response:
+            status = response.status_code
+            if status != 200:
+                detail = response.text[:300].strip()
+                message = f"HTTP {status} {response.reason}" + (f": {detail}" if detail else "")
+                if status in RETRY_HTTP_STATUSES:
+                    raise _Retryable(message, _retry_after(response.headers.get("Retry-After")))
+                raise _Fatal(message)
+            try:
+                return response.json()
+            except ValueError:
+                raise _Fatal(f"the reply is not JSON: {response.text[:200]!r}") from None
+
+    # ------------------------------------------------------------------------------------------ outcome
+    def _classify(self, payload: Any) -> ExecutionResult:
+        """An ExecutionResult from a SandboxFusion reply (the mapping is in `RemoteSandbox`'s docstring)."""
+        if not isinstance(payload, dict) or "status" not in payload:
+            raise _Fatal(f"the reply is not a SandboxFusion run_code result: {str(payload)[:200]!r}")
+        limits = self.limits
+        top = payload.get("status")
+        command = payload.get("run_result") or payload.get("compile_result")
+        if not isinstance(command, dict):
+            command = {}
+        stdout, stderr, overflow = _truncate(
+            _text(command.get("stdout")), _text(command.get("stderr")), limits.max_output_bytes
+        )
+        code = command.get("return_code")
+        code = code if isinstance(code, int) and not isinstance(code, bool) else None
+        result = ExecutionResult(ExecutionStatus.OK, stdout, stderr, exit_code=code, layers=["remote"])
+        run_status = command.get("status")
+        server_message = _text(payload.get("message")).strip()
+        if top == "SandboxError" or run_status == "Error":
+            result.status = ExecutionStatus.SANDBOX_ERROR
+            detail = server_message or _last_line(stderr) or "no message"
+            result.message = f"sandbox service at {self.url} reported SandboxError: {detail}"
+        elif top not in ("Success", "Failed"):
+            raise _Fatal(f"the reply has an unknown status {top!r}")
+        elif run_status == "TimeLimitExceeded":
+            result.status = ExecutionStatus.TIMEOUT
+            result.message = f"timed out after {limits.timeout_s:g} s"
+        elif overflow:
+            result.status = ExecutionStatus.OUTPUT_LIMIT
+            result.message = f"output exceeded {limits.max_output_bytes} bytes; only its head is kept"
+        elif run_status != "Finished" or code is None:
+            result.status = ExecutionStatus.SANDBOX_ERROR
+            result.message = (
+                f"sandbox service at {self.url} returned no exit status (status {top!r}, run status {run_status!r}"
+                + (f": {server_message})" if server_message else ")")
+            )
+        elif code != 0 and _last_line(stderr).startswith("MemoryError"):
+            result.status = ExecutionStatus.MEMORY
+            result.message = f"memory limit of {limits.memory_mb} MB exceeded (MemoryError)"
+        elif code < 0 or 128 < code <= 128 + 64:
+            result.status = ExecutionStatus.KILLED
+            result.signal = -code if code < 0 else code - 128
+            result.message = f"the program was killed by {_signal_name(result.signal)}"
+            if result.signal == signal.SIGKILL:
+                result.message += f" (possibly for exceeding the memory limit of {limits.memory_mb} MB)"
+        elif code != 0:
+            result.status = ExecutionStatus.ERROR
+            result.message = f"exit code {code}"
+        return result
+
+
+def _is_read_timeout(error: requests.RequestException) -> bool:
+    """A timeout after the request was sent (requests sometimes wraps urllib3's in a ConnectionError)."""
+    if isinstance(error, requests.ReadTimeout):
+        return True
+    return isinstance(error, requests.ConnectionError) and any(
+        isinstance(arg, urllib3.exceptions.ReadTimeoutError) for arg in error.args
+    )
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header in its delta-seconds form, or None."""
+    try:
+        return max(0.0, float(value)) if value is not None else None
+    except ValueError:
+        return None
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else value if isinstance(value, str) else str(value)
+
+
+def _truncate(stdout: str, stderr: str, cap: int) -> tuple[str, str, bool]:
+    """stdout then stderr, kept to `cap` UTF-8 bytes in all (the head); whether anything was cut."""
+    out, err = stdout.encode("utf-8", "replace"), stderr.encode("utf-8", "replace")
+    if len(out) + len(err) <= cap:
+        return stdout, stderr, False
+    out = out[:cap]
+    err = err[: cap - len(out)]
+    return out.decode("utf-8", "ignore"), err.decode("utf-8", "ignore"), True
