@@ -41,6 +41,10 @@ MS_BIND = 4096
 MS_MOVE = 8192
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
+SYS_MOUNT_SETATTR = 442  # same number on x86_64 and arm64
+AT_FDCWD = -100
+AT_RECURSIVE = 0x8000
+MOUNT_ATTR_RDONLY = 0x1
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 PR_SET_CHILD_SUBREAPER = 36
@@ -70,6 +74,22 @@ def _mount(source, target, fstype, flags, data=None):
     )
 
 
+class _MountAttr(ctypes.Structure):
+    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
+                ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+
+
+def _set_readonly(path, readonly, recursive):
+    """mount_setattr(2): (un)set read-only on a mount, or on the whole tree below it (Linux >= 5.12)."""
+    attr = _MountAttr(MOUNT_ATTR_RDONLY if readonly else 0, 0 if readonly else MOUNT_ATTR_RDONLY, 0, 0)
+    flags = AT_RECURSIVE if recursive else 0
+    result = libc.syscall(
+        ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
+        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
+    )  # fmt: skip
+    _check(result, f"mount_setattr {path}")
+
+
 def _write(path, text):
     with open(path, "w") as handle:
         handle.write(text)
@@ -97,11 +117,9 @@ def _set_limits(cfg):
         resource.setrlimit(which, (value, value))
 
 
-def _setup_mounts(cfg, layers):
-    """Private /proc and tmpfs; home directories masked, the interpreter's own files re-exposed read-only."""
+def _setup_mounts(cfg, layers, warnings):
+    """Read-only host filesystem, private /proc and tmpfs, home directories masked but for the interpreter."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if "pid_namespace" in layers:
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     size = f"size={cfg['disk_bytes']}"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
     stage = "/tmp/.dapo-stage"
@@ -117,16 +135,26 @@ def _setup_mounts(cfg, layers):
     for target, path in staged:
         os.makedirs(path, 0o755, exist_ok=True)
         _mount(target, path, None, MS_MOVE)
-        _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     for target, _ in staged:
         os.rmdir(target)
     os.rmdir(stage)
+    if cfg["mask_paths"]:
+        layers.append("masked_homes")
+    try:  # every host mount read-only, so that even a world-writable directory cannot be written
+        _set_readonly("/", True, recursive=True)
+        layers.append("readonly_host")
+    except OSError as error:
+        warnings.append(f"host filesystem stays writable where permissions allow ({error})")
+    writable = ["/tmp"]
     for path in ("/var/tmp", "/dev/shm", "/run/lock"):
         if os.path.isdir(path):
             _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
+            writable.append(path)
+    if "readonly_host" in layers:
+        _set_readonly("/tmp", False, recursive=False)
+    if "pid_namespace" in layers:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     layers.append("private_tmp")
-    if cfg["mask_paths"]:
-        layers.append("masked_homes")
 
 
 def _drop_privileges(cfg):
@@ -155,7 +183,7 @@ def _init(cfg, layers, status_fd):
     try:
         if "mount_namespace" in layers:
             try:
-                _setup_mounts(cfg, layers)
+                _setup_mounts(cfg, layers, report["warnings"])
             except OSError as error:
                 report["warnings"].append(f"private mounts unavailable ({error})")
         if not os.path.isdir(cfg["workdir"]):
