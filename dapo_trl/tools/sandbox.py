@@ -474,6 +474,11 @@ class LocalSandbox(Sandbox):
         if record.get("setup_error") or (exit_code == SETUP_FAILURE_EXIT and "sandbox setup failed" in err):
             result.status = ExecutionStatus.SANDBOX_ERROR
             result.message = f"sandbox setup failed: {record.get('setup_error') or err.strip()}"
+            if "Permission denied" in err and self.python in err:
+                result.message += (
+                    f" (the unprivileged sandbox user cannot run {self.python} without a mount namespace to expose it:"
+                    " install Python where every user can read it, or pass LocalSandbox(python=...))"
+                )
         elif timed_out:
             result.status = ExecutionStatus.TIMEOUT
             result.message = f"timed out after {limits.timeout_s:g} s"

@@ -1,0 +1,274 @@
+"""The local sandbox against hostile programs, concurrency, and its fallback without namespaces.
+
+The hostile programs run inside a containment of their own (a PID namespace, plus pids and memory cgroups when
+root can make them, or RLIMIT_NPROC otherwise), so that a sandbox bug fails these tests instead of harming the
+machine that runs them.
+"""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from dapo_trl.tools import ExecutionStatus, LocalSandbox, SandboxLimits
+
+from .helpers import REPO, SCRIPTS, offline_environment
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")
+
+
+def _own_cgroup(controller: str) -> Path | None:
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(","):
+            return Path("/sys/fs/cgroup") / controller / path.lstrip("/")
+    return None
+
+
+def _containment_cgroups() -> list[Path]:
+    """A pids (512) and a memory (6 GiB) cgroup for the whole hostile suite, where they can be made."""
+    made = []
+    for controller, limits in (("pids", {"pids.max": "512"}), ("memory", {"memory.limit_in_bytes": str(6 << 30)})):
+        parent = _own_cgroup(controller)
+        if parent is None or not (parent / "cgroup.procs").exists():
+            continue
+        path = parent / f"dapo-test-{uuid.uuid4().hex[:8]}"
+        try:
+            path.mkdir()
+            for name, value in limits.items():
+                (path / name).write_text(value)
+            made.append(path)
+        except OSError:
+            continue
+    return made
+
+
+def _contained(command: list[str], cgroups: list[Path]) -> list[str]:
+    """`command` in a new PID namespace (killed with it), after joining the containment cgroups."""
+    join = "".join(f"open({str(p / 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n" for p in cgroups)
+    prefix = ["unshare", "--pid", "--fork", "--kill-child", "--mount-proc"] if shutil.which("unshare") else []
+    limit = "" if os.geteuid() == 0 else "import resource\nresource.setrlimit(resource.RLIMIT_NPROC, (256, 256))\n"
+    launcher = f"import os\n{join}{limit}os.execvp({(prefix + command)[0]!r}, {prefix + command!r})"
+    return [sys.executable, "-c", launcher]
+
+
+@pytest.fixture(scope="module")
+def hostile(tmp_path_factory) -> dict[str, dict]:
+    out = tmp_path_factory.mktemp("hostile") / "results.jsonl"
+    cgroups = _containment_cgroups()
+    try:
+        subprocess.run(
+            _contained([sys.executable, str(SCRIPTS / "hostile_run.py"), str(out)], cgroups),
+            cwd=REPO,
+            env=offline_environment(),
+            timeout=300,
+            check=True,
+            capture_output=True,
+        )
+    finally:
+        for path in cgroups:
+            for _ in range(50):
+                try:
+                    path.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+    return {record["case"]: record for record in map(json.loads, out.read_text().splitlines())}
+
+
+def _host_intact(record: dict) -> None:
+    assert record["canary_alive"], "the sandbox killed a host process"
+    assert not record["secret_seen"], "the trainer's environment leaked into the sandbox"
+    assert record["leftover_sandbox_processes"] == 0, "sandbox processes outlived the call"
+    assert record["host_files_written"] == [], record["host_files_written"]
+    assert not record["server_accepted"], "the sandbox reached a host socket"
+    assert record["disk_used_mb"] < 100
+
+
+@pytest.mark.parametrize(
+    ("case", "status", "message"),
+    [
+        ("infinite_loop", "timeout", "timed out after 5 s"),
+        ("fork_bomb", "timeout", "timed out"),
+        ("allocate_10gb", "memory", "memory limit of 1024 MB"),
+        ("allocate_growing", "memory", "memory limit"),
+        ("write_10gb", "error", ""),
+        ("write_10gb_many_files", "error", ""),
+        ("print_100mb", "output_limit", "output exceeded 65536 bytes"),
+        ("segfault_extension", "killed", "segmentation fault"),
+    ],
+)
+def test_hostile_program_is_stopped_with_a_clear_message(hostile, case, status, message):
+    record = hostile[case]
+    assert record["status"] == status, record
+    assert message in record["message"]
+    assert record["seconds"] < 9
+    _host_intact(record)
+
+
+def test_disk_fillers_hit_the_limits_not_the_host(hostile):
+    assert "File too large" in hostile["write_10gb"]["stderr"]
+    assert "No space left on device" in hostile["write_10gb_many_files"]["stderr"]
+
+
+def test_printing_100mb_keeps_only_the_cap(hostile):
+    assert len(hostile["print_100mb"]["stdout"]) <= 65536
+
+
+def test_environment_of_the_trainer_is_invisible(hostile):
+    record = hostile["read_environment"]
+    _host_intact(record)
+    environment = eval(record["stdout"].splitlines()[0])  # noqa: S307 - the program printed a dict literal
+    assert set(environment) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
+                                "MKL_NUM_THREADS", "MPLBACKEND"}  # fmt: skip
+
+
+def test_writes_outside_the_sandbox_are_refused(hostile):
+    record = hostile["write_outside"]
+    _host_intact(record)
+    assert "wrote" not in record["stdout"]
+    assert record["stdout"].count("refused") == 5
+
+
+def test_no_network(hostile):
+    record = hostile["network"]
+    _host_intact(record)
+    assert "connected" not in record["stdout"] and record["stdout"].count("blocked") == 3
+
+
+def test_killing_the_parent_or_the_trainer_does_nothing(hostile):
+    record = hostile["kill_parent"]
+    _host_intact(record)  # the canary is alive and this test process obviously is
+
+
+def test_a_shell_runs_unprivileged_and_contained(hostile):
+    record = hostile["spawn_shell"]
+    _host_intact(record)
+    assert "shell done" in record["stdout"]
+    assert "returncode=0" in record["stdout"] or "Read-only" in record["stdout"] or "denied" in record["stdout"]
+
+
+def test_processes_that_leave_the_group_die_with_the_call(hostile):
+    record = hostile["escape_process_group"]
+    assert record["status"] == "ok" and record["stdout"] == "left\n"
+    _host_intact(record)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and namespaces")
+def test_all_isolation_layers_are_in_force_as_root(hostile):
+    layers = set(hostile["network"]["layers"])  # a run that ends by itself reports its layers
+    assert {"pid_namespace", "network_namespace", "mount_namespace", "readonly_host", "private_tmp",
+            "masked_homes", "unprivileged_user", "rlimits"} <= layers  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- concurrency
+def test_64_parallel_calls_finish_and_respect_the_limit():
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=20), max_concurrency=8)
+    code = "import time\nstart = time.time()\ntime.sleep(0.3)\nprint(start, time.time())"
+    results = [None] * 64
+
+    def call(index: int) -> None:
+        results[index] = sandbox.run(code)
+
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(64)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert all(result is not None and result.ok for result in results), [r.message for r in results if r]
+    assert sandbox.gate.peak_in_flight == 8
+    spans = [tuple(map(float, result.stdout.split())) for result in results]
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    assert peak <= 8  # measured inside the programs themselves
+
+
+# ------------------------------------------------------------------------------------------------ semantics
+def test_last_expression_is_printed_and_tracebacks_show_only_the_program():
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=20))
+    assert sandbox.run("x = 6 * 7\nx").stdout == "42\n"
+    assert sandbox.run("print('a')\nNone").stdout == "a\n"
+    error = sandbox.run("def f():\n    return 1 / 0\nf()")
+    assert error.status is ExecutionStatus.ERROR and error.exit_code == 1
+    assert "ZeroDivisionError: division by zero" in error.stderr and "_runner" not in error.stderr
+    assert 'File "<code>", line 2, in f' in error.stderr and "return 1 / 0" in error.stderr
+    syntax = sandbox.run("def f(:\n")
+    assert syntax.status is ExecutionStatus.ERROR and "SyntaxError" in syntax.stderr
+    assert sandbox.run("import sys\nsys.exit(3)").exit_code == 3
+    assert sandbox.run("import numpy, sympy\nsympy.sqrt(8)").stdout == "2*sqrt(2)\n"
+
+
+def test_overlong_code_and_non_string_are_refused_without_running():
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=5, max_code_bytes=100))
+    assert "longer than 100 bytes" in sandbox.run("x = 1\n" * 50).message
+    assert sandbox.run(None).status is ExecutionStatus.ERROR
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError, match="timeout_s"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match="memory_mb"):
+        SandboxLimits(memory_mb=16)
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the fallback path is tested as root (the CI case)")
+def test_without_namespaces_an_unreadable_interpreter_is_a_clear_error():
+    hidden = [p for p in ("/root", "/home") if sys.executable.startswith(p + "/")]
+    if not hidden or os.stat(hidden[0]).st_mode & 0o001:
+        pytest.skip("the interpreter is readable by every user here")
+    result = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False).run("1")
+    assert result.status is ExecutionStatus.SANDBOX_ERROR and "LocalSandbox(python=...)" in result.message
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="root and a system Python")
+def test_without_namespaces_it_warns_and_still_contains(caplog):
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, python=SYSTEM_PYTHON)
+    with caplog.at_level(logging.WARNING, logger="dapo_trl.tools.sandbox"):
+        result = sandbox.run(
+            "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(300)\nprint(os.getuid())"
+        )
+    assert "runs without: pid_namespace, network_namespace, mount_namespace" in caplog.text
+    assert result.ok and int(result.stdout) >= 60_000 - 256  # an unprivileged uid of its own
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _processes_of(int(result.stdout)):
+        time.sleep(0.1)
+    assert _processes_of(int(result.stdout)) == 0  # the escaped child was killed by uid
+    bomb = sandbox.run("import os\nfor _ in range(1000):\n    os.fork()")
+    assert bomb.status in (ExecutionStatus.ERROR, ExecutionStatus.TIMEOUT)
+    assert _processes_of(int(result.stdout)) == 0
+
+
+def _processes_of(uid: int) -> int:
+    count = 0
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+            except OSError:
+                continue
+            if f"Uid:\t{uid}\t" in status and "State:\tZ" not in status:
+                count += 1
+    return count
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="require_isolation is exercised as root")
+def test_require_isolation_fails_loudly_when_layers_are_missing():
+    from dapo_trl.tools import SandboxUnavailable
+
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, require_isolation=True, python="/bin/true")
+    with pytest.raises(SandboxUnavailable, match="pid_namespace"):
+        sandbox.isolation()
