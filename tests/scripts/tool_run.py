@@ -31,7 +31,8 @@ PROGRAMS = [
     "print(sum(range(101)))",
     "raise ValueError('boom')",
     "while True:\n    pass",
-    "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('still here')",
+    f"import os\nfor p in (os.getppid(), {os.getpid()}):\n    try: os.kill(p, 9)\n    except OSError as e: print(e)\n"
+    "print('still here')",
     "print('y' * 10_000_000)",
 ]
 
@@ -94,7 +95,7 @@ def main() -> None:
         output_dir=str(out / "run"),
         per_device_train_batch_size=8,
         num_generations=NUM_GENERATIONS,
-        max_completion_length=160,
+        max_completion_length=400,
         max_steps=max_steps,
         learning_rate=1e-4,
         logging_steps=1,
