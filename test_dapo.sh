@@ -2,6 +2,7 @@
 # Smoke test: 2 real DAPO training steps.
 #   ./test_dapo.sh                                    built-in tiny model + built-in problems, offline, CPU is fine
 #   MODEL_PATH=Qwen/Qwen2.5-0.5B-Instruct ./test_dapo.sh   the same on a real model (hub access or a local folder)
+#   TOOLS=code_interpreter ./test_dapo.sh            with ReTool's sandboxed code interpreter (Hermes template)
 # Extra arguments are passed to train_dapo.py (e.g. ./test_dapo.sh --max_steps 4).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -31,6 +32,12 @@ args=(
   --save_strategy no
   --report_to "${REPORT_TO:-tensorboard}"
 )
+
+if [[ -n "${TOOLS:-}" ]]; then
+  args+=(--tools "$TOOLS" --chat_template "${CHAT_TEMPLATE:-qwen2_5}" --reward_funcs "${REWARD_FUNCS:-retool}"
+         --sandbox "${SANDBOX:-local}")
+  [[ -n "${SANDBOX_URL:-}" ]] && args+=(--sandbox_url "$SANDBOX_URL")
+fi
 
 if [[ "$NUM_PROCESSES" -gt 1 ]]; then
   exec accelerate launch --multi_gpu --num_processes "$NUM_PROCESSES" --num_machines 1 --mixed_precision no \
