@@ -11,7 +11,10 @@ from dapo_trl.testing import build_tiny_model
 
 from .helpers import SCRIPTS, run_command
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LocalSandbox is Linux-only"),
+]
 
 
 @pytest.fixture(scope="module")
