@@ -25,6 +25,8 @@ from dapo_trl.rewards import (
     math_verify_reward,
     normalize_final_answer,
     normalize_math_text,
+    retool_math_verify_reward,
+    retool_reward,
     score_math_verify,
     verify_answer,
 )
@@ -362,6 +364,8 @@ def test_registered_names():
         "dapo_math": dapo_math_reward,
         "dapo_boxed": dapo_boxed_reward,
         "math_verify": math_verify_reward,
+        "retool": retool_reward,
+        "retool_math_verify": retool_math_verify_reward,
     }
     assert resolve_reward_function("math_verify") is math_verify_reward
     assert make_math_verify_reward(name="mv").__name__ == "mv"
