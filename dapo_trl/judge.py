@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from dapo_trl.rewards import CORRECT_REWARD, INCORRECT_REWARD, completion_text
+from dapo_trl.urls import checked_service_path
 
 logger = logging.getLogger(__name__)
 
@@ -110,28 +111,12 @@ def chat_completions_url(base_url: str) -> str:
             f"JudgeReward base_url={base_url!r} {problem}; give the judge server's root URL, e.g. {_URL_EXAMPLE}"
         )
 
-    if not isinstance(base_url, str) or not base_url.strip():
-        raise bad("is empty")
-    url = base_url.strip()
-    if any(c.isspace() for c in url):
-        raise bad("contains whitespace")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise bad("must start with http:// or https://")
-    if not parts.hostname:
-        raise bad("has no host")
-    try:
-        _ = parts.port  # raises ValueError for a non-numeric or out-of-range port
-    except ValueError:
-        raise bad("has an invalid port") from None
-    if parts.query or parts.fragment:
-        raise bad("must not have a query string or fragment")
-    path = parts.path.rstrip("/")
+    scheme, netloc, path = checked_service_path(base_url, bad)
     if path.endswith("/chat/completions"):
         raise bad("is an endpoint, not the server root")
     if path.endswith("/v1"):
         path = path[: -len("/v1")]
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"{path}/v1/chat/completions", "", ""))
+    return urllib.parse.urlunsplit((scheme, netloc, f"{path}/v1/chat/completions", "", ""))
 
 
 @dataclass

@@ -23,6 +23,7 @@ import requests
 import urllib3
 from requests.adapters import HTTPAdapter
 
+from ..urls import checked_service_path
 from .sandbox import RUNNER_SOURCE, ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, _last_line, _signal_name
 
 logger = logging.getLogger(__name__)
@@ -39,26 +40,10 @@ def run_code_url(base_url: str) -> str:
     def bad(problem: str) -> ValueError:
         return ValueError(f"sandbox_url={base_url!r} {problem}; give the sandbox service's URL, e.g. {_URL_EXAMPLE}")
 
-    if not isinstance(base_url, str) or not base_url.strip():
-        raise bad("is empty")
-    url = base_url.strip()
-    if any(c.isspace() for c in url):
-        raise bad("contains whitespace")
-    parts = urllib.parse.urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise bad("must start with http:// or https://")
-    if not parts.hostname:
-        raise bad("has no host")
-    try:
-        _ = parts.port  # raises ValueError for a non-numeric or out-of-range port
-    except ValueError:
-        raise bad("has an invalid port") from None
-    if parts.query or parts.fragment:
-        raise bad("must not have a query string or fragment")
-    path = parts.path.rstrip("/")
+    scheme, netloc, path = checked_service_path(base_url, bad)
     if path.endswith("/run_code"):
         path = path[: -len("/run_code")]
-    return urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"{path}/run_code", "", ""))
+    return urllib.parse.urlunsplit((scheme, netloc, f"{path}/run_code", "", ""))
 
 
 class _Retryable(Exception):
