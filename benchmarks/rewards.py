@@ -14,8 +14,8 @@ Three scorers judge the same batch, one after the other:
 
 - `plain math-verify, sequential`: what TRL's `accuracy_reward` does, in this process: `verify(parse(truth),
   parse(response))` with math-verify's defaults (its own 5 s signal timeouts, usable here in the main thread).
-- `pool, 1 worker`: `score_math_verify` with a 1-worker `ScoringPool`: the committed answer is extracted here and
-  judged in the worker, under the 5 s deadline. Separates what the extraction saves from what parallelism adds.
+- `pool, 1 worker`: `score_math_verify` with a 1-worker `KillableProcessPool`: the committed answer is extracted here
+  and judged in the worker, under the 5 s deadline. Separates what the extraction saves from what parallelism adds.
 - `pool, N workers`: the same with the default pool size (usable CPUs, `--workers` to change).
 
 Each pool is new (no warm caches) and started before its timer; startup (fork server + workers) is reported apart.
@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dapo_trl.killable_pool import DEFAULT_TIMEOUT_S, default_num_workers  # noqa: E402
 from dapo_trl.rewards import Verdict, math_verify_pool, score_math_verify  # noqa: E402
-from dapo_trl.scoring import DEFAULT_TIMEOUT_S, default_num_workers  # noqa: E402
 
 # (truth, equivalent forms a response may box) for the non-integer truths
 _EQUIVALENT_FORMS = [

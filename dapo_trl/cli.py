@@ -14,8 +14,8 @@ from typing import Any
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from .config import DAPOConfig
-from .data import BUILTIN_ARITHMETIC, load_prompt_dataset
-from .rewards import REWARD_FUNCTIONS
+from .data import BUILTIN_ARITHMETIC, DatasetLoadError, load_prompt_dataset
+from .rewards import REWARD_BUILDERS, REWARD_FUNCTIONS, MissingRewardOptions, build_reward
 
 logger = logging.getLogger("dapo_trl")
 
@@ -136,17 +136,14 @@ class DAPOScriptArguments(ScriptArguments):
 
 
 def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None = None) -> Any:
-    """A built-in reward by name, the judge reward, or any importable callable by dotted path."""
-    if name == "judge":
-        if script_args is None or not (script_args.judge_base_url and script_args.judge_model):
-            raise UserFacingError("--reward_funcs judge needs --judge_base_url and --judge_model.")
-        from .judge import JudgeReward
-
-        return JudgeReward(
-            script_args.judge_base_url, script_args.judge_model, max_concurrency=script_args.judge_max_concurrency
-        )
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
+    """A registered reward by name (built with the options it reads from `script_args`, e.g. the judge's endpoint),
+    or any importable callable by dotted path."""
+    if name in REWARD_BUILDERS:
+        try:
+            return build_reward(name, script_args)
+        except MissingRewardOptions as error:
+            needed = " and ".join(f"--{option}" for option in error.required)
+            raise UserFacingError(f"--reward_funcs {name} needs {needed}.") from None
     module_name, _, attribute = name.rpartition(".")
     if not module_name:
         raise UserFacingError(
@@ -205,7 +202,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
 
     name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
     if name == BUILTIN_TINY_MODEL:
-        from .testing import build_tiny_model
+        from .tiny_model import build_tiny_model
 
         name = str(build_tiny_model())
         logger.info("using the built-in tiny model at %s", name)
@@ -314,11 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             tools=tools or None,
         )
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (UserFacingError, ValueError, RuntimeError) as error:
-        if isinstance(error, UserFacingError) or "could not load dataset" in str(error):
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        raise
+    except (UserFacingError, DatasetLoadError) as error:  # messages that say what to change: no traceback
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print_summary(trainer.state.log_history)

@@ -141,6 +141,26 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # Padding-free training forwards.
+    padding_free: bool = field(
+        default=True,
+        metadata={
+            "help": "Training-phase forwards (policy loss, old and reference log-probs, carried surplus) feed real "
+            "tokens only: the rows of each optimizer step are dealt to micro-batches (and, with dynamic sampling, "
+            "processes) by token count, and each forward packs its rows into one sequence (position ids restarting "
+            "per row) where the attention supports it, else trims them to the widest row. Exact: the same update "
+            "as false, which keeps TRL's padded micro-batches (for comparison)."
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Most real tokens one forward/backward may hold (verl's ppo_max_token_len_per_gpu), so its peak "
+            "memory is bounded by tokens, not rows. Larger micro-batches are split into several backward passes "
+            "(as many on every process); a single longer row runs alone, with a warning. None = no budget."
+        },
+    )
+
     # vLLM server weight sync.
     vllm_weight_sync: str = field(
         default="nccl",
@@ -196,6 +216,34 @@ class DAPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self._derive_platform_defaults()
+        super().__post_init__()
+        self._derive_dapo_fields()
+        self._validate_lengths()
+        self._validate_overlong_penalty()
+        self._validate_clipping()
+        self._validate_token_level_loss()
+        self._validate_padding_free()
+        self._validate_dynamic_sampling()
+        self._validate_validation()
+        self._validate_vllm()
+
+    def accuracy_reward_index(self, reward_func_names: list[str]) -> int:
+        """Which reward column is raw accuracy (dynamic sampling and accuracy metrics read it)."""
+        if not reward_func_names:
+            raise ValueError("DAPOTrainer needs at least one reward function (the correctness reward).")
+        if self.accuracy_reward_name is None:
+            return 0
+        if self.accuracy_reward_name not in reward_func_names:
+            raise ValueError(
+                f"accuracy_reward_name={self.accuracy_reward_name!r} is not one of the reward functions "
+                f"{reward_func_names}."
+            )
+        return reward_func_names.index(self.accuracy_reward_name)
+
+    # ------------------------------------------------------------------------------------------- derived fields
+    def _derive_platform_defaults(self) -> None:
+        """Fields GRPOConfig's own __post_init__ must already see: the entropy alias and CPU-only defaults."""
         if self.entropy_coeff is not None:
             if self.entropy_coef not in (0.0, self.entropy_coeff):
                 raise ValueError(
@@ -210,17 +258,25 @@ class DAPOConfig(GRPOConfig):
         if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
             # GRPOConfig turns bf16 on unconditionally, which makes TrainingArguments refuse a CPU-only machine.
             self.bf16 = False
-        super().__post_init__()
-        self._validate_dapo_fields()
 
-    def _validate_dapo_fields(self) -> None:
-        """Fail at configuration time, naming the field and the fix, instead of deep inside training."""
+    def _derive_dapo_fields(self) -> None:
+        """Every DAPO field computed from others, in one place: the overlong buffer default and dual-clip's delta."""
+        if self.overlong_buffer_len is None and self.max_completion_length:
+            self.overlong_buffer_len = max(1, int(self.max_completion_length * DEFAULT_OVERLONG_BUFFER_SHARE))
+        if self.clip_ratio_c is not None:
+            if self.delta is not None and self.delta != self.clip_ratio_c:
+                raise ValueError(
+                    "clip_ratio_c and delta both bound the importance ratio: set only clip_ratio_c (dual-clip)."
+                )
+            # With clip_ratio_c > 1 + epsilon_high (checked below), TRL's upper ratio bound `delta` is exactly
+            # verl's dual-clip: for A < 0 the loss becomes |A| * min(c, max(r, clip(r))), for A > 0 nothing changes.
+            self.delta = self.clip_ratio_c
+
+    # --------------------------------------------------------------------------------- validation, by feature
+    # Each check fails at configuration time, naming the field and the fix, instead of deep inside training.
+    def _validate_lengths(self) -> None:
         if self.loss_type not in SUPPORTED_LOSS_TYPES:
             raise ValueError(f"loss_type={self.loss_type!r} is not supported; choose one of {SUPPORTED_LOSS_TYPES}.")
-        if not 0.0 <= self.epsilon < 1.0:
-            raise ValueError(f"epsilon={self.epsilon} must be in [0, 1) (DAPO: 0.2).")
-        if self.epsilon_high is not None and self.epsilon_high < 0.0:
-            raise ValueError(f"epsilon_high={self.epsilon_high} must be >= 0 (DAPO: 0.28).")
         if self.temperature <= 0.0:
             raise ValueError(f"temperature={self.temperature} must be > 0 (DAPO samples at 1.0).")
         if self.max_completion_length is None or self.max_completion_length < 1:
@@ -230,40 +286,39 @@ class DAPOConfig(GRPOConfig):
         if self.overlong_prompt_policy not in ("filter", "error"):
             raise ValueError(f"overlong_prompt_policy={self.overlong_prompt_policy!r} must be 'filter' or 'error'.")
 
-        if self.overlong_buffer_len is None:
-            self.overlong_buffer_len = max(1, int(self.max_completion_length * DEFAULT_OVERLONG_BUFFER_SHARE))
-        if self.apply_overlong_penalty:
-            if not 0 < self.overlong_buffer_len <= self.max_completion_length:
-                raise ValueError(
-                    f"overlong_buffer_len={self.overlong_buffer_len} must be in [1, max_completion_length="
-                    f"{self.max_completion_length}]: lower it or raise max_completion_length "
-                    "(the paper uses 4096 with 20480), or pass --apply_overlong_penalty false."
-                )
-            if self.overlong_penalty_factor < 0.0:
-                raise ValueError(
-                    f"overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0); "
-                    "a negative factor would reward long answers."
-                )
+    def _validate_overlong_penalty(self) -> None:
+        if not self.apply_overlong_penalty:
+            return
+        if not 0 < self.overlong_buffer_len <= self.max_completion_length:
+            raise ValueError(
+                f"overlong_buffer_len={self.overlong_buffer_len} must be in [1, max_completion_length="
+                f"{self.max_completion_length}]: lower it or raise max_completion_length "
+                "(the paper uses 4096 with 20480), or pass --apply_overlong_penalty false."
+            )
+        if self.overlong_penalty_factor < 0.0:
+            raise ValueError(
+                f"overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0); "
+                "a negative factor would reward long answers."
+            )
 
-        if self.clip_ratio_c is not None:
-            if self.loss_type not in CLIPPED_LOSS_TYPES:
-                raise ValueError(
-                    f"clip_ratio_c (dual-clip) needs a clipped loss_type {CLIPPED_LOSS_TYPES}, got {self.loss_type!r}."
-                )
-            if self.delta is not None and self.delta != self.clip_ratio_c:
-                raise ValueError(
-                    "clip_ratio_c and delta both bound the importance ratio: set only clip_ratio_c (dual-clip)."
-                )
-            upper = 1.0 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
-            if self.clip_ratio_c <= upper:
-                raise ValueError(
-                    f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} "
-                    "(verl uses 3.0, ReTool 10.0)."
-                )
-            # With clip_ratio_c > 1 + epsilon_high, TRL's upper ratio bound `delta` is exactly verl's dual-clip:
-            # for A < 0 the loss becomes |A| * min(c, max(r, clip(r))), for A > 0 nothing changes.
-            self.delta = self.clip_ratio_c
+    def _validate_clipping(self) -> None:
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ValueError(f"epsilon={self.epsilon} must be in [0, 1) (DAPO: 0.2).")
+        if self.epsilon_high is not None and self.epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high={self.epsilon_high} must be >= 0 (DAPO: 0.28).")
+        if self.clip_ratio_c is None:
+            return
+        if self.loss_type not in CLIPPED_LOSS_TYPES:
+            raise ValueError(
+                f"clip_ratio_c (dual-clip) needs a clipped loss_type {CLIPPED_LOSS_TYPES}, got {self.loss_type!r}."
+            )
+        upper = 1.0 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
+        if self.clip_ratio_c <= upper:
+            raise ValueError(
+                f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} (verl uses 3.0, ReTool 10.0)."
+            )
 
+    def _validate_token_level_loss(self) -> None:
         if self.loss_type == "dapo" and self.steps_per_generation % self.gradient_accumulation_steps != 0:
             raise ValueError(
                 f"steps_per_generation={self.steps_per_generation} must be a multiple of "
@@ -271,21 +326,16 @@ class DAPOConfig(GRPOConfig):
                 "an optimizer step must not span two generation batches, whose token counts are not known yet. "
                 "Raise generation_batch_size / steps_per_generation or lower gradient_accumulation_steps."
             )
-        if self.eval_num_samples < 1:
-            raise ValueError(f"eval_num_samples={self.eval_num_samples} must be >= 1.")
-        if self.eval_temperature <= 0 or not 0 < self.eval_top_p <= 1:
+
+    def _validate_padding_free(self) -> None:
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch < 1:
             raise ValueError(
-                f"eval_temperature={self.eval_temperature} must be > 0 and eval_top_p={self.eval_top_p} in (0, 1]."
+                f"max_tokens_per_microbatch={self.max_tokens_per_microbatch} must be a positive token count or None."
             )
-        if self.vllm_weight_sync not in ("nccl", "shared_storage"):
-            raise ValueError(f"vllm_weight_sync={self.vllm_weight_sync!r} must be 'nccl' or 'shared_storage'.")
-        if self.vllm_weight_sync == "shared_storage" and not (self.use_vllm and self.vllm_mode == "server"):
-            raise ValueError(
-                "vllm_weight_sync='shared_storage' syncs a separate vLLM server: also pass --use_vllm true "
-                "--vllm_mode server (colocate mode shares the weights in memory)."
-            )
-        if self.vllm_request_timeout <= 0:
-            raise ValueError(f"vllm_request_timeout={self.vllm_request_timeout} must be > 0 seconds.")
+        if self.max_tokens_per_microbatch is not None and not self.padding_free:
+            raise ValueError("max_tokens_per_microbatch needs padding_free=true (it splits rows by real tokens).")
+
+    def _validate_dynamic_sampling(self) -> None:
         if self.max_filter_gen_batches < 0:
             raise ValueError(f"max_filter_gen_batches={self.max_filter_gen_batches} must be >= 0 (0 = unlimited).")
         if self.filter_groups_oversample < 1:
@@ -301,3 +351,22 @@ class DAPOConfig(GRPOConfig):
                 "filter_groups_enable with scale_rewards='batch' would normalise kept groups by the std of "
                 "different rounds: use scale_rewards='group' (DAPO) or 'none'."
             )
+
+    def _validate_validation(self) -> None:
+        if self.eval_num_samples < 1:
+            raise ValueError(f"eval_num_samples={self.eval_num_samples} must be >= 1.")
+        if self.eval_temperature <= 0 or not 0 < self.eval_top_p <= 1:
+            raise ValueError(
+                f"eval_temperature={self.eval_temperature} must be > 0 and eval_top_p={self.eval_top_p} in (0, 1]."
+            )
+
+    def _validate_vllm(self) -> None:
+        if self.vllm_weight_sync not in ("nccl", "shared_storage"):
+            raise ValueError(f"vllm_weight_sync={self.vllm_weight_sync!r} must be 'nccl' or 'shared_storage'.")
+        if self.vllm_weight_sync == "shared_storage" and not (self.use_vllm and self.vllm_mode == "server"):
+            raise ValueError(
+                "vllm_weight_sync='shared_storage' syncs a separate vLLM server: also pass --use_vllm true "
+                "--vllm_mode server (colocate mode shares the weights in memory)."
+            )
+        if self.vllm_request_timeout <= 0:
+            raise ValueError(f"vllm_request_timeout={self.vllm_request_timeout} must be > 0 seconds.")

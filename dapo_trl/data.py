@@ -61,7 +61,19 @@ PRESETS = {
 _PRESET_BY_HUB_ID = {preset.hub_id.lower(): name for name, preset in PRESETS.items()}
 
 
-class MalformedRowError(ValueError):
+class DatasetLoadError(ValueError):
+    """A dataset that cannot be used as named (unreadable, unknown, unsupported file, missing columns, no rows).
+
+    The message is the whole story (what failed and the flag or file to change), so the command line prints it
+    without a traceback.
+    """
+
+
+class DatasetUnavailableError(DatasetLoadError, RuntimeError):
+    """The hub or file loader failed; also a RuntimeError, which callers caught before DatasetLoadError existed."""
+
+
+class MalformedRowError(DatasetLoadError):
     """A dataset row that cannot become a training prompt; the message names the row and the column."""
 
 
@@ -136,7 +148,7 @@ def prepare_prompt_dataset(
     answer_column = answer_column or _pick_column(columns, sample, _ANSWER_COLUMNS)
     for role, column in (("problem/prompt", problem_column), ("answer", answer_column)):
         if column is None or column.split(".")[0] not in columns:
-            raise ValueError(
+            raise DatasetLoadError(
                 f"no {role} column {column!r} in dataset columns {sorted(columns)}: name it with "
                 f"--{'prompt' if role.startswith('problem') else 'answer'}_column."
             )
@@ -178,7 +190,7 @@ def prepare_prompt_dataset(
     if duplicates:
         logger.info("removed %d duplicated prompts (%d unique remain)", duplicates, len(rows))
     if not rows:
-        raise ValueError("no usable rows in the dataset")
+        raise DatasetLoadError("no usable rows in the dataset")
     return Dataset.from_list(rows)
 
 
@@ -206,7 +218,9 @@ def load_prompt_dataset(
     if os.path.isfile(source):
         extension = os.path.splitext(source)[1].lower()
         if extension not in _LOCAL_FORMATS:
-            raise ValueError(f"dataset file {source!r}: unsupported extension; use one of {sorted(_LOCAL_FORMATS)}.")
+            raise DatasetLoadError(
+                f"dataset file {source!r}: unsupported extension; use one of {sorted(_LOCAL_FORMATS)}."
+            )
         dataset = load_dataset(_LOCAL_FORMATS[extension], data_files=source, split="train")
     else:
         split = split or (preset.split if preset else "train")
@@ -214,7 +228,7 @@ def load_prompt_dataset(
             dataset = load_dataset(source, config or (preset.config if preset else None), split=split)
         except Exception as error:  # the hub raises many types; the user needs one actionable message
             first_line = str(error).splitlines()[0] if str(error) else ""
-            raise RuntimeError(
+            raise DatasetUnavailableError(
                 f"could not load dataset {source!r} (split {split!r}): {type(error).__name__}: {first_line}. "
                 f"Without hub access, pass a local .jsonl/.parquet/.csv file (e.g. 'aime2024:/data/aime.parquet' "
                 f"for a copy in a preset's format) or '{BUILTIN_ARITHMETIC}'."

@@ -2,7 +2,8 @@
 
     python -m dapo_trl.evaluate --model ./out/checkpoint-100 --dataset aime2024 aime2025 --num_samples 32
 
-Sampling goes through vLLM when it is installed (`--backend auto`), else transformers' `generate`.
+Sampling goes through vLLM when it is installed (`--backend auto`), else transformers' `generate`. This module
+is only the command line: sampling, scoring and the metrics live in `dapo_trl.validation`, shared with training.
 """
 
 from __future__ import annotations
@@ -13,16 +14,8 @@ import json
 import sys
 
 from .data import load_prompt_dataset
-from .evaluation import (
-    build_results,
-    format_table,
-    sample_with_transformers,
-    sample_with_vllm,
-    score_responses,
-    summarize,
-    write_samples,
-)
 from .rewards import REWARD_FUNCTIONS
+from .validation import format_table, summarize, validate_checkpoint, write_samples
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -62,14 +55,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Load the datasets and the tokenizer, then sample, score and report through `dapo_trl.validation`."""
     args = parse_args(argv)
-    import torch
     from datasets import concatenate_datasets
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     model_path = args.model
     if model_path == "builtin:tiny":
-        from .testing import build_tiny_model
+        from .tiny_model import build_tiny_model
 
         model_path = str(build_tiny_model())
     datasets = []
@@ -83,33 +76,27 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as error:
         print(f"error: could not load {model_path!r}: {str(error).splitlines()[0]}", file=sys.stderr)
         return 2
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     use_vllm = args.backend == "vllm" or (args.backend == "auto" and importlib.util.find_spec("vllm") is not None)
-    sampling = {
-        "num_samples": args.num_samples,
-        "temperature": args.temperature,
-        "top_p": args.top_p,
-        "max_new_tokens": args.max_new_tokens,
-    }
-    prompts = [row["prompt"] for row in rows]
-    torch.manual_seed(args.seed)
-    if use_vllm:
-        completions = sample_with_vllm(model_path, tokenizer, prompts, seed=args.seed, **sampling)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
-        model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
-        completions = sample_with_transformers(model, tokenizer, prompts, batch_size=args.batch_size, **sampling)
-    correct = score_responses(REWARD_FUNCTIONS[args.reward], rows, completions)
-    results = build_results(list(range(len(rows))), rows, completions, correct)
+    backend = "vllm" if use_vllm else "transformers"
+    results = validate_checkpoint(
+        model_path,
+        tokenizer,
+        rows,
+        REWARD_FUNCTIONS[args.reward],
+        backend=backend,
+        num_samples=args.num_samples,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
     metrics = summarize(results)
     print(format_table(metrics))
     if args.output:
         write_samples(args.output + ".samples.jsonl", results)
         with open(args.output, "w") as f:
-            json.dump(
-                {"metrics": metrics, "args": vars(args), "backend": "vllm" if use_vllm else "transformers"}, f, indent=2
-            )
+            json.dump({"metrics": metrics, "args": vars(args), "backend": backend}, f, indent=2)
         print(f"metrics written to {args.output}, responses to {args.output}.samples.jsonl")
     return 0
 

@@ -1,11 +1,49 @@
-"""The trainer's own prompt stream for dynamic sampling's extra rounds (never the Trainer's dataloader)."""
+"""DAPO's dynamic sampling as one unit: the prompt stream, carried groups, keep/fill/carry decisions and statistics.
+
+The trainer hands `DynamicSampler.sample` a `score_round` callable ("generate and score these prompts") that returns
+the round's rows gathered from every process plus their raw accuracy; the sampler decides everything else and never
+reads trainer state. Its checkpoint state is `state_dict()` / `load_state_dict()`.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+from .algorithm import assemble_batch, group_keep_mask
+
+logger = logging.getLogger(__name__)
 
 # Keeps the stream's permutations apart from the dataloader's (both start from `args.seed`).
 _STREAM_SEED_OFFSET = 7919
+# Per-row tensors of a generated batch that dynamic sampling moves between processes: 2-D ones are widened with
+# (pad value, pad on the left?) to concatenate rounds; the token-id pads use the tokenizer's pad id instead of 0.
+ROW_TENSORS = {
+    "prompt_ids": (0, True),
+    "prompt_mask": (0, True),
+    "completion_ids": (0, False),
+    "completion_mask": (0, False),
+    "advantages": (0, False),
+    "old_per_token_logps": (0.0, False),
+    "ref_per_token_logps": (0.0, False),
+    "sampling_per_token_logps": (0.0, False),
+    "importance_sampling_ratio": (1.0, False),
+    "tool_mask": (1, False),
+}
+STAT_NAMES = (
+    "rounds",
+    "groups_generated",
+    "groups_kept",
+    "filler_groups",
+    "carried_in_groups",
+    "surplus_carried_groups",
+    "surplus_discarded_groups",
+)
 
 
 class PromptStream:
@@ -55,3 +93,187 @@ class PromptStream:
             )
         self.pass_index, self.offset = state["pass_index"], state["offset"]
         self._order = self._permutation(self.pass_index)
+
+
+@dataclass
+class ScoredRound:
+    """One generation round as every process sees it: all rows in global (process) order and their raw accuracy."""
+
+    rows: dict[str, torch.Tensor]
+    accuracy: torch.Tensor
+
+
+RoundScorer = Callable[[list[dict[str, Any]]], ScoredRound]
+
+
+@dataclass
+class Process:
+    """Where this process sits, and how to gather Python objects from all processes (in process order)."""
+
+    index: int = 0
+    count: int = 1
+    gather_objects: Callable[[list[Any]], list[Any]] = list
+
+
+class DynamicSampler:
+    """Keeps only groups whose accuracy has spread, generating more rounds from fresh prompts until the batch is full.
+
+    Round 1 uses the dataloader's prompts (plus fresh ones when over-sampling); later rounds draw fresh prompts from
+    the sampler's own seeded `PromptStream`. Every process scores the same gathered rounds, so all take the same
+    keep decisions; the batch is cut at a group boundary to exactly the generation batch. No weights change between
+    rounds, so the old log-probs of every round stay valid.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        dataset: Sequence[dict[str, Any]],
+        group_size: int,
+        padding: dict[str, tuple[float, bool]],
+        process: Process | None = None,
+        shuffle: bool = True,
+    ):
+        self.args = args
+        self.dataset = dataset
+        self.group_size = group_size
+        self.padding = padding
+        self.process = process or Process()
+        self.shuffle = shuffle
+        self._stream: PromptStream | None = None
+        self.carried: dict[str, torch.Tensor] | None = None
+
+    @property
+    def stream(self) -> PromptStream:
+        if self._stream is None:
+            self._stream = PromptStream(len(self.dataset), self.args.seed, shuffle=self.shuffle)
+        return self._stream
+
+    def sample(self, inputs: list[dict[str, Any]], score_round: RoundScorer) -> tuple[dict[str, torch.Tensor], dict]:
+        """The step's whole batch (every process's rows, in global order) and its `dynamic_sampling/*` metrics."""
+        local_rows = len(inputs)
+        target_rows = local_rows * self.process.count
+        stats: Counter = Counter()
+        kept_parts: list[dict[str, torch.Tensor]] = []
+        if self.carried is not None:
+            kept_parts.append(self.carried)
+            stats["carried_in_groups"] = self.carried["advantages"].numel() // self.group_size
+            self.carried = None
+        carried_in_rows = kept_rows = sum(part["advantages"].numel() for part in kept_parts)
+        round_inputs = self._first_round_inputs(inputs)
+        while True:
+            stats["rounds"] += 1
+            scored = score_round(round_inputs)
+            group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
+            row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
+            stats["groups_generated"] += group_kept.numel()
+            stats["groups_kept"] += int(group_kept.sum())
+            if row_kept.any():
+                kept_parts.append({key: value[row_kept] for key, value in scored.rows.items()})
+                kept_rows += int(row_kept.sum())
+            max_rounds = self.args.max_filter_gen_batches
+            if kept_rows >= target_rows or (max_rounds != 0 and stats["rounds"] >= max_rounds):
+                break
+            round_inputs = self._fresh_round_inputs(local_rows * self.args.filter_groups_oversample)
+
+        if kept_rows < target_rows:
+            self._on_exhausted(stats, kept_rows // self.group_size, target_rows // self.group_size)
+            dropped = {key: value[~row_kept] for key, value in scored.rows.items()}
+            kept_parts.append(zero_advantage_filler(dropped, target_rows - kept_rows))
+            stats["filler_groups"] = (target_rows - kept_rows) // self.group_size
+        batch, surplus = assemble_batch(kept_parts, target_rows, self.padding)
+        self._keep_surplus(surplus, carried_in_rows, target_rows, stats)
+        return batch, self._metrics(stats)
+
+    def _keep_surplus(
+        self, surplus: dict[str, torch.Tensor] | None, carried_in_rows: int, target_rows: int, stats: Counter
+    ) -> None:
+        """Carry this step's leftover kept groups to the next step (paper), or count them as discarded.
+
+        Carried groups come first in the batch, so any left over now are two steps old: drop them and carry only
+        this step's groups, which bounds both the backlog and the staleness to one step.
+        """
+        surplus_rows = 0 if surplus is None else surplus["advantages"].numel()
+        if not (self.args.filter_groups_carry_surplus and surplus is not None):
+            stats["surplus_discarded_groups"] = surplus_rows // self.group_size
+            return
+        stale_rows = max(0, carried_in_rows - target_rows)
+        if surplus_rows > stale_rows:
+            self.carried = {key: value[stale_rows:] for key, value in surplus.items()}
+        stats["surplus_carried_groups"] = (surplus_rows - stale_rows) // self.group_size
+        stats["surplus_discarded_groups"] = stale_rows // self.group_size
+
+    def _fresh_round_inputs(self, local_rows: int) -> list[dict[str, Any]]:
+        """This process's slice of a round of fresh prompts, each repeated group_size times."""
+        global_rows = local_rows * self.process.count
+        indices = self.stream.draw(global_rows // self.group_size)
+        start = self.process.index * local_rows
+        first_prompt, last_prompt = start // self.group_size, (start + local_rows - 1) // self.group_size
+        prompts = {i: self.dataset[indices[i]] for i in range(first_prompt, last_prompt + 1)}
+        # One copy per row: TRL may write per-row fields into its input dicts.
+        return [dict(prompts[position // self.group_size]) for position in range(start, start + local_rows)]
+
+    def _first_round_inputs(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous."""
+        oversample = self.args.filter_groups_oversample
+        if oversample == 1:
+            return inputs
+        local_rows = len(inputs) * oversample
+        extra = self._fresh_round_inputs(len(inputs) * (oversample - 1))
+        global_rows = self.process.gather_objects(inputs) + self.process.gather_objects(extra)
+        start = self.process.index * local_rows
+        return global_rows[start : start + local_rows]
+
+    def _on_exhausted(self, stats: Counter, kept_groups: int, target_groups: int) -> None:
+        message = (
+            f"dynamic sampling kept {kept_groups} of the {target_groups} groups a step needs after "
+            f"{stats['rounds']} rounds ({stats['groups_kept']} kept of {stats['groups_generated']} generated)"
+        )
+        if self.args.filter_groups_on_exhausted == "error":
+            raise RuntimeError(
+                f"{message}. The data is too easy or too hard for the model: raise max_filter_gen_batches "
+                "(0 = unlimited) or filter_groups_oversample, change the data, or set "
+                "filter_groups_on_exhausted='fill' to train on the kept groups."
+            )
+        logger.warning("%s; training on them plus zero-advantage filler", message)
+
+    @staticmethod
+    def _metrics(stats: Counter) -> dict[str, float]:
+        metrics = {f"dynamic_sampling/{name}": float(stats[name]) for name in STAT_NAMES}
+        metrics["dynamic_sampling/keep_rate"] = stats["groups_kept"] / max(stats["groups_generated"], 1)
+        return metrics
+
+    def state_dict(self) -> dict[str, Any]:
+        carried = None if self.carried is None else {key: value.cpu() for key, value in self.carried.items()}
+        return {"prompt_stream": self.stream.state_dict(), "carried_groups": carried}
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
+        self.stream.load_state_dict(state["prompt_stream"])
+        carried = state["carried_groups"]
+        self.carried = None if carried is None else {key: value.to(device) for key, value in carried.items()}
+
+
+def zero_advantage_filler(dropped: dict[str, torch.Tensor], rows: int) -> dict[str, torch.Tensor]:
+    """Zero-spread groups that pad a short batch: no advantage, and masked out of the loss and its denominator."""
+    filler = {key: value[:rows].clone() for key, value in dropped.items()}
+    filler["advantages"].zero_()
+    filler["completion_mask"].zero_()
+    return filler
+
+
+def row_padding(pad_token_id: int) -> dict[str, tuple[float, bool]]:
+    """How to widen each per-row tensor: ROW_TENSORS with the tokenizer's pad id for token ids."""
+    return {**ROW_TENSORS, "prompt_ids": (pad_token_id, True), "completion_ids": (pad_token_id, False)}
+
+
+def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A round's rows from every process on every process, in process order (TRL's global row order)."""
+    padding = row_padding(pad_token_id)
+    rows = {}
+    for key, value in local.items():
+        if key == "num_items_in_batch" or value is None:
+            continue
+        if value.dim() == 2:
+            pad_value, pad_left = padding[key]
+            value = accelerator.pad_across_processes(value, dim=1, pad_index=pad_value, pad_first=pad_left)
+        rows[key] = accelerator.gather(value)
+    return rows

@@ -1,9 +1,18 @@
 """Shared helpers for the end-to-end tests: launching scripts with one or several real processes."""
 
+import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dapo_trl.config import DAPOConfig
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -47,3 +56,121 @@ def python_command(script: str, *args: str, num_processes: int = 1, deepspeed_co
     return [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
             script, *args]  # fmt: skip
+
+
+# Small enough for the tiny model on CPU in seconds, and quiet: no reporter, no checkpoints, no progress bar.
+TINY_CONFIG_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 4,
+    "num_generations": 2,
+    "max_completion_length": 8,
+    "max_steps": 1,
+    "gradient_checkpointing": False,
+    "report_to": "none",
+    "save_strategy": "no",
+    "logging_steps": 1,
+    "disable_tqdm": True,
+}
+
+
+def tiny_config(output_dir: str | Path, **overrides: Any) -> "DAPOConfig":
+    """A DAPOConfig for in-process runs on the tiny model: TINY_CONFIG_DEFAULTS, then the test's own settings."""
+    from dapo_trl import DAPOConfig  # lazily: the process-launching helpers above need no torch / TRL
+
+    return DAPOConfig(output_dir=str(output_dir), **{**TINY_CONFIG_DEFAULTS, **overrides})
+
+
+# ------------------------------------------------------------------------------------------ stub HTTP server
+# (status, body, headers, delay_s): a bytes body is sent as is, anything else as JSON.
+StubReply = tuple[int, Any, dict[str, str], float]
+
+
+class StubServer:
+    """A threaded HTTP server on 127.0.0.1 that answers by script: the HTTP clients' tests run against it.
+
+    `behaviour(index, body) -> StubReply`, with `index` counting requests from 0 and `body` the request's JSON
+    (None if it sent none). A delay is waited out before answering and cut short when the server stops; a client
+    that gave up meanwhile is ignored. Every request is recorded in `requests` (method, path, body, headers), and
+    `peak_in_flight` is the most handled at once. Past `max_requests` a runaway client gets HTTP 400.
+    """
+
+    def __init__(self, behaviour: Callable[[int, Any], StubReply], max_requests: int | None = None) -> None:
+        self.behaviour = behaviour
+        self.max_requests = max_requests
+        self.requests: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.peak_in_flight = 0
+        self.release = threading.Event()
+        self.httpd = _StubHTTPServer(("127.0.0.1", 0), _StubHandler)
+        self.httpd.stub = self
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+
+    def __enter__(self) -> "StubServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=5)
+
+    def answer(self, handler: BaseHTTPRequestHandler) -> None:
+        raw = handler.rfile.read(int(handler.headers.get("Content-Length", 0)))
+        body = json.loads(raw) if raw else None
+        with self.lock:
+            index = len(self.requests)
+            record = {"method": handler.command, "path": handler.path, "body": body, "headers": dict(handler.headers)}
+            self.requests.append(record)
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+        try:
+            if self.max_requests is not None and index >= self.max_requests:
+                status, reply, headers = 400, {"error": "too many requests for this test"}, {}
+            else:
+                status, reply, headers, delay = self.behaviour(index, body)
+                if delay:
+                    self.release.wait(delay)
+        finally:
+            with self.lock:
+                self.in_flight -= 1
+        data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
+        try:
+            handler.send_response(status)
+            for name, value in headers.items():
+                handler.send_header(name, value)
+            handler.send_header("Content-Type", "application/json")
+            handler.send_header("Content-Length", str(len(data)))
+            handler.end_headers()
+            handler.wfile.write(data)
+        except OSError:  # the client gave up (a timeout test)
+            pass
+
+
+class _StubHandler(BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 - http.server API
+        self.server.stub.answer(self)  # type: ignore[attr-defined]
+
+    do_POST = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _StubHTTPServer(ThreadingHTTPServer):
+    request_queue_size = 128  # dozens of simultaneous connects must not overflow the listen backlog
+    daemon_threads = True
+
+
+def closed_port() -> int:
+    """A local port nothing listens on (a connection to it is refused)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clear_proxies(monkeypatch: Any) -> None:
+    """No proxy may carry a stub's loopback traffic elsewhere (call from an autouse fixture)."""
+    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)

@@ -15,7 +15,7 @@ from dapo_trl.data import (
     prepare_prompt_dataset,
 )
 from dapo_trl.rewards import dapo_math_reward
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 
 
 def test_arithmetic_answers_are_right():

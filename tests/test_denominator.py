@@ -21,7 +21,7 @@ def reference_gradient(model_dir, rows: list[int]) -> dict[str, torch.Tensor]:
     batch = fixed_global_batch(model.config.vocab_size)
     select = torch.tensor(rows)
     prompt_ids, completion_ids = batch["prompt_ids"][select], batch["completion_ids"][select]
-    mask = batch["completion_mask"][select].float()
+    mask = (batch["completion_mask"][select] * batch["tool_mask"][select]).float()
     advantages = batch["advantages"][select]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention = torch.cat([batch["prompt_mask"][select], batch["completion_mask"][select]], dim=1)
@@ -32,9 +32,11 @@ def reference_gradient(model_dir, rows: list[int]) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def run_layout(tmp_path, processes: int, accumulation: int, steps_per_generation: int):
-    out = tmp_path / f"p{processes}k{accumulation}s{steps_per_generation}"
-    run_command(python_command(SCRIPT, str(out), str(accumulation), str(steps_per_generation), num_processes=processes))
+def run_layout(tmp_path, processes: int, accumulation: int, steps_per_generation: int, *overrides: str, **launch):
+    """One optimizer step in the given layout (extra `key=value` DAPOConfig overrides); (update, rows, model dir)."""
+    out = tmp_path / "_".join([f"p{processes}k{accumulation}s{steps_per_generation}", *overrides]).replace("=", "-")
+    arguments = [str(out), str(accumulation), str(steps_per_generation), *overrides]
+    run_command(python_command(SCRIPT, *arguments, num_processes=processes, **launch))
     delta = torch.load(out / "delta.pt")
     rows = []
     for rank in range(processes):

@@ -2,94 +2,36 @@
 
 from __future__ import annotations
 
-import json
 import pickle
 import re
-import socket
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dapo_trl.judge import DEFAULT_JUDGE_TEMPLATE, JudgeReward, chat_completions_url, parse_verdict
+from dapo_trl.rewards.judge import DEFAULT_JUDGE_TEMPLATE, JudgeReward, chat_completions_url, parse_verdict
+
+from .helpers import StubServer, clear_proxies, closed_port
 
 _ANSWER = re.compile(r"Answer: (\S+)")
 _REFERENCE = re.compile(r"Reference answer:\n(\S+)")
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        server: JudgeServer = self.server.judge  # type: ignore[attr-defined]
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        with server.lock:
-            index = len(server.requests)
-            server.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
-            server.in_flight += 1
-            server.max_in_flight = max(server.max_in_flight, server.in_flight)
-        try:
-            if index >= server.max_requests:  # a runaway client gets a non-retryable answer
-                status, reply, delay = 400, None, 0.0
-            else:
-                status, reply, delay = server.behaviour(index, body)
-            if delay:
-                server.release.wait(delay)  # the teardown cuts every sleep short
-        finally:
-            with server.lock:
-                server.in_flight -= 1
-        if status == 200 and not isinstance(reply, bytes):
-            reply = json.dumps({"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]})
-        elif status != 200:
-            reply = json.dumps({"error": {"message": f"stub error {status}"}})
-        data = reply if isinstance(reply, bytes) else reply.encode()
-        try:
-            self.send_response(status)
-            if status in (429, 503):
-                self.send_header("Retry-After", "0")
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client gave up (timeout test)
-            pass
+def judge_server(behaviour, max_requests: int = 200) -> StubServer:
+    """A chat-completions stub: `behaviour(index, body) -> (status, reply text, delay_s)`; 429 / 503 add Retry-After."""
 
-    def log_message(self, format, *args):
-        pass
+    def answer(index, body):
+        status, reply, delay = behaviour(index, body)
+        if status != 200:
+            reply = {"error": {"message": f"stub error {status}"}}
+        elif not isinstance(reply, bytes):
+            reply = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
+        return status, reply, {"Retry-After": "0"} if status in (429, 503) else {}, delay
+
+    return StubServer(answer, max_requests)
 
 
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128  # 32 simultaneous connects must not overflow the listen backlog
-    daemon_threads = True
-
-
-class JudgeServer:
-    """A chat-completions stub: `behaviour(index, body) -> (status, reply text, delay_s)`; records every request."""
-
-    def __init__(self, behaviour, max_requests: int = 200):
-        self.behaviour = behaviour
-        self.max_requests = max_requests
-        self.requests: list[dict] = []
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.release = threading.Event()
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
-        self.httpd.judge = self
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self) -> JudgeServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
-
-    def contents(self) -> list[str]:
-        return [r["body"]["messages"][0]["content"] for r in self.requests]
+def contents(server: StubServer) -> list[str]:
+    return [r["body"]["messages"][0]["content"] for r in server.requests]
 
 
 def grade(body: dict) -> bool:
@@ -103,25 +45,18 @@ def always(status: int, reply: str | None = "CORRECT", delay: float = 0.0):
     return lambda index, body: (status, reply, delay)
 
 
-def fast(server: JudgeServer, **kwargs) -> JudgeReward:
+def fast(server: StubServer | str, **kwargs) -> JudgeReward:
     """A JudgeReward with test-sized timeouts."""
     options = {"timeout_s": 2.0, "max_retries": 2, "backoff_s": 0.01, "api_key": ""}
     options.update(kwargs)
-    return JudgeReward(server.base_url if isinstance(server, JudgeServer) else server, "judge-model", **options)
+    return JudgeReward(server.base_url if isinstance(server, StubServer) else server, "judge-model", **options)
 
 
 @pytest.fixture(autouse=True)
 def _loopback_only(monkeypatch):
     """No proxy may carry the stub's loopback traffic elsewhere, and no ambient key leaks in."""
-    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
+    clear_proxies(monkeypatch)
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
-
-
-def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- parsing and construction ---------------------------------------------------------------------------------
@@ -200,7 +135,7 @@ def test_name_message_pickle_and_repr():
 
 
 def test_empty_batch_sends_nothing():
-    with JudgeServer(always(200)) as server:
+    with judge_server(always(200)) as server:
         assert fast(server)([], [], []) == []
         assert server.requests == []
 
@@ -226,7 +161,7 @@ def test_batch_verdicts_keep_their_order():
     ]
     solution = [str(i) for i in range(n)]
     expected = [1.0 if i % 2 == 0 or i % 3 else -1.0 for i in range(n)]
-    with JudgeServer(judging) as server:
+    with judge_server(judging) as server:
         reward = fast(server, max_concurrency=8)
         assert reward(prompts=prompts, completions=completions, solution=solution) == expected
     assert len(server.requests) == n
@@ -236,18 +171,18 @@ def test_batch_verdicts_keep_their_order():
     assert request["body"]["temperature"] == 0.0 and request["body"]["max_tokens"] == 16
     assert "Authorization" not in request["headers"]
     sent = [reward.judge_message(*x) for x in zip(prompts, completions, solution, strict=True)]
-    assert sorted(server.contents()) == sorted(sent)
+    assert sorted(contents(server)) == sorted(sent)
     assert reward.last_stats["judge/failures"] == 0 and reward.last_stats["judge/requests"] == n
 
 
 def test_requests_run_concurrently_up_to_the_limit():
-    with JudgeServer(always(200, "CORRECT", delay=0.2)) as server:
+    with judge_server(always(200, "CORRECT", delay=0.2)) as server:
         reward = fast(server, max_concurrency=16)
         rewards = reward([f"q{i}" for i in range(32)], [f"Answer: {i}" for i in range(32)], ["0"] * 32)
     assert rewards == [1.0] * 32
     assert len(server.requests) == 32
     # Sequential calls would never exceed 1 in flight; the pool must never exceed its limit.
-    assert 12 <= server.max_in_flight <= 16, server.max_in_flight
+    assert 12 <= server.peak_in_flight <= 16, server.peak_in_flight
 
 
 @pytest.mark.parametrize("status", [503, 500, 429])
@@ -255,7 +190,7 @@ def test_retries_after_a_server_error_then_succeeds(status):
     def flaky(index, body):
         return (status, None, 0.0) if index == 0 else (200, "CORRECT", 0.0)
 
-    with JudgeServer(flaky, max_requests=5) as server:
+    with judge_server(flaky, max_requests=5) as server:
         reward = fast(server, max_retries=3)
         assert reward(["q"], ["Answer: 1"], ["1"]) == [1.0]
     assert len(server.requests) == 2
@@ -263,7 +198,7 @@ def test_retries_after_a_server_error_then_succeeds(status):
 
 
 def test_client_error_is_not_retried():
-    with JudgeServer(always(400), max_requests=10) as server:
+    with judge_server(always(400), max_requests=10) as server:
         reward = fast(server, max_retries=3)
         assert reward(["q"], ["Answer: 1"], ["1"]) == [-1.0]
         assert len(server.requests) == 1
@@ -275,21 +210,21 @@ def test_client_error_is_not_retried():
 
 
 def test_unparseable_reply_scores_incorrect_without_failing():
-    with JudgeServer(always(200, "I am not sure.")) as server:
+    with judge_server(always(200, "I am not sure.")) as server:
         reward = fast(server, on_failure="raise")
         assert reward(["q"], ["Answer: 1"], ["1"]) == [-1.0]
     assert reward.last_stats["judge/unparsed"] == 1 and reward.last_stats["judge/failures"] == 0
 
 
 def test_non_json_reply_is_a_failure_and_not_retried():
-    with JudgeServer(always(200, b"<html>not an API</html>"), max_requests=5) as server:
+    with judge_server(always(200, b"<html>not an API</html>"), max_requests=5) as server:
         with pytest.raises(RuntimeError, match="not a chat completion.*OpenAI-compatible"):
             fast(server, on_failure="raise")(["q"], ["Answer: 1"], ["1"])
     assert len(server.requests) == 1
 
 
 def test_server_that_never_answers_ends_within_the_deadline():
-    with JudgeServer(always(200, "CORRECT", delay=30.0), max_requests=20) as server:
+    with judge_server(always(200, "CORRECT", delay=30.0), max_requests=20) as server:
         reward = fast(server, timeout_s=0.3, max_retries=1, max_concurrency=4)
         assert reward.deadline_s == pytest.approx(0.6)
         metrics: dict[str, float] = {}
@@ -325,16 +260,16 @@ def test_identical_items_are_sent_once():
     prompts = ["q1", "q2", "q1", "q1", "q2", "q3"] * 2
     completions = ["Answer: 1", "Answer: 5", "Answer: 1", "Answer: 2", "Answer: 5", "Answer: 3"] * 2
     solution = ["1", "2", "1", "1", "2", "3"] * 2
-    with JudgeServer(lambda index, body: (200, "CORRECT" if grade(body) else "INCORRECT", 0.0)) as server:
+    with judge_server(lambda index, body: (200, "CORRECT" if grade(body) else "INCORRECT", 0.0)) as server:
         reward = fast(server)
         assert reward(prompts, completions, solution) == [1.0, -1.0, 1.0, -1.0, -1.0, 1.0] * 2
     assert len(server.requests) == 4  # (q1, 1), (q2, 5), (q1, 2), (q3, 3)
-    assert len(set(server.contents())) == 4
+    assert len(set(contents(server))) == 4
     assert reward.last_stats["judge/requests"] == 4
 
 
 def test_api_key_is_sent_as_bearer(monkeypatch):
-    with JudgeServer(always(200)) as server:
+    with judge_server(always(200)) as server:
         fast(server, api_key="sk-explicit")(["q"], ["Answer: 1"], ["1"])
         monkeypatch.setenv("OPENAI_API_KEY", "sk-from-env")
         fast(server, api_key=None)(["q"], ["Answer: 1"], ["1"])
@@ -346,12 +281,12 @@ def test_log_metric_receives_the_counts():
         content = body["messages"][0]["content"]
         if "bad request" in content:
             return 400, None, 0.0
-        if "flaky" in content and sum("flaky" in c for c in server.contents()) == 1:
+        if "flaky" in content and sum("flaky" in c for c in contents(server)) == 1:
             return 503, None, 0.0
         return 200, "CORRECT", 0.05
 
     logged: list[tuple[str, float]] = []
-    with JudgeServer(mixed, max_requests=10) as server:
+    with judge_server(mixed, max_requests=10) as server:
         reward = fast(server, correct_reward=2.0, incorrect_reward=-3.0)
         rewards = reward(
             ["flaky", "bad request", "fine", "fine"],

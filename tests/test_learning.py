@@ -9,8 +9,10 @@ import statistics
 import pytest
 from datasets import Dataset
 
-from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.testing import build_tiny_model
+from dapo_trl import DAPOTrainer
+from dapo_trl.tiny_model import build_tiny_model
+
+from .helpers import tiny_config
 
 pytestmark = pytest.mark.e2e
 
@@ -22,21 +24,15 @@ def even_token_reward(completion_ids: list[list[int]], **kwargs) -> list[float]:
 def test_mean_reward_rises(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny")
     dataset = Dataset.from_list([{"prompt": f"Count to {i}.", "solution": str(i)} for i in range(64)])
-    config = DAPOConfig(
-        output_dir=str(tmp_path / "run"),
+    config = tiny_config(
+        tmp_path / "run",
         per_device_train_batch_size=16,
         num_generations=8,
-        max_completion_length=8,
         learning_rate=1e-2,
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_steps=30,
-        logging_steps=1,
         apply_overlong_penalty=False,
-        gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
         seed=0,
     )
     trainer = DAPOTrainer(model=str(model_dir), reward_funcs=even_token_reward, args=config, train_dataset=dataset)

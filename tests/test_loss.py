@@ -7,7 +7,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.rewards import dapo_math_reward
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 

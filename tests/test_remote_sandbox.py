@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import socket
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from dapo_trl.tools.remote import RemoteSandbox, run_code_url
 from dapo_trl.tools.sandbox import RUNNER_SOURCE, ExecutionStatus, SandboxLimits
+
+from .helpers import StubServer, clear_proxies, closed_port
 
 
 def execute(index: int, body: dict):
@@ -68,67 +66,9 @@ def canned(*replies, delay: float = 0.0):
     return behaviour
 
 
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self):
-        server: FusionServer = self.server.fusion  # type: ignore[attr-defined]
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        with server.lock:
-            index = len(server.requests)
-            server.requests.append({"path": self.path, "body": body})
-            server.in_flight += 1
-            server.peak = max(server.peak, server.in_flight)
-        try:
-            status, reply, headers, delay = server.behaviour(index, body)
-            if delay:
-                server.release.wait(delay)  # the teardown cuts every sleep short
-        finally:
-            with server.lock:
-                server.in_flight -= 1
-        data = reply if isinstance(reply, bytes) else json.dumps(reply).encode()
-        try:
-            self.send_response(status)
-            for name, value in headers.items():
-                self.send_header(name, value)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client gave up (read timeout test)
-            pass
-
-    def log_message(self, format, *args):
-        pass
-
-
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 64
-    daemon_threads = True
-
-
-class FusionServer:
-    """A `/run_code` stub: `behaviour(index, body) -> (status, JSON body, headers, delay_s)`; records requests."""
-
-    def __init__(self, behaviour=execute):
-        self.behaviour = behaviour
-        self.requests: list[dict] = []
-        self.lock = threading.Lock()
-        self.in_flight = 0
-        self.peak = 0
-        self.release = threading.Event()
-        self.httpd = _Server(("127.0.0.1", 0), _Handler)
-        self.httpd.fusion = self
-        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-
-    def __enter__(self) -> FusionServer:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release.set()
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(timeout=5)
+def fusion_server(behaviour=execute) -> StubServer:
+    """A `/run_code` stub: `behaviour(index, body) -> (status, JSON body, headers, delay_s)`."""
+    return StubServer(behaviour)
 
 
 def sandbox(url: str, **kwargs) -> RemoteSandbox:
@@ -139,15 +79,7 @@ def sandbox(url: str, **kwargs) -> RemoteSandbox:
 
 @pytest.fixture(autouse=True)
 def _loopback_only(monkeypatch):
-    """No proxy may carry the stub's loopback traffic elsewhere."""
-    for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
-        monkeypatch.delenv(name, raising=False)
-
-
-def closed_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    clear_proxies(monkeypatch)
 
 
 # -- construction ---------------------------------------------------------------------------------------------
@@ -185,7 +117,7 @@ def test_other_arguments_are_checked():
 
 def test_programs_run_like_the_local_backend():
     limits = SandboxLimits(timeout_s=5.0, memory_mb=512)
-    with FusionServer() as server:
+    with fusion_server() as server:
         box = sandbox(server.base_url, limits=limits)
         value = box.run("x = 20\nx + 1 + 1")
         printed = box.run("print('hi ✓')")
@@ -207,14 +139,14 @@ def test_programs_run_like_the_local_backend():
 
 
 def test_slow_program_times_out():
-    with FusionServer() as server:
+    with fusion_server() as server:
         result = sandbox(server.base_url, limits=SandboxLimits(timeout_s=0.5)).run("import time\ntime.sleep(5)")
     assert result.status is ExecutionStatus.TIMEOUT and result.message == "timed out after 0.5 s"
     assert len(server.requests) == 1
 
 
 def test_segfault_is_killed():
-    with FusionServer() as server:
+    with fusion_server() as server:
         result = sandbox(server.base_url).run("import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
     assert result.status is ExecutionStatus.KILLED and result.signal == 11
     assert "segmentation fault" in result.message
@@ -238,7 +170,7 @@ def test_segfault_is_killed():
     ],
 )  # fmt: skip
 def test_reply_mapping(reply, status, message):
-    with FusionServer(canned(reply)) as server:
+    with fusion_server(canned(reply)) as server:
         result = sandbox(server.base_url).run("pass")
     assert result.status is status and message in result.message, result.message
     assert len(server.requests) == 1
@@ -246,14 +178,14 @@ def test_reply_mapping(reply, status, message):
 
 def test_output_past_the_cap_keeps_its_head():
     limits = SandboxLimits(max_output_bytes=100)
-    with FusionServer(canned(finished(0, stdout="é" * 80, stderr="tail"))) as server:
+    with fusion_server(canned(finished(0, stdout="é" * 80, stderr="tail"))) as server:
         result = sandbox(server.base_url, limits=limits).run("pass")
     assert result.status is ExecutionStatus.OUTPUT_LIMIT and "100 bytes" in result.message
     assert result.stdout == "é" * 50 and result.stderr == ""
 
 
 def test_unavailable_then_success_is_retried():
-    with FusionServer(canned(503, 503, finished(0, stdout="ok\n"))) as server:
+    with fusion_server(canned(503, 503, finished(0, stdout="ok\n"))) as server:
         result = sandbox(server.base_url).run("pass")
     assert result.ok and result.stdout == "ok\n"
     assert len(server.requests) == 3
@@ -265,14 +197,14 @@ def test_retry_after_is_honoured():
             return 429, {"detail": "slow down"}, {"Retry-After": "0.3"}, 0.0
         return 200, finished(0), {}, 0.0
 
-    with FusionServer(behaviour) as server:
+    with fusion_server(behaviour) as server:
         start = time.monotonic()
         result = sandbox(server.base_url).run("pass")
     assert result.ok and len(server.requests) == 2 and time.monotonic() - start >= 0.3
 
 
 def test_retries_run_out():
-    with FusionServer(canned(502)) as server:
+    with fusion_server(canned(502)) as server:
         result = sandbox(server.base_url, max_retries=2).run("pass")
     assert result.status is ExecutionStatus.SANDBOX_ERROR
     assert server.base_url in result.message and "HTTP 502" in result.message and "after 3 attempts" in result.message
@@ -280,7 +212,7 @@ def test_retries_run_out():
 
 
 def test_client_error_is_not_retried():
-    with FusionServer(canned(400)) as server:
+    with fusion_server(canned(400)) as server:
         result = sandbox(server.base_url).run("pass")
     assert result.status is ExecutionStatus.SANDBOX_ERROR
     assert "HTTP 400" in result.message and f"{server.base_url}/run_code" in result.message
@@ -288,7 +220,7 @@ def test_client_error_is_not_retried():
 
 
 def test_read_timeout_is_not_retried():
-    with FusionServer(canned(finished(0), delay=5.0)) as server:
+    with fusion_server(canned(finished(0), delay=5.0)) as server:
         start = time.monotonic()
         result = sandbox(server.base_url, request_timeout=0.3).run("pass")
         elapsed = time.monotonic() - start
@@ -309,11 +241,11 @@ def test_closed_port_fails_fast():
 
 
 def test_gate_bounds_requests_in_flight():
-    with FusionServer(canned(finished(0, stdout="ok\n"), delay=0.2)) as server:
+    with fusion_server(canned(finished(0, stdout="ok\n"), delay=0.2)) as server:
         box = sandbox(server.base_url, max_concurrency=4)
         with ThreadPoolExecutor(max_workers=16) as pool:
             results = list(pool.map(box.run, [f"{i}" for i in range(16)]))
         box.close()
     assert all(r.ok for r in results) and len(server.requests) == 16
-    assert server.peak <= 4 and box.gate.peak_in_flight <= 4
+    assert server.peak_in_flight <= 4 and box.gate.peak_in_flight <= 4
     assert box.gate.peak_in_flight == 4  # the cap was reached, so the bound was tested

@@ -11,14 +11,16 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from dapo_trl.tools import ExecutionStatus, LocalSandbox, SandboxLimits
+from dapo_trl.tools import ExecutionStatus, LocalSandbox, SandboxLimits, SandboxUnavailable
 
 from .helpers import REPO, SCRIPTS, offline_environment
 
@@ -162,6 +164,14 @@ def test_processes_that_leave_the_group_die_with_the_call(hostile):
     _host_intact(record)
 
 
+def test_the_interpreter_cannot_be_tampered_with_nor_host_tmp_read(hostile):
+    record = hostile["tamper_interpreter"]
+    _host_intact(record)
+    assert record["status"] == "ok" and "wrote" not in record["stdout"] and "refused" in record["stdout"]
+    if "private_tmp" in record["layers"]:
+        assert "host tmp file hidden" in record["stdout"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and namespaces")
 def test_all_isolation_layers_are_in_force_as_root(hostile):
     layers = set(hostile["network"]["layers"])  # a run that ends by itself reports its layers
@@ -230,14 +240,14 @@ def test_without_namespaces_an_unreadable_interpreter_is_a_clear_error():
     hidden = [p for p in ("/root", "/home") if sys.executable.startswith(p + "/")]
     if not hidden or os.stat(hidden[0]).st_mode & 0o001:
         pytest.skip("the interpreter is readable by every user here")
-    result = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False).run("1")
-    assert result.status is ExecutionStatus.SANDBOX_ERROR and "LocalSandbox(python=...)" in result.message
+    with pytest.raises(SandboxUnavailable, match=r"without a mount namespace.*LocalSandbox\(python=\.\.\.\)"):
+        LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(SYSTEM_PYTHON), reason="root and a system Python")
 def test_without_namespaces_it_warns_and_still_contains(caplog):
-    sandbox = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, python=SYSTEM_PYTHON)
     with caplog.at_level(logging.WARNING, logger="dapo_trl.tools.sandbox"):
+        sandbox = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, python=SYSTEM_PYTHON)
         result = sandbox.run(
             "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(300)\nprint(os.getuid())"
         )
@@ -267,8 +277,60 @@ def _processes_of(uid: int) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="require_isolation is exercised as root")
 def test_require_isolation_fails_loudly_when_layers_are_missing():
-    from dapo_trl.tools import SandboxUnavailable
+    with pytest.raises(SandboxUnavailable, match="pid_namespace"):  # at construction, from the probe's run
+        LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, require_isolation=True, python="/bin/true")
 
-    sandbox = LocalSandbox(SandboxLimits(timeout_s=3), use_namespaces=False, require_isolation=True, python="/bin/true")
-    with pytest.raises(SandboxUnavailable, match="pid_namespace"):
-        sandbox.isolation()
+
+# ------------------------------------------------------------------------------------ where Python may live
+@pytest.fixture(params=["/tmp", "/home", "/opt"])
+def venv_parent(request) -> Iterator[Path]:
+    """A fresh directory under /tmp (hidden by a private tmpfs), /home (masked) or /opt (where conda lives)."""
+    if not os.path.isdir(request.param) or not os.access(request.param, os.W_OK):
+        pytest.skip(f"cannot create a directory under {request.param} here")
+    parent = Path(tempfile.mkdtemp(prefix="dapo-venv-", dir=request.param))
+    parent.chmod(0o755)  # a mkdtemp directory is private to its owner, unlike where users put environments
+    try:
+        yield parent
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+VENV_CHECKS = """
+import os, site, sys, numpy
+print(sys.prefix)
+print(sorted(os.listdir(os.path.dirname(sys.prefix))))
+for path in [sys.prefix, *site.getsitepackages()]:
+    try:
+        open(os.path.join(path, "pwned"), "w").write("x")
+        print("wrote", path)
+    except OSError as error:
+        print("refused", path, type(error).__name__)
+written = open("mine", "w").write("the program's own directory is writable")
+"""
+
+
+def test_a_virtual_environment_runs_wherever_it_lives_and_stays_read_only(venv_parent):
+    venv = venv_parent / "venv"
+    made = [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)]
+    subprocess.run(made, check=True, capture_output=True, timeout=120)
+    (venv_parent / "neighbour-secret").write_text("not for the sandbox")
+    sandbox = LocalSandbox(SandboxLimits(timeout_s=20), python=str(venv / "bin" / "python"))
+    result = sandbox.run(VENV_CHECKS)
+    assert result.ok, (result.message, result.stderr)
+    prefix, listing, *writes = result.stdout.splitlines()
+    assert prefix == str(venv)
+    if "mount_namespace" in result.layers and not str(venv_parent).startswith("/opt/"):
+        assert listing == "['venv']"  # a hidden path: only the venv itself comes back, not its neighbours
+    if "readonly_host" in result.layers or "unprivileged_user" in result.layers:
+        assert len(writes) >= 2 and all(line.startswith("refused") for line in writes), writes
+    assert not list(venv.rglob("pwned"))
+
+
+def test_an_interpreter_the_sandbox_cannot_run_fails_at_construction(tmp_path):
+    broken = tmp_path / "venv" / "bin" / "python"
+    broken.parent.mkdir(parents=True)
+    broken.symlink_to(tmp_path / "deleted-base" / "python3")  # a venv whose base installation is gone
+    start = time.monotonic()
+    with pytest.raises(SandboxUnavailable, match=r"cannot start Python .*LocalSandbox\(python=\.\.\.\)"):
+        LocalSandbox(SandboxLimits(timeout_s=20), python=str(broken))
+    assert time.monotonic() - start < 10  # one probe, not a timeout

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 
 from .helpers import REPO, SCRIPTS, offline_environment, run_command
 

@@ -3,34 +3,23 @@
 TRL's client has no timeout beyond its first health check (TRL #6913): a hung or dead server would hang training.
 """
 
-import http.server
-import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import requests
 
-from dapo_trl.vllm_sync import TimeoutAdapter, VLLMServerError, add_timeouts, make_timeout_backend
+from dapo_trl.http import TimeoutAdapter
+from dapo_trl.vllm_backends import VLLMServerError, add_timeouts, make_timeout_backend
 
-
-class HangingHandler(http.server.BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - http.server API
-        self.server.release.wait(10)  # longer than the client's timeout; released at teardown
-
-    def log_message(self, *args):
-        pass
+from .helpers import StubServer
 
 
 @pytest.fixture
 def hanging_server():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), HangingHandler)
-    server.release = threading.Event()
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.release.set()
-    server.shutdown()
+    """A server that answers only after 10 s, longer than the client's timeout (cut short at teardown)."""
+    with StubServer(lambda index, body: (200, {}, {}, 10.0)) as server:
+        yield server.base_url
 
 
 def trl_like_client() -> SimpleNamespace:

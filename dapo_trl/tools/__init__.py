@@ -1,7 +1,8 @@
 """Tools the policy can call during generation, and the sandboxes that run model-written code."""
 
 from .gate import ExecutionGate, TokenBucket
-from .sandbox import ExecutionResult, ExecutionStatus, LocalSandbox, Sandbox, SandboxLimits, SandboxUnavailable
+from .local_sandbox import LocalSandbox
+from .sandbox import ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, SandboxUnavailable
 
 __all__ = [
     "ExecutionGate",

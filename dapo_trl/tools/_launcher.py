@@ -5,8 +5,9 @@ It imports nothing from dapo_trl (it runs without site-packages) and does, in or
 1. join the run's cgroups (memory, pids) so every descendant is accounted for;
 2. unshare mount, PID, network, IPC and UTS namespaces (a user namespace too when not root);
 3. fork the namespace's init (PID 1): it mounts a private /proc, private size-limited tmpfs over /tmp, /var/tmp,
-   /dev/shm and /run/lock, hides home directories behind an empty tmpfs (re-exposing the Python installation
-   read-only), brings up an isolated loopback, sets resource limits, then forks the user process;
+   /dev/shm and /run/lock, hides home directories behind an empty tmpfs, binds the Python installation's own
+   directories back read-only wherever it lives (a venv under /tmp, pyenv under /root), makes the host read-only,
+   brings up an isolated loopback, sets resource limits, then forks the user process;
 4. the user process drops to an unprivileged uid with no supplementary groups and no capabilities, sets
    no_new_privs, and execs Python on the runner source with a clean environment.
 
@@ -118,40 +119,37 @@ def _set_limits(cfg):
 
 
 def _setup_mounts(cfg, layers, warnings):
-    """Read-only host filesystem, private /proc and tmpfs, home directories masked but for the interpreter."""
+    """Read-only host filesystem; private /proc and tmpfs; home directories masked; then the interpreter's own
+    directories bound back read-only over all of these (a venv may live under /tmp, pyenv under /root)."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
-    size = f"size={cfg['disk_bytes']}"
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
-    stage = "/tmp/.dapo-stage"
-    os.mkdir(stage, 0o700)
-    staged = []
-    for index, path in enumerate(cfg["expose_paths"]):
-        target = os.path.join(stage, str(index))
-        os.mkdir(target)
-        _mount(path, target, None, MS_BIND | MS_REC)
-        staged.append((target, path))
+    # Hold each interpreter directory before a tmpfs hides it; it is bound back from the handle afterwards.
+    held = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for path in cfg["expose_paths"]]
+    private = [path for path in cfg["private_paths"] if os.path.isdir(path)]
+    for path in private:
+        _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['disk_bytes']},mode=1777")
     for masked in cfg["mask_paths"]:
         _mount("tmpfs", masked, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-    for target, path in staged:
-        os.makedirs(path, 0o755, exist_ok=True)
-        _mount(target, path, None, MS_MOVE)
-    for target, _ in staged:
-        os.rmdir(target)
-    os.rmdir(stage)
+    for path, handle in held:
+        os.makedirs(path, 0o755, exist_ok=True)  # the mount point, inside the fresh tmpfs: root's, 0755
+        os.fchdir(handle)
+        _mount(".", path, None, MS_BIND | MS_REC)
+        os.close(handle)
+    os.chdir("/")
     if cfg["mask_paths"]:
         layers.append("masked_homes")
-    try:  # every host mount read-only, so that even a world-writable directory cannot be written
+    try:  # every mount read-only, the bound interpreter included, so even a world-writable directory is safe
         _set_readonly("/", True, recursive=True)
         layers.append("readonly_host")
     except OSError as error:
         warnings.append(f"host filesystem stays writable where permissions allow ({error})")
-    writable = ["/tmp"]
-    for path in ("/var/tmp", "/dev/shm", "/run/lock"):
-        if os.path.isdir(path):
-            _mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"{size},mode=1777")
-            writable.append(path)
+        for path, _ in held:
+            try:
+                _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+            except OSError as remount_error:
+                warnings.append(f"{path} stays writable where permissions allow ({remount_error})")
     if "readonly_host" in layers:
-        _set_readonly("/tmp", False, recursive=False)
+        for path in private:  # only the tmpfs itself: the interpreter bound below it stays read-only
+            _set_readonly(path, False, recursive=False)
     if "pid_namespace" in layers:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     layers.append("private_tmp")

@@ -13,22 +13,17 @@ bare expression is printed, and a traceback shows only the model's own `<code>` 
 from __future__ import annotations
 
 import logging
-import random
 import signal
-import time
 import urllib.parse
 from typing import Any
 
 import requests
-import urllib3
-from requests.adapters import HTTPAdapter
 
-from ..urls import checked_service_path
+from ..http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, checked_service_path
 from .sandbox import RUNNER_SOURCE, ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, _last_line, _signal_name
 
 logger = logging.getLogger(__name__)
 
-RETRY_HTTP_STATUSES = frozenset({429, 502, 503, 504})
 MAX_DELAY_S = 30.0  # the longest wait before one retry, Retry-After included
 CONNECT_TIMEOUT_S = 10.0
 _URL_EXAMPLE = "'http://127.0.0.1:8080' (the SandboxFusion server's root; a trailing '/run_code' is accepted)"
@@ -46,14 +41,8 @@ def run_code_url(base_url: str) -> str:
     return urllib.parse.urlunsplit((scheme, netloc, f"{path}/run_code", "", ""))
 
 
-class _Retryable(Exception):
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
-        super().__init__(message)
-        self.retry_after = retry_after
-
-
 class _Fatal(Exception):
-    """A failure that a retry would not mend (or must not repeat)."""
+    """A reply that a retry would not mend."""
 
 
 class RemoteSandbox(Sandbox):
@@ -67,7 +56,7 @@ class RemoteSandbox(Sandbox):
         max_concurrency / rate_limit: calls in flight at once and starts per second, across all threads (the gate).
         request_timeout: seconds to wait for the reply; default `limits.timeout_s + 10`.
         max_retries / backoff_s: retries after a connection error, HTTP 429, 502, 503 or 504, waiting
-            `backoff_s * 2**attempt` (with jitter, at most 30 s, at least a Retry-After header's seconds). A retry
+            `backoff_s * 2**attempt` (with jitter, at most 30 s, at least what a Retry-After header asks). A retry
             runs the program again from scratch, which is harmless. Other 4xx and 5xx are not retried, nor is a read
             timeout: the program may have run for its whole time already, the service should have answered
             TimeLimitExceeded by then, and retrying would multiply the delay of the training step. A read timeout
@@ -111,13 +100,15 @@ class RemoteSandbox(Sandbox):
         self.max_retries = max_retries
         self.backoff_s = float(backoff_s)
         self.language = language
-        self._owns_session = session is None
-        if session is None:
-            session = requests.Session()
-            adapter = HTTPAdapter(pool_connections=1, pool_maxsize=max_concurrency, max_retries=0)
-            session.mount("http://", adapter)
-            session.mount("https://", adapter)
-        self.session = session
+        policy = RetryPolicy(
+            max_retries=max_retries,
+            backoff_s=self.backoff_s,
+            retry_statuses=RETRY_STATUSES,
+            retry_read_timeouts=False,  # the program may have run already; the service should have said so
+            max_delay_s=MAX_DELAY_S,
+        )
+        self.http = HTTPClient(policy, session=session, pool_maxsize=max_concurrency)
+        self.session = self.http.session
 
     def __repr__(self) -> str:
         return (
@@ -126,8 +117,7 @@ class RemoteSandbox(Sandbox):
         )
 
     def close(self) -> None:
-        if self._owns_session:
-            self.session.close()
+        self.http.close()
 
     # ------------------------------------------------------------------------------------------ one call
     def request_body(self, code: str) -> dict[str, Any]:
@@ -144,54 +134,27 @@ class RemoteSandbox(Sandbox):
         }
 
     def _execute(self, code: str) -> ExecutionResult:
-        body = self.request_body(code)
-        error = ""
-        attempts = 0
-        for attempt in range(self.max_retries + 1):
-            attempts += 1
-            try:
-                return self._classify(self._post(body))
-            except _Retryable as retryable:
-                error = str(retryable)
-                if attempt == self.max_retries:
-                    break
-                delay = min(MAX_DELAY_S, self.backoff_s * 2**attempt * random.uniform(0.5, 1.0))
-                if retryable.retry_after is not None:
-                    delay = max(delay, min(MAX_DELAY_S, retryable.retry_after))
-                logger.debug("sandbox request to %s failed (%s); retrying in %.2f s", self.url, error, delay)
-                time.sleep(delay)
-            except _Fatal as fatal:
-                return self._failure(str(fatal))
-        return self._failure(f"{error} (after {attempts} attempts)")
+        timeout = (min(CONNECT_TIMEOUT_S, self.request_timeout), self.request_timeout)
+        try:
+            response = self.http.request("POST", self.url, timeout=timeout, json=self.request_body(code))
+        except RequestFailed as failure:
+            if failure.read_timeout:
+                return self._failure(f"no reply within request_timeout={self.request_timeout:g} s (not retried)")
+            retries_ran_out = f" (after {failure.attempts} attempts)" if failure.retryable else ""
+            return self._failure(failure.describe(detail_chars=300) + retries_ran_out)
+        try:
+            payload = response.json()
+        except ValueError:  # requests' JSONDecodeError
+            return self._failure(f"the reply is not JSON: {response.text[:200]!r}")
+        try:
+            return self._classify(payload)
+        except _Fatal as fatal:
+            return self._failure(str(fatal))
 
     def _failure(self, error: str) -> ExecutionResult:
         message = f"sandbox service at {self.url} failed: {error}"
         logger.warning(message)
         return ExecutionResult(ExecutionStatus.SANDBOX_ERROR, message=message, layers=["remote"])
-
-    def _post(self, body: dict[str, Any]) -> Any:
-        """One HTTP attempt; the decoded JSON reply, or _Retryable / _Fatal."""
-        timeout = (min(CONNECT_TIMEOUT_S, self.request_timeout), self.request_timeout)
-        try:
-            response = self.session.post(self.url, json=body, timeout=timeout)
-        except requests.RequestException as error:
-            if _is_read_timeout(error):
-                raise _Fatal(f"no reply within request_timeout={self.request_timeout:g} s (not retried)") from None
-            if isinstance(error, (requests.ConnectionError, requests.exceptions.ChunkedEncodingError)):
-                raise _Retryable(f"{type(error).__name__}: {error}") from None
-            raise _Fatal(f"{type(error).__name__}: {error}") from None
-        with response:
-            status = response.status_code
-            if status != 200:
-                detail = response.text[:300].strip()
-                message = f"HTTP {status} {response.reason}" + (f": {detail}" if detail else "")
-                if status in RETRY_HTTP_STATUSES:
-                    raise _Retryable(message, _retry_after(response.headers.get("Retry-After")))
-                raise _Fatal(message)
-            try:
-                return response.json()
-            except ValueError:
-                raise _Fatal(f"the reply is not JSON: {response.text[:200]!r}") from None
 
     # ------------------------------------------------------------------------------------------ outcome
     def _classify(self, payload: Any) -> ExecutionResult:
@@ -242,23 +205,6 @@ class RemoteSandbox(Sandbox):
             result.status = ExecutionStatus.ERROR
             result.message = f"exit code {code}"
         return result
-
-
-def _is_read_timeout(error: requests.RequestException) -> bool:
-    """A timeout after the request was sent (requests sometimes wraps urllib3's in a ConnectionError)."""
-    if isinstance(error, requests.ReadTimeout):
-        return True
-    return isinstance(error, requests.ConnectionError) and any(
-        isinstance(arg, urllib3.exceptions.ReadTimeoutError) for arg in error.args
-    )
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header in its delta-seconds form, or None."""
-    try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
 
 
 def _text(value: Any) -> str:

@@ -1,6 +1,7 @@
 """One DAPO optimizer step on a fixed global batch; saves the parameter update and the rows each micro-batch held.
 
-Run as `python denominator_run.py OUT K S` (one process) or under `accelerate launch --multi_gpu --num_processes 2`.
+Run as `python denominator_run.py OUT K S [key=value DAPOConfig overrides]` (one process) or under
+`accelerate launch --multi_gpu --num_processes 2`.
 With plain SGD (lr 1, no clipping, no decay) the update is minus the gradient, which the test compares with a
 reference gradient of paper Eq. 11 computed on the rows of the same optimizer step.
 """
@@ -14,7 +15,7 @@ import torch
 from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 
 GLOBAL_ROWS = 16
 PROMPT_LEN = 6
@@ -22,14 +23,19 @@ MAX_COMPLETION = 12
 
 
 def fixed_global_batch(vocab_size: int) -> dict[str, torch.Tensor]:
-    """A deterministic batch with very different completion lengths, so every normaliser choice differs."""
+    """A deterministic batch with very different prompt and completion lengths (TRL's padding: prompts on the left,
+    completions on the right), so every normaliser choice differs, and tool replies masked out of a few rows."""
     generator = torch.Generator().manual_seed(1234)
     lengths = torch.randint(1, MAX_COMPLETION + 1, (GLOBAL_ROWS,), generator=generator)
+    prompt_lengths = torch.randint(1, PROMPT_LEN + 1, (GLOBAL_ROWS,), generator=generator)
+    tool_mask = torch.ones(GLOBAL_ROWS, MAX_COMPLETION, dtype=torch.long)
+    tool_mask[::3, 2:5] = 0  # a tool reply inside every third completion: attended, never trained
     return {
         "prompt_ids": torch.randint(3, vocab_size, (GLOBAL_ROWS, PROMPT_LEN), generator=generator),
-        "prompt_mask": torch.ones(GLOBAL_ROWS, PROMPT_LEN, dtype=torch.long),
+        "prompt_mask": (torch.arange(PROMPT_LEN)[None, :] >= PROMPT_LEN - prompt_lengths[:, None]).long(),
         "completion_ids": torch.randint(3, vocab_size, (GLOBAL_ROWS, MAX_COMPLETION), generator=generator),
         "completion_mask": (torch.arange(MAX_COMPLETION)[None, :] < lengths[:, None]).long(),
+        "tool_mask": tool_mask,
         "advantages": torch.randn(GLOBAL_ROWS, generator=generator),
         "row_index": torch.arange(GLOBAL_ROWS),
     }
@@ -64,6 +70,9 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out, accumulation, steps_per_generation = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    from script_args import parse_overrides  # run as a script from tests/scripts; the test imports this module
+
+    overrides = parse_overrides(sys.argv[4:])
     model_dir = build_tiny_model(out / "model")
     per_device = GLOBAL_ROWS // (int(os.environ.get("WORLD_SIZE", "1")) * steps_per_generation)
     config = DAPOConfig(
@@ -86,6 +95,7 @@ def main() -> None:
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
+        **overrides,
     )
     prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 64)
     trainer = FixedBatchTrainer(model=str(model_dir), args=config, train_dataset=prompts)
@@ -107,6 +117,7 @@ def main() -> None:
     torch.save({"rows": trainer.recorded_rows[:accumulation]}, out / f"rows_rank{rank}.pt")
     if trainer.accelerator.is_main_process:
         torch.save(delta, out / "delta.pt")
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
 
 
 if __name__ == "__main__":

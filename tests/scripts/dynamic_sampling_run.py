@@ -12,12 +12,13 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from datasets import Dataset
 from script_args import parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 
 NUM_GENERATIONS = 4
 
@@ -104,6 +105,9 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=resume)
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        if not trainer.is_deepspeed_enabled:  # ZeRO-3 shards would need gathering
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            torch.save({name: p.detach().cpu() for name, p in model.named_parameters()}, out / "final_params.pt")
 
 
 if __name__ == "__main__":

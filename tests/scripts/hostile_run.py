@@ -7,6 +7,7 @@ sandbox bug fails the test instead of harming the machine. Usage: python hostile
 import json
 import os
 import shutil
+import site
 import socket
 import subprocess
 import sys
@@ -18,6 +19,8 @@ from dapo_trl.tools import LocalSandbox, SandboxLimits
 
 SECRET = f"dapo-secret-{uuid.uuid4().hex}"
 WORLD_WRITABLE = Path(__file__).resolve().parent / ".world-writable"
+HOST_TMP_FILE = Path("/tmp") / f"dapo-host-{uuid.uuid4().hex}"  # /tmp is private in the sandbox, its Python aside
+INTERPRETER_DIRS = [Path(sys.prefix), *map(Path, site.getsitepackages())]  # re-exposed, read-only
 
 SEGFAULT_EXTENSION = """
 import subprocess, sys
@@ -84,6 +87,13 @@ def cases(canary_pid: int, port: int) -> dict[str, str]:
         "escape_process_group": (
             "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(300)\nprint('left')"
         ),
+        "tamper_interpreter": (
+            "import os, site, sys\n"
+            "for path in [sys.prefix, *site.getsitepackages()]:\n"
+            "    try:\n        open(os.path.join(path, 'pwned'), 'w').write('x')\n        print('wrote', path)\n"
+            "    except OSError as error:\n        print('refused', path, type(error).__name__)\n"
+            f"print('host tmp file', 'visible' if os.path.exists({str(HOST_TMP_FILE)!r}) else 'hidden')"
+        ),
     }
 
 
@@ -93,6 +103,8 @@ def main() -> None:
     os.environ["DAPO_TEST_SECRET"] = SECRET
     WORLD_WRITABLE.mkdir(exist_ok=True)
     os.chmod(WORLD_WRITABLE, 0o777)
+    HOST_TMP_FILE.write_text(SECRET)
+    HOST_TMP_FILE.chmod(0o644)
     canary = subprocess.Popen(["sleep", "600"])
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -136,6 +148,7 @@ def main() -> None:
                             Path("/pwned"),
                             Path.cwd() / "pwned",
                             Path("/root/shell-pwned"),
+                            *(directory / "pwned" for directory in INTERPRETER_DIRS),
                         )
                         if p.exists()
                     ],  # fmt: skip
@@ -147,6 +160,7 @@ def main() -> None:
     finally:
         canary.kill()
         shutil.rmtree(WORLD_WRITABLE, ignore_errors=True)
+        HOST_TMP_FILE.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.rewards import retool_reward
-from dapo_trl.testing import build_tiny_model
+from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.tools import LocalSandbox, SandboxLimits
 from dapo_trl.tools.code_interpreter import CodeInterpreter
 

@@ -22,7 +22,9 @@ from script_args import parse_overrides
 from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.vllm_sync import (
+
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, for the probes (this runs as a script)
+from vllm_probes import (
     engine_sequence_logprobs,
     model_sequence_logprobs,
     served_model_name,

@@ -1,26 +1,27 @@
-"""Weight sync to a vLLM server through shared storage, instead of TRL's NCCL broadcast.
+"""TRL's vLLM generation backend, patched three ways; `backend_for(args)` picks the one a DAPOConfig asks for.
 
-TRL 1.16 pushes the policy's weights to a `vllm serve` server over an NCCL group (`VLLMClient.init_communicator`,
-`update_named_params`). That needs CUDA on the trainer (on CPU `init_communicator` raises NotImplementedError), the
-server started with `--weight-transfer-config '{"backend": "nccl"}'`, and a network path for the NCCL rendezvous
-(TRL #3736, #3925 are hangs there). This module replaces only that transport:
+- Server mode, shared-storage weight sync (`vllm_weight_sync="shared_storage"`). TRL 1.16 pushes the policy's
+  weights to a `vllm serve` server over an NCCL group (`VLLMClient.init_communicator`, `update_named_params`). That
+  needs CUDA on the trainer (on CPU `init_communicator` raises NotImplementedError), the server started with
+  `--weight-transfer-config '{"backend": "nccl"}'`, and a network path for the NCCL rendezvous (TRL #3736, #3925 are
+  hangs there). This backend replaces only that transport:
 
-    every process: walk the parameters with TRL's own `_iter_named_params` (gathers ZeRO-3 / FSDP shards, merges
-                   PEFT adapters, and names tensors the way vLLM expects)
-    main process:  write them as one safetensors file into a directory the server can read (atomic rename)
-                   -> POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
-                   -> POST /reset_prefix_cache
+      every process: walk the parameters with TRL's own `_iter_named_params` (gathers ZeRO-3 / FSDP shards, merges
+                     PEFT adapters, and names tensors the way vLLM expects)
+      main process:  write them as one safetensors file into a directory the server can read (atomic rename)
+                     -> POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": DIR}}
+                     -> POST /reset_prefix_cache
 
-The server must run with `VLLM_SERVER_DEV_MODE=1` (for /collective_rpc and /reset_prefix_cache); it needs no
-`--weight-transfer-config`. vLLM's `reload_weights` only *warns* about parameters missing from the file, so every
-parameter is written (a tied output head is written once under the embedding's name, as vLLM expects).
+  The server must run with `VLLM_SERVER_DEV_MODE=1` (for /collective_rpc and /reset_prefix_cache); it needs no
+  `--weight-transfer-config`. vLLM's `reload_weights` only *warns* about parameters missing from the file, so every
+  parameter is written (a tied output head is written once under the embedding's name, as vLLM expects).
+- Server mode, NCCL weight sync (`vllm_weight_sync="nccl"`): TRL's own, plus request timeouts.
+- Colocate mode on vLLM-CPU: a CPU-safe weight load (on GPUs TRL's own backend is used unchanged).
 
-Every HTTP request made through the client has a timeout, and a timed-out or failed request raises
+In server mode every HTTP request made through the client has a timeout, and a timed-out or failed request raises
 `VLLMServerError` naming the method and URL (TRL's own client has none beyond its first health check, TRL #6913).
-
-Use: `DAPOTrainer` builds its vLLM backend inside `shared_storage_vllm_backend(...)` when
-`vllm_weight_sync="shared_storage"` (see `patch_trl_backend`). TRL syncs once per optimizer step (not between
-dynamic-sampling rounds, which must all sample from the same policy).
+TRL syncs once per optimizer step (not between dynamic-sampling rounds, which must all sample from the same
+policy). vLLM and TRL's vLLM modules are imported only when a backend is built, so this module imports without them.
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 import torch
-from requests.adapters import HTTPAdapter
+
+from .http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
+
+if TYPE_CHECKING:
+    from .config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,56 +53,45 @@ class VLLMServerError(RuntimeError):
 
 
 # ------------------------------------------------------------------------------------------------------- HTTP
-def _http(method: str, url: str, timeout: float, **kwargs: Any) -> requests.Response:
-    """One request without retries; raise VLLMServerError naming the URL on a timeout, refusal or non-200 answer."""
+_ONE_TRY = RetryPolicy(max_retries=0)  # a reload or a generation must not run twice
+
+
+def server_request(method: str, url: str, timeout: float, json: Any = None) -> requests.Response:
+    """One request, not retried; VLLMServerError naming the URL on a timeout, a refusal or an error status."""
     try:
-        response = requests.request(method, url, timeout=timeout, **kwargs)
-    except requests.exceptions.Timeout as exc:
-        raise VLLMServerError(f"{method} {url}: no answer from the vLLM server within {timeout:g} s") from exc
-    except requests.exceptions.RequestException as exc:
-        raise VLLMServerError(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
-    if response.status_code == 404:
-        raise VLLMServerError(
-            f"{method} {url}: 404. The server does not expose this endpoint; /collective_rpc and "
-            "/reset_prefix_cache need VLLM_SERVER_DEV_MODE=1 in the server's environment."
-        )
-    if response.status_code != 200:
-        raise VLLMServerError(f"{method} {url}: HTTP {response.status_code}: {response.text[:2000]}")
-    return response
+        with HTTPClient(_ONE_TRY) as client:
+            return client.request(method, url, timeout=timeout, json=json)
+    except RequestFailed as failure:
+        exc = failure.exception
+        if isinstance(exc, requests.exceptions.Timeout):
+            raise VLLMServerError(f"{method} {url}: no answer from the vLLM server within {timeout:g} s") from exc
+        if exc is not None:
+            raise VLLMServerError(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
+        if failure.status == 404:
+            raise VLLMServerError(
+                f"{method} {url}: 404. The server does not expose this endpoint; /collective_rpc and "
+                "/reset_prefix_cache need VLLM_SERVER_DEV_MODE=1 in the server's environment."
+            ) from None
+        raise VLLMServerError(f"{method} {url}: HTTP {failure.status}: {failure.detail(2000)}") from None
 
 
 def wait_until_healthy(base_url: str, total_timeout: float, request_timeout: float = 5.0) -> float:
     """Poll GET /health until it answers 200; return the seconds waited. Each poll has its own timeout."""
     url = f"{base_url.rstrip('/')}/health"
     start = time.monotonic()
-    while True:
-        try:
-            if requests.get(url, timeout=request_timeout).status_code == 200:
-                return time.monotonic() - start
-        except requests.exceptions.RequestException:
-            pass
-        if time.monotonic() - start >= total_timeout:
-            raise VLLMServerError(f"GET {url}: the vLLM server was not healthy after {total_timeout:g} s")
-        time.sleep(1.0)
+    with HTTPClient(_ONE_TRY) as client:
+        while True:
+            with contextlib.suppress(RequestFailed):
+                if client.request("GET", url, timeout=request_timeout).status_code == 200:
+                    return time.monotonic() - start
+            if time.monotonic() - start >= total_timeout:
+                raise VLLMServerError(f"GET {url}: the vLLM server was not healthy after {total_timeout:g} s")
+            time.sleep(1.0)
 
 
-class TimeoutAdapter(HTTPAdapter):
-    """An HTTPAdapter that gives every request a default timeout and names the URL when one fails.
-
-    Mounted on `VLLMClient.session` by `add_timeouts`, it bounds every call TRL's client makes through its session
-    (generate, server_info, world size, reset_prefix_cache, ...).
-    """
-
-    def __init__(self, timeout: float, **kwargs: Any):
-        self.default_timeout = timeout
-        super().__init__(**kwargs)
-
-    def send(self, request, timeout=None, **kwargs):  # noqa: D102 - HTTPAdapter API
-        timeout = self.default_timeout if timeout is None else timeout
-        try:
-            return super().send(request, timeout=timeout, **kwargs)
-        except requests.exceptions.RequestException as exc:
-            raise VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({exc})") from exc
+def _request_error(request: requests.PreparedRequest, error: requests.RequestException) -> VLLMServerError:
+    """A failed request of TRL's client, named by method and URL (requests' own message may lack them)."""
+    return VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({error})")
 
 
 def add_timeouts(client: Any, timeout: float) -> None:
@@ -110,7 +104,7 @@ def add_timeouts(client: Any, timeout: float) -> None:
     old = client.session.get_adapter("http://")
     # Two quick connection retries (1 s, 2 s) ride out a restart; more, with TRL's back-off 2, would take ~62 s.
     retries = old.max_retries.new(read=0, connect=2, backoff_factor=1)
-    adapter = TimeoutAdapter(timeout, max_retries=retries, pool_maxsize=old._pool_maxsize)
+    adapter = TimeoutAdapter(timeout, _request_error, max_retries=retries, pool_maxsize=old._pool_maxsize)
     client.session.mount("http://", adapter)
     client.session.mount("https://", adapter)
 
@@ -150,22 +144,22 @@ def reload_server_weights(
     base_url = base_url.rstrip("/")
     payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}, "timeout": timeout}
     # The HTTP timeout is a little longer than the server-side RPC timeout, so the server's own error comes back.
-    _http("POST", f"{base_url}/collective_rpc", timeout + 30.0, json=payload)
+    server_request("POST", f"{base_url}/collective_rpc", timeout + 30.0, json=payload)
     if reset_prefix_cache:
-        answer = _http("POST", f"{base_url}/reset_prefix_cache", timeout).json()
+        answer = server_request("POST", f"{base_url}/reset_prefix_cache", timeout).json()
         if isinstance(answer, dict) and answer.get("success") is False:
             # vLLM refuses while blocks are held; TRL syncs only between generations, so this means a stuck request.
             raise VLLMServerError(f"POST {base_url}/reset_prefix_cache: the server refused to reset ({answer})")
 
 
 # ------------------------------------------------------------------------------------- TRL backend subclass
-def _vllm_generation_class():
+def _vllm_generation_class() -> type:
     from trl.generation.vllm_generation import VLLMGeneration
 
     return VLLMGeneration
 
 
-def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float):
+def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float) -> type:
     """A `trl.generation.vllm_generation.VLLMGeneration` subclass whose server mode syncs through shared storage.
 
     Only two methods change; everything else (generation, colocate mode, parameter gathering) is TRL's:
@@ -181,7 +175,7 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
     server_dir = str(server_weights_dir or weights_dir)
 
     class SharedStorageVLLMGeneration(base):
-        def _init_vllm(self):
+        def _init_vllm(self) -> None:
             if self.mode != "server":
                 return super()._init_vllm()
             if self.accelerator.is_main_process:
@@ -192,7 +186,7 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
                 self.vllm_client.get_server_info()  # fails with a clear message when the server is not in dev mode
             self.accelerator.wait_for_everyone()
 
-        def sync_weights(self):
+        def sync_weights(self) -> None:
             if self.mode != "server":
                 return super().sync_weights()
             main = self.accelerator.is_main_process
@@ -228,7 +222,7 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
 
 
 @contextlib.contextmanager
-def patch_trl_backend(backend_class: type):
+def patch_trl_backend(backend_class: type) -> Iterator[None]:
     """Make `GRPOTrainer.__init__` build `backend_class` instead of TRL's `VLLMGeneration` (restored on exit).
 
     GRPOTrainer looks the class up in its module's globals when it constructs the backend, so this is the single
@@ -252,7 +246,7 @@ def patch_trl_backend(backend_class: type):
 @contextlib.contextmanager
 def shared_storage_vllm_backend(
     weights_dir: str | Path, server_weights_dir: str | Path | None = None, timeout: float = 600.0
-):
+) -> Iterator[None]:
     """Wrap `super().__init__` of a GRPOTrainer subclass so its vLLM server mode syncs through `weights_dir`.
 
     `server_weights_dir` is the same directory as the server sees it (default: `weights_dir`); `timeout` bounds
@@ -262,7 +256,7 @@ def shared_storage_vllm_backend(
         yield
 
 
-def make_timeout_backend(timeout: float):
+def make_timeout_backend(timeout: float) -> type:
     """A `VLLMGeneration` subclass that keeps TRL's NCCL weight sync but bounds every later HTTP request.
 
     TRL's client has no timeout beyond its first health check (TRL #6913), so a server that dies mid-run hangs the
@@ -272,7 +266,7 @@ def make_timeout_backend(timeout: float):
     base = _vllm_generation_class()
 
     class TimeoutVLLMGeneration(base):
-        def _init_vllm(self):
+        def _init_vllm(self) -> None:
             super()._init_vllm()
             if self.mode == "server" and self.accelerator.is_main_process:
                 add_timeouts(self.vllm_client, timeout)
@@ -297,7 +291,7 @@ def vllm_runs_on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def make_cpu_colocate_backend():
+def make_cpu_colocate_backend() -> type:
     """A `VLLMGeneration` subclass whose colocate mode works on vLLM-CPU; server mode and GPUs are TRL's own.
 
     Two things differ from TRL in colocate mode on CPU:
@@ -312,7 +306,7 @@ def make_cpu_colocate_backend():
     base = _vllm_generation_class()
 
     class CPUColocateVLLMGeneration(base):
-        def _init_vllm(self):
+        def _init_vllm(self) -> None:
             if self.mode != "colocate":
                 return super()._init_vllm()
             import trl.generation.vllm_generation as vllm_generation_module
@@ -321,7 +315,7 @@ def make_cpu_colocate_backend():
             dtype_name = str(dtype).removeprefix("torch.")
             original_llm = vllm_generation_module.LLM
 
-            def llm_with_dtype(*args, **kwargs):
+            def llm_with_dtype(*args: Any, **kwargs: Any) -> Any:
                 kwargs.setdefault("dtype", dtype_name)
                 return original_llm(*args, **kwargs)
 
@@ -331,7 +325,7 @@ def make_cpu_colocate_backend():
             finally:
                 vllm_generation_module.LLM = original_llm
 
-        def sync_weights(self):
+        def sync_weights(self) -> None:
             if self.mode != "colocate":
                 return super().sync_weights()
             if self.enable_sleep_mode:
@@ -354,41 +348,18 @@ def colocate_vllm_backend() -> contextlib.AbstractContextManager:
     return patch_trl_backend(make_cpu_colocate_backend())
 
 
-# ------------------------------------------------------------------------------------------------ checking
-def served_model_name(base_url: str, timeout: float = 30.0) -> str:
-    """The model id the server answers to (GET /v1/models), from any process."""
-    return _http("GET", f"{base_url.rstrip('/')}/v1/models", timeout).json()["data"][0]["id"]
+# ------------------------------------------------------------------------------------------------- the choice
+def backend_for(args: DAPOConfig) -> contextlib.AbstractContextManager:
+    """The context in which GRPOTrainer.__init__ builds the vLLM backend `args` asks for (a no-op without vLLM).
 
-
-def server_sequence_logprobs(
-    base_url: str, model: str, token_ids: list[int], timeout: float = 120.0
-) -> list[float | None]:
-    """The server's log-probability of each token of `token_ids` given the ones before (first is None)."""
-    payload = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0}
-    choice = _http("POST", f"{base_url.rstrip('/')}/v1/completions", timeout, json=payload).json()["choices"][0]
-    out: list[float | None] = []
-    for position, entry in enumerate(choice["prompt_logprobs"]):
-        out.append(None if entry is None else entry[str(token_ids[position])]["logprob"])
-    return out
-
-
-@torch.no_grad()
-def model_sequence_logprobs(model: torch.nn.Module, token_ids: list[int]) -> list[float]:
-    """The trainer model's log-probability of each token of `token_ids` after the first (float32, no sampling)."""
-    device = next(model.parameters()).device
-    ids = torch.tensor([token_ids], device=device)
-    logits = model(input_ids=ids).logits.float()
-    logps = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None]).squeeze(-1)
-    return logps.tolist()
-
-
-def engine_sequence_logprobs(llm: Any, token_ids: list[int]) -> list[float | None]:
-    """An in-process vLLM `LLM`'s log-probability of each token of `token_ids` given the ones before (first None)."""
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
-    output = llm.generate([{"prompt_token_ids": list(token_ids)}], params, use_tqdm=False)[0]
-    out: list[float | None] = []
-    for position, entry in enumerate(output.prompt_logprobs):
-        out.append(None if entry is None else entry[token_ids[position]].logprob)
-    return out
+    Colocate mode: the CPU-safe backend on vLLM-CPU (TRL's own on GPUs). Server mode: request timeouts, with TRL's
+    NCCL sync or with shared-storage sync through `vllm_weight_sync_dir` (default OUTPUT_DIR/vllm_weights).
+    """
+    if args.use_vllm and args.vllm_mode == "colocate":
+        return colocate_vllm_backend()
+    if not (args.use_vllm and args.vllm_mode == "server"):
+        return contextlib.nullcontext()
+    if args.vllm_weight_sync == "nccl":
+        return nccl_vllm_backend(args.vllm_request_timeout)
+    weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
+    return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout)

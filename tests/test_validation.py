@@ -7,11 +7,11 @@ import sys
 import pytest
 from datasets import Dataset
 
-from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.evaluation import PromptResult, format_table, pass_at_k, score_responses, summarize
-from dapo_trl.testing import build_tiny_model
+from dapo_trl import DAPOTrainer
+from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.validation import PromptResult, format_table, pass_at_k, sample_responses, score_responses, summarize
 
-from .helpers import run_command
+from .helpers import run_command, tiny_config
 
 
 def pass_at_k_brute_force(n: int, c: int, k: int) -> float:
@@ -65,6 +65,15 @@ def test_score_responses_calls_the_reward_like_trl():
     assert seen["solution"] == ["7", "7"] and seen["completions"][1] == [{"role": "assistant", "content": "8"}]
 
 
+@pytest.mark.parametrize(
+    "backend,message", [("transformers", "needs a model"), ("vllm", "needs a model_path"), ("tgi", "unknown")]
+)
+def test_sample_responses_checks_its_backend(backend, message):
+    sampling = {"num_samples": 1, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1}
+    with pytest.raises(ValueError, match=message):
+        sample_responses(["What is 1 + 1?"], backend=backend, tokenizer=None, **sampling)
+
+
 def source_reward(completions, data_source, **kwargs):
     """Correct for every 'easy' response, wrong for every 'hard' one: known avg@n and pass@k."""
     return [1.0 if source == "easy" else -1.0 for source in data_source]
@@ -76,21 +85,8 @@ def test_trainer_validation_and_val_before_train(tmp_path):
         {"prompt": [{"role": "user", "content": f"q{i}"}], "solution": "1", "data_source": kind}
         for i, kind in enumerate(["easy", "hard", "easy"])
     ]
-    config = DAPOConfig(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        num_generations=2,
-        max_completion_length=8,
-        eval_num_samples=3,
-        eval_max_new_tokens=6,
-        per_device_eval_batch_size=2,
-        max_steps=1,
-        val_before_train=True,
-        report_to="none",
-        save_strategy="no",
-        gradient_checkpointing=False,
-        logging_steps=1,
-        disable_tqdm=True,
+    config = tiny_config(
+        tmp_path, eval_num_samples=3, eval_max_new_tokens=6, per_device_eval_batch_size=2, val_before_train=True
     )
     trainer = DAPOTrainer(
         model=str(build_tiny_model(tmp_path / "tiny")),

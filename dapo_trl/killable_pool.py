@@ -1,4 +1,6 @@
-"""Run CPU-bound scoring calls in killable worker processes, each call under a hard wall-clock deadline.
+"""A process pool whose workers are killed and replaced on timeout: each call runs under a hard wall-clock deadline.
+
+Used to score responses (`dapo_trl.rewards.math_verify`), where one input can keep sympy busy for minutes.
 
 Why not simpler tools:
 - math-verify's own timeout is `signal.alarm`: it works only in the main thread of the main interpreter (TRL may score
@@ -6,9 +8,9 @@ Why not simpler tools:
 - `concurrent.futures.ProcessPoolExecutor` cannot cancel a running call, and killing one of its workers breaks the
   whole executor (`BrokenProcessPool`), losing every other worker's call.
 
-So `ScoringPool` keeps its own workers, one private pipe each, one call in flight per worker: the deadline of a call is
-exact (it starts when the call is sent), a worker past its deadline is SIGKILLed and replaced while the others go on,
-and no lock or queue is shared between processes that a kill could leave corrupted.
+So `KillableProcessPool` keeps its own workers, one private pipe each, one call in flight per worker: the deadline of a
+call is exact (it starts when the call is sent), a worker past its deadline is SIGKILLed and replaced while the others
+go on, and no lock or queue is shared between processes that a kill could leave corrupted.
 """
 
 from __future__ import annotations
@@ -156,10 +158,10 @@ class _Worker:
         self.conn.close()
 
 
-_LIVE_POOLS: weakref.WeakSet[ScoringPool] = weakref.WeakSet()
+_LIVE_POOLS: weakref.WeakSet[KillableProcessPool] = weakref.WeakSet()
 
 
-class ScoringPool:
+class KillableProcessPool:
     """A lazily started pool of worker processes running `fn(*args)` calls, each under a hard per-call deadline.
 
     Workers start on first use and are reused across calls; `close()` (also run at interpreter exit) stops them.
@@ -208,9 +210,11 @@ class ScoringPool:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}: the deadline is what makes scoring safe")
         with self._lock:
             if self._closed:
-                raise RuntimeError("this ScoringPool is closed")
+                raise RuntimeError("this KillableProcessPool is closed")
             if os.getpid() != self._owner_pid:
-                raise RuntimeError("a ScoringPool cannot be used from a forked child; create one in this process")
+                raise RuntimeError(
+                    "a KillableProcessPool cannot be used from a forked child; create one in this process"
+                )
             if not calls:
                 return []
             self._grow(min(self.num_workers, len(calls)))
@@ -240,7 +244,7 @@ class ScoringPool:
             if locked:
                 self._lock.release()
 
-    def __enter__(self) -> ScoringPool:
+    def __enter__(self) -> KillableProcessPool:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -368,22 +372,22 @@ class ScoringPool:
 
 
 def _noop() -> None:
-    """A call that only proves a worker is up (used by `ScoringPool.start`)."""
+    """A call that only proves a worker is up (used by `KillableProcessPool.start`)."""
 
 
-_DEFAULT_POOLS: dict[tuple[Any, ...], ScoringPool] = {}
+_DEFAULT_POOLS: dict[tuple[Any, ...], KillableProcessPool] = {}
 _DEFAULT_POOLS_LOCK = threading.Lock()
 
 
 def shared_pool(
     num_workers: int | None = None, preload: Sequence[str] = (), initializer: Callable[[], object] | None = None
-) -> ScoringPool:
+) -> KillableProcessPool:
     """This process's pool for these settings, created on first use (each rank of a launch gets its own)."""
     key = (os.getpid(), num_workers, tuple(preload), initializer)
     with _DEFAULT_POOLS_LOCK:
         pool = _DEFAULT_POOLS.get(key)
         if pool is None or pool._closed:
-            pool = _DEFAULT_POOLS[key] = ScoringPool(num_workers, preload=preload, initializer=initializer)
+            pool = _DEFAULT_POOLS[key] = KillableProcessPool(num_workers, preload=preload, initializer=initializer)
         return pool
 
 

@@ -1,7 +1,8 @@
-"""Tests for the offline tiny model factory (dapo_trl.testing)."""
+"""Tests for the offline tiny model factory (dapo_trl.tiny_model)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import multiprocessing.synchronize
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dapo_trl.testing import (
+from dapo_trl.tiny_model import (
     CHAT_TEMPLATE,
     MARKER_FILE,
     QWEN2_PRETOKENIZE_REGEX,
@@ -23,6 +24,7 @@ from dapo_trl.testing import (
     tiny_tokenizer_corpus,
 )
 
+CORPUS_SHA256_V1 = "6d432d3ae3b2e08dee723e423a754857c05a16b7274bc7ee73b41f0acdbaa80c"
 ROUND_TRIP_STRINGS = [
     "What is 12 + 7?",
     "Answer: 42",
@@ -66,6 +68,13 @@ def test_pretokenize_regex_matches_transformers() -> None:
 def test_corpus_deterministic() -> None:
     assert tiny_tokenizer_corpus(3) == tiny_tokenizer_corpus(3)
     assert tiny_tokenizer_corpus(3) != tiny_tokenizer_corpus(4)
+
+
+def test_corpus_pinned_to_model_version() -> None:
+    # The corpus embeds dapo_trl.data's prompt template: editing it changes the tokenizer, so cached builds of
+    # this TINY_MODEL_VERSION would be stale. Bump TINY_MODEL_VERSION, then update this hash.
+    digest = hashlib.sha256("\n".join(tiny_tokenizer_corpus(0)).encode()).hexdigest()
+    assert (TINY_MODEL_VERSION, digest) == ("1", CORPUS_SHA256_V1), "tiny corpus changed: bump TINY_MODEL_VERSION"
 
 
 def test_tokenizer_round_trip_and_matches_raw(tiny_dir: Path) -> None:

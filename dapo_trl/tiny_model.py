@@ -1,4 +1,4 @@
-"""Offline tiny Qwen2 model + tokenizer factory for smoke runs and tests.
+"""Offline tiny Qwen2 model + tokenizer factory: `--model_name_or_path builtin:tiny`, smoke runs and tests.
 
 There is no model hub in our CI / smoke environment, so instead of downloading a checkpoint we build a
 random-init, Qwen2-architecture model and a small byte-level BPE tokenizer from scratch. The result is a normal
@@ -52,11 +52,6 @@ _BPE_VOCAB_SIZE = 768  # target size incl. 256 byte symbols + specials; already 
 _CORPUS_LINES = 3000
 _MODEL_MAX_LENGTH = 1024
 
-_PROMPT_PREFIX = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem."
-)
-_PROMPT_SUFFIX = 'Remember to put your answer on its own line after "Answer:".'
 _WORDS = (
     "the a an of to and in is it that for on with as was are be this by at from or have not but what all were "
     "when we there can your which their if do will each about how up out them then she many some so these would "
@@ -86,8 +81,11 @@ def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[s
 
     Only a pure ``random.Random(seed)`` is used (no global RNG), so the corpus is identical across processes.
     """
+    # The real DAPO prompt template, so its pieces get merges; imported here because dapo_trl.data loads `datasets`.
+    from .data import DAPO_PROMPT_TEMPLATE, make_prompt
+
     rng = random.Random(seed)
-    lines: list[str] = [_PROMPT_PREFIX, _PROMPT_SUFFIX]
+    lines: list[str] = DAPO_PROMPT_TEMPLATE.split("\n\n{problem}\n\n")  # its instruction and its reminder
     for _ in range(n_lines):
         a, b = rng.randint(0, 999), rng.randint(0, 99)
         sym, word, fn = rng.choice(_OPS)
@@ -100,7 +98,7 @@ def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[s
             name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
             lines.append(f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?")
         elif kind == 3:
-            lines.append(f"{_PROMPT_PREFIX}\n\nWhat is {a} {word} {b}?\n\n{_PROMPT_SUFFIX}")
+            lines.append(make_prompt(f"What is {a} {word} {b}?")[0]["content"])
         elif kind == 4:
             lines.append(f"First, {a} {sym} {b} = {fn(a, b)}.\nSo the answer is {fn(a, b)}.\nAnswer: {fn(a, b)}")
         else:

@@ -6,9 +6,9 @@ and returns DAPO's +1 / -1 like `dapo_trl.rewards`. For each completion it sends
 any OpenAI-compatible one), and reads the reply as CORRECT or INCORRECT.
 
 A whole batch goes out at once: identical requests are sent once, and the rest run concurrently on a thread pool
-(`max_concurrency` in flight) with the standard library's `urllib.request`, so a step's 120 judgments cost about
-one request's latency rather than 120. Connection errors, timeouts, HTTP 429 and 5xx are retried with exponential
-backoff; other 4xx are not. Every request has a timeout, and the batch has a deadline of
+(`max_concurrency` in flight) through `dapo_trl.http`, so a step's 120 judgments cost about one request's latency
+rather than 120. Connection errors, timeouts (a judgment is harmless to ask twice), HTTP 429 and 5xx are retried
+with exponential backoff; other 4xx are not. Every request has a timeout, and the batch has a deadline of
 `timeout_s * (max_retries + 1)`, so a dead or hung judge can delay a training step but never hang it. An item whose
 request failed scores `incorrect_reward` (counted in `judge/failures`), or raises `RuntimeError` with
 `on_failure="raise"`.
@@ -22,23 +22,19 @@ was neither CORRECT nor INCORRECT; they score `incorrect_reward`).
 from __future__ import annotations
 
 import concurrent.futures
-import http.client
 import json
 import logging
 import os
-import random
 import re
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from dapo_trl.rewards import CORRECT_REWARD, INCORRECT_REWARD, completion_text
-from dapo_trl.urls import checked_service_path
+from ..http import HTTPClient, RequestFailed, RetryPolicy, checked_service_path
+from .answers import CORRECT_REWARD, INCORRECT_REWARD, completion_text
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +59,9 @@ _THINK_BLOCK = re.compile(r"(?is)<think>.*?</think>")
 # Longest first, so "INCORRECT" and "NOT CORRECT" never read as "CORRECT".
 _VERDICT = re.compile(r"\b(NOT\s+CORRECT|INCORRECT|CORRECT)\b")
 _URL_EXAMPLE = "'http://127.0.0.1:8000' (a vLLM `vllm serve` address; a trailing '/v1' is accepted)"
+# Overloaded (429) or failing (5xx): another try may succeed. Another 4xx would only fail again.
+RETRY_STATUSES = frozenset({429, *range(500, 600)})
+_DEADLINE_HINT = "Check that the judge server is up and not overloaded, or raise timeout_s."
 
 
 def parse_verdict(reply: str | None) -> bool | None:
@@ -136,19 +135,6 @@ class _Outcome:
     @property
     def retries(self) -> int:
         return max(0, self.attempts - 1)
-
-
-class _RetryableError(Exception):
-    def __init__(self, message: str, hint: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.hint = hint
-        self.retry_after = retry_after
-
-
-class _FatalError(Exception):
-    def __init__(self, message: str, hint: str):
-        super().__init__(message)
-        self.hint = hint
 
 
 class JudgeReward:
@@ -295,13 +281,20 @@ class JudgeReward:
         start = time.monotonic()
         deadline = start + self.deadline_s
         stop = threading.Event()
-        opener = urllib.request.build_opener()
-        outcomes: list[_Outcome | None] = [None] * len(messages)
-        pool = concurrent.futures.ThreadPoolExecutor(
-            max_workers=min(self.max_concurrency, len(messages)), thread_name_prefix="judge"
+        workers = min(self.max_concurrency, len(messages))
+        policy = RetryPolicy(
+            max_retries=self.max_retries,
+            backoff_s=self.backoff_s,
+            retry_statuses=RETRY_STATUSES,
+            retry_read_timeouts=True,
+            max_delay_s=None,  # the batch deadline bounds every wait
         )
+        client = HTTPClient(policy, pool_maxsize=workers)
+        outcomes: list[_Outcome | None] = [None] * len(messages)
+        futures: dict[concurrent.futures.Future[_Outcome], int] = {}
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="judge")
         try:
-            futures = {pool.submit(self._request, m, deadline, stop, opener): i for i, m in enumerate(messages)}
+            futures = {pool.submit(self._request, client, m, deadline, stop): i for i, m in enumerate(messages)}
             try:
                 for future in concurrent.futures.as_completed(futures, timeout=max(0.0, deadline - start)):
                     outcome = future.result()
@@ -313,13 +306,15 @@ class JudgeReward:
         finally:
             stop.set()  # workers still waiting stop retrying; queued ones never start
             pool.shutdown(wait=False, cancel_futures=True)
+            if all(future.done() for future in futures):
+                client.close()  # else a straggler's request still uses it, and garbage collection closes it
         elapsed = time.monotonic() - start
         for i, outcome in enumerate(outcomes):
             if outcome is None:
                 outcome = outcomes[i] = _Outcome(
                     error=f"no answer within the batch deadline of {self.deadline_s:g} s "
                     f"(timeout_s * (max_retries + 1))",
-                    hint="Check that the judge server is up and not overloaded, or raise timeout_s.",
+                    hint=_DEADLINE_HINT,
                     latency_s=elapsed,
                 )
                 if self.on_failure == "raise":
@@ -332,102 +327,74 @@ class JudgeReward:
             f"{outcome.error}. {outcome.hint}"
         )
 
-    def _request(
-        self, message: str, deadline: float, stop: threading.Event, opener: urllib.request.OpenerDirector
-    ) -> _Outcome:
+    def _request(self, client: HTTPClient, message: str, deadline: float, stop: threading.Event) -> _Outcome:
         """Send one judge request, retrying within the deadline."""
-        body = json.dumps(
-            {
-                "model": self.model,
-                "messages": [{"role": "user", "content": message}],
-                "temperature": self.temperature,
-                "max_tokens": self.max_tokens,
-            }
-        ).encode()
-        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        payload = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": message}],
+            "temperature": self.temperature,
+            "max_tokens": self.max_tokens,
+        }
+        headers = {"Accept": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         start = time.monotonic()
-        outcome = _Outcome()
-        for attempt in range(self.max_retries + 1):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or stop.is_set():
-                if outcome.error is None:
-                    outcome.error = f"no answer within the batch deadline of {self.deadline_s:g} s"
-                    outcome.hint = "Check that the judge server is up and not overloaded, or raise timeout_s."
-                else:
-                    outcome.error += " (then the batch deadline was reached)"
-                break
+        outcome = _Outcome(attempts=1)
+
+        def count_retry(failure: RequestFailed, delay_s: float) -> None:
             outcome.attempts += 1
-            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-            try:
-                reply = self._attempt(opener, request, min(self.timeout_s, remaining))
-            except _RetryableError as error:
-                outcome.error, outcome.hint = str(error), error.hint
-                if attempt == self.max_retries:
-                    break
-                delay = self.backoff_s * 2**attempt * random.uniform(0.5, 1.0)
-                if error.retry_after is not None:
-                    delay = max(delay, error.retry_after)
-                delay = min(delay, deadline - time.monotonic())
-                if delay > 0 and stop.wait(delay):
-                    outcome.error += " (then the batch was abandoned)"
-                    break
-            except _FatalError as error:
-                outcome.error, outcome.hint = str(error), error.hint
-                break
-            else:
-                outcome.error, outcome.hint = None, ""
-                outcome.verdict = parse_verdict(reply)
-                break
+
+        try:
+            response = client.request(
+                "POST", self.url, timeout=self.timeout_s, json=payload, headers=headers, deadline=deadline, stop=stop,
+                on_retry=count_retry,
+            )  # fmt: skip
+            outcome.verdict = parse_verdict(_reply_text(response.content))
+        except RequestFailed as failure:
+            outcome.attempts = failure.attempts
+            outcome.error, outcome.hint = self._explain(failure)
+        except _NotAChatCompletion as error:  # a retry would get the same
+            outcome.error = str(error)
+            outcome.hint = "Check that base_url points at an OpenAI-compatible server (e.g. `vllm serve`)."
         outcome.latency_s = time.monotonic() - start
         return outcome
 
-    def _attempt(self, opener: urllib.request.OpenerDirector, request: urllib.request.Request, timeout: float) -> str:
-        """One HTTP attempt; returns the reply text or raises _RetryableError / _FatalError."""
-        try:
-            with opener.open(request, timeout=timeout) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as error:
-            status = error.code
-            try:
-                detail = error.read(500).decode("utf-8", "replace").strip()
-            except Exception:  # the status is what matters
-                detail = ""
-            finally:
-                error.close()
-            message = f"HTTP {status} {error.reason}" + (f": {detail}" if detail else "")
-            if status == 429 or status >= 500:
+    def _explain(self, failure: RequestFailed) -> tuple[str, str]:
+        """The error and the hint of a failed request, in the judge's words."""
+        if failure.response is None and failure.exception is None:
+            return f"no answer within the batch deadline of {self.deadline_s:g} s", _DEADLINE_HINT
+        if failure.response is not None:
+            message = failure.describe(detail_chars=500)
+            if failure.retryable:
                 hint = "The judge server is overloaded or failing: check its logs, or lower max_concurrency."
-                raise _RetryableError(message, hint, _retry_after(error.headers)) from None
-            raise _FatalError(message, _client_error_hint(status, self.model, self.url)) from None
-        except (http.client.HTTPException, OSError) as error:  # URLError and TimeoutError are OSErrors
-            reason = getattr(error, "reason", error)
-            if isinstance(reason, TimeoutError) or isinstance(error, TimeoutError):
-                message = f"timed out after {timeout:.3g} s"
-                hint = "The judge server took too long: check it is not overloaded, or raise timeout_s."
             else:
-                message = f"{type(reason).__name__}: {reason}"
-                hint = "Check that the judge server is running and reachable at base_url (host and port)."
-            raise _RetryableError(message, hint) from None
-        try:
-            payload = json.loads(raw)
-            return _content_text(payload["choices"][0]["message"].get("content"))
-        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            snippet = raw[:200].decode("utf-8", "replace")
-            raise _FatalError(
-                f"the response is not a chat completion: {snippet!r}",
-                "Check that base_url points at an OpenAI-compatible server (e.g. `vllm serve`).",
-            ) from None
+                hint = _client_error_hint(failure.response.status_code, self.model, self.url)
+        elif failure.timed_out:
+            message = f"timed out after {failure.timeout_s:.3g} s"
+            hint = "The judge server took too long: check it is not overloaded, or raise timeout_s."
+        else:
+            cause = failure.root_cause()
+            message = f"{type(cause).__name__}: {cause}"
+            hint = "Check that the judge server is running and reachable at base_url (host and port)."
+        if failure.gave_up == "deadline":
+            message += " (then the batch deadline was reached)"
+        elif failure.gave_up == "stopped":
+            message += " (then the batch was abandoned)"
+        return message, hint
 
 
-def _retry_after(headers: Any) -> float | None:
-    """Seconds from a Retry-After header in its delta-seconds form, or None."""
-    value = headers.get("Retry-After") if headers is not None else None
+class _NotAChatCompletion(ValueError):
+    """A 200 reply that is not an OpenAI chat completion (the URL reaches some other server)."""
+
+
+def _reply_text(raw: bytes) -> str:
+    """The message content of a chat-completion reply; _NotAChatCompletion if the reply is not one."""
     try:
-        return max(0.0, float(value)) if value is not None else None
-    except ValueError:
-        return None
+        payload = json.loads(raw)
+        return _content_text(payload["choices"][0]["message"].get("content"))
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        snippet = raw[:200].decode("utf-8", "replace")
+        raise _NotAChatCompletion(f"the response is not a chat completion: {snippet!r}") from None
 
 
 def _client_error_hint(status: int, model: str, url: str) -> str:

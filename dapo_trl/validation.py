@@ -1,0 +1,342 @@
+"""Validation with avg@n and unbiased pass@k, per data source: `DAPOTrainer.evaluate` calls `validate`, and the
+`python -m dapo_trl.evaluate` command calls `validate_checkpoint`.
+
+For each prompt, n responses are sampled with the validation sampling parameters (paper: temperature 1.0,
+top_p 0.7, n = 32 for AIME) and scored with the accuracy reward; a response is correct when its reward is > 0.
+avg@n is the mean accuracy over all n x prompts responses; pass@k (k = 1..n) uses the unbiased estimator of
+Chen et al. (2021), averaged over prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+if TYPE_CHECKING:  # TRL and datasets load lazily: the evaluate command and the scoring helpers do not need them
+    from datasets import Dataset
+
+    from .trainer import DAPOTrainer
+
+Backend = Literal["transformers", "vllm"]
+
+
+def pass_at_k(num_samples: int, num_correct: int, k: int) -> float:
+    """Unbiased pass@k: 1 - C(n - c, k) / C(n, k), the chance that k of the n samples hold a correct one."""
+    if not 0 <= num_correct <= num_samples or not 1 <= k <= num_samples:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={num_samples}, c={num_correct}, k={k}")
+    if num_samples - num_correct < k:
+        return 1.0
+    # Product form avoids huge binomials: prod_{i=n-c+1}^{n} (1 - k / i).
+    return 1.0 - math.prod(1.0 - k / i for i in range(num_samples - num_correct + 1, num_samples + 1))
+
+
+@dataclass
+class PromptResult:
+    """The sampled responses to one validation prompt and whether each was correct."""
+
+    index: int
+    data_source: str
+    prompt: Any
+    solution: str
+    completions: list[str]
+    correct: list[bool]
+
+
+def summarize(results: Sequence[PromptResult], ks: Sequence[int] | None = None) -> dict[str, float]:
+    """avg@n, pass@k and prompt counts per data source and over everything (`all/...`)."""
+    if not results:
+        raise ValueError("no validation results to summarize")
+    num_samples = len(results[0].correct)
+    if any(len(r.correct) != num_samples for r in results):
+        raise ValueError("every prompt needs the same number of samples")
+    ks = list(ks) if ks is not None else list(range(1, num_samples + 1))
+    by_source: dict[str, list[PromptResult]] = defaultdict(list)
+    for result in results:
+        by_source[result.data_source].append(result)
+    if len(by_source) > 1:
+        by_source["all"] = list(results)
+    metrics = {}
+    for source, group in sorted(by_source.items()):
+        correct_counts = [sum(r.correct) for r in group]
+        metrics[f"{source}/avg@{num_samples}"] = sum(correct_counts) / (num_samples * len(group))
+        for k in ks:
+            metrics[f"{source}/pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in correct_counts) / len(group)
+        metrics[f"{source}/num_prompts"] = float(len(group))
+    return metrics
+
+
+def _prompt_text(tokenizer: Any, prompt: Any, chat_template_kwargs: dict[str, Any] | None) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **(chat_template_kwargs or {})
+    )
+
+
+@torch.no_grad()
+def _generate_with_transformers(
+    model: Any,
+    tokenizer: Any,
+    texts: list[str],
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int,
+) -> list[list[str]]:
+    """`model.generate` in batches of prompts, left padded, special tokens stripped from the responses."""
+    padding_side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    outputs: list[list[str]] = []
+    try:
+        for start in range(0, len(texts), batch_size):
+            batch = tokenizer(
+                texts[start : start + batch_size], return_tensors="pt", padding=True, add_special_tokens=False
+            ).to(model.device)
+            generated = model.generate(
+                **batch,
+                do_sample=True,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new_tokens,
+                num_return_sequences=num_samples,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+            decoded = tokenizer.batch_decode(generated[:, batch["input_ids"].size(1) :], skip_special_tokens=True)
+            outputs.extend(decoded[i : i + num_samples] for i in range(0, len(decoded), num_samples))
+    finally:
+        tokenizer.padding_side = padding_side
+    return outputs
+
+
+def _generate_with_vllm(
+    model_path: str,
+    texts: list[str],
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seed: int,
+) -> list[list[str]]:
+    """A local vLLM engine on a saved checkpoint (standalone evaluation; vLLM loads the weights itself)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=model_path, seed=seed)
+    params = SamplingParams(n=num_samples, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed)
+    return [[choice.text for choice in output.outputs] for output in llm.generate(texts, params)]
+
+
+def sample_responses(
+    prompts: Sequence[Any],
+    *,
+    backend: Backend = "transformers",
+    model: Any = None,
+    model_path: str | None = None,
+    tokenizer: Any,
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    seed: int = 0,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> list[list[str]]:
+    """`num_samples` sampled responses per prompt, prompts rendered with the chat template either way.
+
+    backend="transformers" samples with the loaded `model` (in training, or any model in memory), `batch_size`
+    prompts per call; backend="vllm" starts a local engine on the checkpoint at `model_path`, seeded with `seed`.
+    """
+    texts = [_prompt_text(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
+    sampling = (num_samples, temperature, top_p, max_new_tokens)
+    if backend == "transformers":
+        if model is None:
+            raise ValueError("backend='transformers' needs a model")
+        return _generate_with_transformers(model, tokenizer, texts, *sampling, batch_size)
+    if backend == "vllm":
+        if model_path is None:
+            raise ValueError("backend='vllm' needs a model_path")
+        return _generate_with_vllm(model_path, texts, *sampling, seed)
+    raise ValueError(f"unknown sampling backend {backend!r}: use 'transformers' or 'vllm'")
+
+
+def score_responses(
+    reward_func: Callable[..., list[float]],
+    rows: Sequence[dict[str, Any]],
+    completions: Sequence[Sequence[str]],
+    extra_kwargs: dict[str, Any] | None = None,
+) -> list[list[bool]]:
+    """Correct (reward > 0) per response, calling the reward as TRL does: dataset columns as keyword lists."""
+    flat_rows = [row for row, responses in zip(rows, completions, strict=True) for _ in responses]
+    flat = [text for responses in completions for text in responses]
+    conversational = bool(flat_rows) and not isinstance(flat_rows[0]["prompt"], str)
+    formatted = [[{"role": "assistant", "content": text}] for text in flat] if conversational else flat
+    columns = {key: [row[key] for row in flat_rows] for key in flat_rows[0] if key != "prompt"} if flat_rows else {}
+    rewards = reward_func(
+        prompts=[row["prompt"] for row in flat_rows], completions=formatted, **columns, **(extra_kwargs or {})
+    )
+    correct, position = [], 0
+    for responses in completions:
+        correct.append([reward is not None and reward > 0 for reward in rewards[position : position + len(responses)]])
+        position += len(responses)
+    return correct
+
+
+def build_results(
+    indices: Sequence[int],
+    rows: Sequence[dict[str, Any]],
+    completions: Sequence[list[str]],
+    correct: Sequence[list[bool]],
+) -> list[PromptResult]:
+    """One PromptResult per prompt; `indices` are positions in the whole dataset, to restore order after gather."""
+    return [
+        PromptResult(index, row.get("data_source") or "validation", row["prompt"], str(row["solution"]), texts, marks)
+        for index, row, texts, marks in zip(indices, rows, completions, correct, strict=True)
+    ]
+
+
+def write_samples(path: str, results: Sequence[PromptResult], limit: int | None = None) -> None:
+    """The sampled generations as JSON lines: prompt, solution, responses and their correctness."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        for result in results[:limit]:
+            f.write(json.dumps(asdict(result), ensure_ascii=False) + "\n")
+
+
+def format_table(metrics: dict[str, float]) -> str:
+    """A markdown table: one row per data source, avg@n and pass@k columns."""
+    sources = sorted({key.split("/")[0] for key in metrics})
+    columns = sorted(
+        {key.split("/", 1)[1] for key in metrics if "/num_prompts" not in key},
+        key=lambda name: (not name.startswith("avg"), int(name.split("@")[1])),
+    )
+    lines = ["| source | prompts | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for source in sources:
+        cells = " | ".join(f"{metrics.get(f'{source}/{c}', float('nan')):.4f}" for c in columns)
+        lines.append(f"| {source} | {int(metrics[f'{source}/num_prompts'])} | {cells} |")
+    return "\n".join(lines)
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    """Reward-function hooks (log_metric, log_extra) that validation does not record."""
+
+
+def log_samples_table(trainer: DAPOTrainer, results: Sequence[PromptResult]) -> None:
+    """The sampled validation responses as a wandb table, when wandb is the active logger."""
+    if "wandb" not in (trainer.args.report_to or []):
+        return
+    import wandb
+
+    if wandb.run is None:
+        return
+    rows = [
+        [trainer.state.global_step, r.data_source, str(r.prompt), r.solution, text, ok]
+        for r in results
+        for text, ok in zip(r.completions, r.correct, strict=True)
+    ]
+    columns = ["step", "data_source", "prompt", "solution", "response", "correct"]
+    wandb.log({"eval_samples": wandb.Table(columns=columns, data=rows)})
+
+
+def validate(
+    trainer: DAPOTrainer, dataset: Dataset | dict[str, Dataset], metric_key_prefix: str = "eval"
+) -> dict[str, float]:
+    """DAPOTrainer's validation pass: `{prefix}_{source}/avg@n`, `pass@k` with the eval sampling parameters.
+
+    It replaces TRL's evaluation loss (a policy-gradient loss on fresh samples says little about quality).
+    Prompts are sharded over processes, sampled with the policy (ZeRO-3 weights gathered as for training
+    generation) and scored with the accuracy reward; the results are gathered on every process and logged with
+    `trainer.log`. The responses to the first `eval_samples_to_log` prompts go to
+    output_dir/eval_samples/step_XXXXXX.jsonl and, under wandb, to a table. The model's train mode is restored.
+    """
+    from accelerate.utils import gather_object
+    from datasets import concatenate_datasets
+    from trl.models import unwrap_model_for_generation
+
+    if isinstance(dataset, dict):
+        dataset = concatenate_datasets(list(dataset.values()))
+    args, accelerator = trainer.args, trainer.accelerator
+    indices = list(range(accelerator.process_index, len(dataset), accelerator.num_processes))
+    rows = [dataset[i] for i in indices]
+    was_training = trainer.model.training
+    trainer.model.eval()
+    try:
+        with unwrap_model_for_generation(
+            trainer.model_wrapped, accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
+        ) as model:
+            completions = sample_responses(
+                [row["prompt"] for row in rows],
+                backend="transformers",
+                model=model,
+                tokenizer=trainer._tokenizer,
+                num_samples=args.eval_num_samples,
+                temperature=args.eval_temperature,
+                top_p=args.eval_top_p,
+                max_new_tokens=args.eval_max_new_tokens or args.max_completion_length,
+                batch_size=args.per_device_eval_batch_size,
+                chat_template_kwargs=trainer.chat_template_kwargs,
+            )
+        reward_context = {"trainer_state": trainer.state, "log_metric": _ignore, "log_extra": _ignore}
+        accuracy_reward = trainer.reward_funcs[trainer.accuracy_reward_index]
+        correct = score_responses(accuracy_reward, rows, completions, reward_context)
+        local_results = build_results(indices, rows, completions, correct)
+        results = sorted(gather_object(local_results), key=lambda result: result.index)
+        metrics = {f"{metric_key_prefix}_{key}": value for key, value in summarize(results).items()}
+        if accelerator.is_main_process:
+            name = f"step_{trainer.state.global_step:06d}.jsonl"
+            write_samples(os.path.join(args.output_dir, "eval_samples", name), results, args.eval_samples_to_log)
+            log_samples_table(trainer, results[: args.eval_samples_to_log])
+        trainer.log(metrics)
+    finally:
+        if was_training:
+            trainer.model.train()
+    return metrics
+
+
+def validate_checkpoint(
+    model_path: str,
+    tokenizer: Any,
+    rows: Sequence[dict[str, Any]],
+    reward_func: Callable[..., list[float]],
+    *,
+    backend: Backend,
+    num_samples: int,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> list[PromptResult]:
+    """Sample and score a saved checkpoint outside training (`python -m dapo_trl.evaluate`), one process.
+
+    With the transformers backend the model is loaded here, on the GPU when there is one; vLLM loads its own.
+    """
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    torch.manual_seed(seed)
+    model = None
+    if backend == "transformers":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
+        model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    completions = sample_responses(
+        [row["prompt"] for row in rows],
+        backend=backend,
+        model=model,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        num_samples=num_samples,
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+        seed=seed,
+    )
+    correct = score_responses(reward_func, rows, completions)
+    return build_results(list(range(len(rows))), rows, completions, correct)
