@@ -204,8 +204,8 @@ def main() -> None:
         print(json.dumps(run_one(args.run_one, json.loads(os.environ["PACKING_BENCH_OPTIONS"]))))
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-bench-"))
-    print(f"device={args.device} model={args.model} dtype={args.dtype} batch={args.batch} x accumulation="
-          f"{args.accumulation} x steps_per_generation={2 * args.accumulation} generations={args.num_generations}")  # fmt: skip
+    layout = f"batch={args.batch} x accumulation={args.accumulation}, steps_per_generation={2 * args.accumulation}"
+    print(f"device={args.device} model={args.model} dtype={args.dtype} {layout} generations={args.num_generations}")
     print("| L_max | mix | trainer | fed / real tokens | real tokens | time / step (s) | vs GRPO | peak MB |")
     print("|---|---|---|---|---|---|---|---|")
     for max_length in args.max_lengths:

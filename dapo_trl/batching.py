@@ -1,23 +1,22 @@
-"""Shaping training batches so that forwards feed real tokens only: balanced partitions, token budgets, packing.
+"""Shaping the training micro-batches of an optimizer step: balanced by tokens, trimmed, split under a token budget.
 
-Pure functions, no trainer state. Why moving rows is exact: DAPO's token-level loss of an optimizer step is a sum over
-its tokens divided by the step's exact token count (all micro-batches, all processes), so which micro-batch or process
-a row of the step lands in changes nothing but the cost of the forwards.
-Rows are (prompt left-padded | completion right-padded), TRL's layout; a row's real tokens are where its attention
-mask is 1, contiguous.
+Why moving rows is exact: DAPO's token-level loss of an optimizer step is a sum over its tokens divided by the
+step's exact token count (all micro-batches, all processes), so which micro-batch or process a row of the step
+lands in changes nothing but the cost of the forwards. Pure functions, except `StepPlanner` and
+`backward_without_sync`, which talk to the accelerator.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-IGNORE_INDEX = -100
+from .algorithm import optimizer_window_token_counts, trl_items_for_exact_normalizer
+
 logger = logging.getLogger(__name__)
 
 
@@ -70,126 +69,6 @@ def token_budget_chunks(lengths: Sequence[int], max_tokens: int | None, max_rows
             chunks.append([index])
             loads.append(lengths[index])
     return chunks
-
-
-def trimmed_columns(attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int]:
-    """(first, last + 1) columns any row attends to, never cutting into the completion's left edge.
-
-    Left-padded prompts lose their all-pad columns on the left, right-padded completions theirs on the right; the
-    completion block keeps starting at the same place relative to the cut, so results map back by an offset.
-    """
-    used = attention_mask.bool().any(dim=0).nonzero()
-    width = attention_mask.size(1)
-    completion_start = width - logits_to_keep
-    if used.numel() == 0:
-        return completion_start, completion_start + 1
-    first = min(int(used[0]), completion_start)
-    last = max(int(used[-1]) + 1, completion_start + 1)
-    return first, last
-
-
-@dataclass
-class PackedRows:
-    """Rows concatenated into one sequence: what the model needs, and where each real token came from."""
-
-    input_ids: torch.Tensor  # (1, T) real tokens of every row, row after row
-    position_ids: torch.Tensor  # (1, T) restarting at 0 for each row
-    labels: torch.Tensor  # (1, T) token ids at completion positions, IGNORE_INDEX elsewhere
-    token_mask: torch.Tensor  # (rows, width) bool: which padded positions hold the packed tokens, row-major
-
-
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> PackedRows:
-    """Pack padded rows padding-free: only attended tokens, position ids restarting per row.
-
-    Labels follow TRL's padded forward exactly: only completion tokens (the last `logits_to_keep` columns) that are
-    attended are scored; the first token of each row (a prompt token) is never a label, so no log-prob crosses rows.
-    """
-    token_mask = attention_mask.bool()
-    positions = token_mask.long().cumsum(dim=1) - 1
-    completion_column = torch.zeros_like(token_mask)
-    completion_column[:, input_ids.size(1) - logits_to_keep :] = True
-    labels = input_ids.masked_fill(~completion_column, IGNORE_INDEX)
-    return PackedRows(
-        input_ids=input_ids[token_mask].unsqueeze(0),
-        position_ids=positions[token_mask].unsqueeze(0),
-        labels=labels[token_mask].unsqueeze(0),
-        token_mask=token_mask,
-    )
-
-
-def unpack_per_token(packed: PackedRows, values: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-    """(rows, logits_to_keep) from a packed model's (1, T - 1) next-token values (zero where nothing was scored).
-
-    values[0, j] belongs to packed token j + 1 (the fused head scores token j + 1 from position j); packed token 0
-    is a prompt token, never scored.
-    """
-    aligned = torch.cat([values.new_zeros(1, 1), values], dim=1)[0]
-    out = values.new_zeros(packed.token_mask.shape)
-    out = out.masked_scatter(packed.token_mask, aligned)
-    return out[:, -logits_to_keep:]
-
-
-def real_token_counts(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(rows,) attended tokens per row: what a padding-free forward feeds."""
-    return attention_mask.sum(dim=1)
-
-
-# Attention implementations that build a block-diagonal (per-row) mask from position ids restarting at 0 (transformers
-# 5: sdpa, eager and flex through `find_packed_sequence_indices`, flash-attention through varlen cu_seqlens).
-PACKING_ATTENTION = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
-
-PerTokenOutput = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (logps, entropies, aux_loss)
-
-
-def padding_free_per_token(
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    logits_to_keep: int,
-    *,
-    packed_forward: Callable[[PackedRows], PerTokenOutput] | None,
-    padded_forward: Callable[[torch.Tensor, torch.Tensor, int], PerTokenOutput],
-    max_tokens: int | None,
-    max_rows: int | None,
-) -> PerTokenOutput:
-    """Per-token log-probs (and entropies) of padded rows, computed by forwards that feed real tokens only.
-
-    Rows are grouped longest-first into chunks of at most `max_tokens` real tokens (`max_rows` rows when no budget is
-    set); each chunk is packed into one sequence when `packed_forward` is given, otherwise trimmed to its own widest
-    row and run padded. Results come back in the rows' original order and (rows, logits_to_keep) shape, zero where
-    nothing is scored, exactly as the padded forward returns them.
-    """
-    if input_ids.size(0) == 0:
-        return padded_forward(input_ids, attention_mask, logits_to_keep)
-    lengths = real_token_counts(attention_mask).tolist()
-    chunks = token_budget_chunks(lengths, max_tokens, None if max_tokens else max_rows)
-    logps, entropies, aux_losses = [], [], []
-    for chunk in chunks:
-        index = torch.tensor(chunk, device=input_ids.device)
-        ids, mask = input_ids.index_select(0, index), attention_mask.index_select(0, index)
-        if packed_forward is not None:
-            packed = pack_rows(ids, mask, logits_to_keep)
-            chunk_logps, chunk_entropies, aux = packed_forward(packed)
-            chunk_logps = unpack_per_token(packed, chunk_logps, logits_to_keep)
-            if chunk_entropies is not None:
-                chunk_entropies = unpack_per_token(packed, chunk_entropies, logits_to_keep)
-        else:
-            first, last = trimmed_columns(mask, logits_to_keep)
-            kept = last - (ids.size(1) - logits_to_keep)
-            chunk_logps, chunk_entropies, aux = padded_forward(ids[:, first:last], mask[:, first:last], kept)
-            missing = logits_to_keep - kept
-            chunk_logps = torch.nn.functional.pad(chunk_logps, (0, missing))
-            if chunk_entropies is not None:
-                chunk_entropies = torch.nn.functional.pad(chunk_entropies, (0, missing))
-        logps.append(chunk_logps)
-        entropies.append(chunk_entropies)
-        aux_losses.append(aux)
-    inverse = torch.empty(len(lengths), dtype=torch.long, device=input_ids.device)
-    inverse[torch.tensor([i for chunk in chunks for i in chunk], device=input_ids.device)] = torch.arange(
-        len(lengths), device=input_ids.device
-    )
-    entropy = None if entropies[0] is None else torch.cat(entropies)[inverse]
-    aux_loss = None if aux_losses[0] is None else torch.stack(aux_losses).mean()
-    return torch.cat(logps)[inverse], entropy, aux_loss
 
 
 def _is_row_tensor(value: object, rows: int) -> bool:
@@ -259,20 +138,6 @@ def loss_mask(batch: dict[str, object]) -> torch.Tensor:
     """The tokens the loss and its denominator count: completion tokens minus tool replies."""
     mask = batch["completion_mask"]
     return mask if batch.get("tool_mask") is None else mask * batch["tool_mask"]
-
-
-def packing_supported(model: torch.nn.Module) -> bool:
-    """Whether `model`'s attention builds per-row masks from restarting position ids; logs the choice once."""
-    attention = getattr(model.config, "_attn_implementation", None)
-    if attention in PACKING_ATTENTION:
-        logger.info("padding-free training: each forward packs its rows into one sequence (%s attention)", attention)
-        return True
-    logger.warning(
-        "padding-free training: %s attention cannot pack rows; forwards run on rows trimmed to their widest instead "
-        "(attn_implementation='sdpa' or 'flash_attention_2' packs them)",
-        attention,
-    )
-    return False
 
 
 def budget_passes(batch: dict[str, object], max_tokens: int) -> int:
@@ -387,3 +252,55 @@ class TokenWeightedMetrics:
         for name in [name for name, values in metrics.items() if all(v != v for v in values)]:
             del metrics[name]  # nothing measured in the window: TRL would log None, which loggers reject
         self.weights[mode] = []
+
+
+class StepPlanner:
+    """Prepares a generation batch's micro-batches for training and splits them under the token budget.
+
+    `plan` deals each optimizer step's rows to its micro-batches by tokens (padding-free), gives every micro-batch
+    its step's exact token count over all processes (TRL scales one generation-wide count by K / S, exact only
+    when S == K: TRL #5619, #6024, #5890, #6439) and agrees on how many backward passes each needs under
+    `max_tokens_per_microbatch`; `parts` cuts one micro-batch into those passes, with equal rows on every process.
+    """
+
+    def __init__(self, args: Any, accelerator: Any, loss_type: str):
+        self.args = args
+        self.accelerator = accelerator
+        self.exact_denominator = loss_type in ("dapo", "cispo", "vespo")
+
+    def plan(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        window = self.args.gradient_accumulation_steps
+        if self.args.padding_free:
+            micro_batches = balance_micro_batches(micro_batches, window)
+        device = self.accelerator.device
+        if self.exact_denominator:
+            local_counts = torch.stack([loss_mask(batch).sum() for batch in micro_batches]).to(device)
+            global_counts = self.accelerator.reduce(local_counts.float(), reduction="sum")
+            window_counts = optimizer_window_token_counts(global_counts, window)
+            items = trl_items_for_exact_normalizer(window_counts, self.args.steps_per_generation, window)
+            for batch, count in zip(micro_batches, items, strict=True):
+                batch["num_items_in_batch"] = count
+        budget = self.args.max_tokens_per_microbatch
+        if budget:
+            local = torch.tensor([budget_passes(batch, budget) for batch in micro_batches], device=device)
+            agreed = self.accelerator.reduce(local, reduction="max").tolist()
+            for batch, passes in zip(micro_batches, agreed, strict=True):
+                batch["backward_passes"] = passes
+            longest = max(int(fed_tokens(batch).max()) for batch in micro_batches)
+            if longest > budget:
+                logger.warning(
+                    "a row of %d tokens exceeds max_tokens_per_microbatch=%d: it trains alone in its own pass "
+                    "(nothing is dropped or truncated); raise max_tokens_per_microbatch to bound memory by it",
+                    longest, budget,
+                )  # fmt: skip
+        return micro_batches
+
+    def parts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
+        """The micro-batch's backward passes: itself, or its budget parts padded to equal rows on every process."""
+        passes = batch.get("backward_passes", 1)
+        if passes == 1:
+            return [batch]
+        parts = split_for_budget(batch, self.args.max_tokens_per_microbatch, passes)
+        rows = torch.tensor([part["prompt_ids"].size(0) for part in parts], device=self.accelerator.device)
+        rows = self.accelerator.reduce(rows, reduction="max").tolist()
+        return [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]

@@ -24,22 +24,17 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from .algorithm import optimizer_window_token_counts, trl_items_for_exact_normalizer
 from .batching import (
+    StepPlanner,
     TokenWeightedMetrics,
     backward_without_sync,
-    balance_micro_batches,
-    budget_passes,
     fed_tokens,
     loss_mask,
-    packing_supported,
-    pad_with_masked_rows,
-    padding_free_per_token,
     process_rows,
     select_rows,
-    split_for_budget,
 )
 from .config import DAPOConfig
+from .packing import packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
 from .rewards.overlong import SoftOverlongPenalty
 from .sampling import ROW_TENSORS, DynamicSampler, Process, ScoredRound, gather_rows, row_padding
@@ -109,8 +104,9 @@ class DAPOTrainer(GRPOTrainer):
         if self.tools and self.eval_dataset is not None:
             logger.warning("validation samples single-turn without tools; the tools are used in training only")
         self._captured_rewards: list[torch.Tensor] | None = None
-        self._packing: bool | None = None
+        self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._token_metrics = TokenWeightedMetrics()
+        self._planner = StepPlanner(args, self.accelerator, self.loss_type)
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -151,62 +147,18 @@ class DAPOTrainer(GRPOTrainer):
         self.reward_processing_classes.append(None)
         self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
-    # ------------------------------------------------------------------------------------ exact token denominator
+    # -------------------------------------------------------------- micro-batches: balance, exact denominator
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
         buffered_before = self._buffered_inputs
         inputs = super()._prepare_inputs(generation_batch)
         if self.model.training and self._buffered_inputs is not buffered_before:
-            if self.args.padding_free:  # rows move only inside an optimizer step: exact (see dapo_trl.batching)
-                window = self.args.gradient_accumulation_steps
-                self._buffered_inputs = balance_micro_batches(self._buffered_inputs, window)
-            self._set_exact_token_denominators(self._buffered_inputs)
-            if self.args.max_tokens_per_microbatch:
-                self._agree_on_backward_passes(self._buffered_inputs)
+            self._buffered_inputs = self._planner.plan(self._buffered_inputs)
             inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
         return inputs
 
-    def _set_exact_token_denominators(self, micro_batches: list[dict[str, Any]]) -> None:
-        """Give each buffered micro-batch the active-token count of its own optimizer step, over all processes.
-
-        TRL scales one generation-wide count by K / S, which is exact only when S == K (TRL #5619, #6024, #5890,
-        #6439); here each step's real count is used, so 1 process x 4 accumulation steps and 2 processes x 2 give
-        the same loss, and S = 2K steps are each normalised by their own tokens.
-        """
-        if self.loss_type not in ("dapo", "cispo", "vespo"):
-            return
-        device = self.accelerator.device
-        local_counts = torch.stack([loss_mask(batch).sum() for batch in micro_batches]).to(device)
-        global_counts = self.accelerator.reduce(local_counts.float(), reduction="sum")
-        window_counts = optimizer_window_token_counts(global_counts, self.args.gradient_accumulation_steps)
-        args = self.args
-        num_items = trl_items_for_exact_normalizer(
-            window_counts, args.steps_per_generation, args.gradient_accumulation_steps
-        )
-        for batch, items in zip(micro_batches, num_items, strict=True):
-            batch["num_items_in_batch"] = items
-
-    def _agree_on_backward_passes(self, micro_batches: list[dict[str, Any]]) -> None:
-        """Passes each micro-batch needs under the token budget: the most any process needs (one all-reduce)."""
-        budget = self.args.max_tokens_per_microbatch
-        local = torch.tensor([budget_passes(batch, budget) for batch in micro_batches], device=self.accelerator.device)
-        for batch, passes in zip(micro_batches, self.accelerator.reduce(local, reduction="max").tolist(), strict=True):
-            batch["backward_passes"] = passes
-        longest = max(int(fed_tokens(batch).max()) for batch in micro_batches)
-        if longest > budget:
-            logger.warning(
-                "a row of %d tokens exceeds max_tokens_per_microbatch=%d: it trains alone in its own pass "
-                "(nothing is dropped or truncated); raise max_tokens_per_microbatch to bound memory by it",
-                longest, budget,
-            )  # fmt: skip
-
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync."""
-        parts = [inputs]
-        if inputs.get("backward_passes", 1) > 1:  # equal passes and rows per pass on every process
-            parts = split_for_budget(inputs, self.args.max_tokens_per_microbatch, inputs["backward_passes"])
-            rows = torch.tensor([part["prompt_ids"].size(0) for part in parts], device=self.accelerator.device)
-            rows = self.accelerator.reduce(rows, reduction="max").tolist()
-            parts = [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]
+        parts = self._planner.parts(inputs)
         *parts, last = parts
         earlier = 0.0
         for part in parts:
@@ -251,14 +203,10 @@ class DAPOTrainer(GRPOTrainer):
 
         return padding_free_per_token(
             input_ids, attention_mask, logits_to_keep,
-            packed_forward=packed_forward if self._packs_rows(model) else None, padded_forward=padded_forward,
+            packed_forward=packed_forward if self._packing else None, padded_forward=padded_forward,
             max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
+            one_sequence=self._packing == "sequence", pad_token_id=self._tokenizer.pad_token_id,
         )  # fmt: skip
-
-    def _packs_rows(self, model: Any) -> bool:
-        if self._packing is None:  # decided once, said once in the log
-            self._packing = packing_supported(self.accelerator.unwrap_model(model))
-        return self._packing
 
     # ------------------------------------------------------------------------------------------------ tool use
     def _generate(self, prompts: list):

@@ -10,13 +10,11 @@ from dapo_trl.batching import (
     balance_micro_batches,
     balanced_partition,
     fed_tokens,
-    pack_rows,
-    padding_free_per_token,
     process_rows,
     token_budget_chunks,
     trim_micro_batch,
-    unpack_per_token,
 )
+from dapo_trl.packing import pack_rows, padding_free_per_token, unpack_per_token
 
 
 def padded_rows(prompt_lengths, completion_lengths, prompt_width=None, completion_width=None, seed=0):
@@ -81,7 +79,7 @@ def test_pack_and_unpack_round_trip_places_values_at_completion_tokens():
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     packed = pack_rows(ids, mask, 4)
-    assert packed.input_ids.size(1) == int(mask.sum())
+    assert packed.input_ids.shape == (1, int(mask.sum()))
     assert packed.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]
     scored = (packed.labels != -100)[0]
     assert int(scored.sum()) == int(batch["completion_mask"].sum())
@@ -142,15 +140,32 @@ def test_padding_free_per_token_matches_a_padded_reference(budget):
         out = out * mask_
         return out[:, -keep_:], out[:, -keep_:] * 2, None
 
-    def packed_forward(packed):
-        bounds = (packed.position_ids[0] == 0).nonzero().flatten().tolist() + [packed.input_ids.size(1)]
-        values = torch.cat([row_values(packed.input_ids[0, a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
-        values = values.masked_fill(packed.labels[0] == -100, 0)[1:].unsqueeze(0)
+    def packed_forward(packed):  # every bin: blocks start where the position ids restart at 0
+        out = []
+        for ids, positions, labels in zip(packed.input_ids, packed.position_ids, packed.labels, strict=True):
+            bounds = (positions == 0).nonzero().flatten().tolist() + [ids.size(0)]
+            values = torch.cat([row_values(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+            out.append(values.masked_fill(labels == -100, 0)[1:])
+        values = torch.stack(out)
         return values, values * 2, None
 
     reference, reference_entropy, _ = padded_forward(ids, mask, keep)
-    for packed in (packed_forward, None):
+    for packed, one_sequence in ((packed_forward, True), (packed_forward, False), (None, False)):
         logps, entropy, _ = padding_free_per_token(
-            ids, mask, keep, packed_forward=packed, padded_forward=padded_forward, max_tokens=budget, max_rows=2
-        )
+            ids, mask, keep, packed_forward=packed, padded_forward=padded_forward, max_tokens=budget, max_rows=2,
+            one_sequence=one_sequence,
+        )  # fmt: skip
         assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
+
+
+def test_pack_rows_into_bins_of_the_longest_row():
+    batch = padded_rows([3, 1, 2, 2], [4, 1, 0, 1])  # real lengths 7, 2, 2, 3
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    packed = pack_rows(ids, mask, 4, capacity=7, pad_token_id=-1)
+    assert packed.input_ids.shape == (2, 7)  # [7] and [3, 2, 2]: first-fit decreasing
+    assert packed.position_ids[1].tolist() == [0, 1, 2, 0, 1, 0, 1]
+    assert int((packed.input_ids == -1).sum()) == 0 and int((packed.labels != -100).sum()) == 6
+    values = packed.labels[:, 1:].float()
+    expected = batch["completion_ids"].float() * batch["completion_mask"]
+    assert torch.equal(unpack_per_token(packed, values, 4), expected)

@@ -237,7 +237,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the fallback path is tested as root (the CI case)")
 def test_without_namespaces_an_unreadable_interpreter_is_a_clear_error():
-    hidden = [p for p in ("/root", "/home") if sys.executable.startswith(p + "/")]
+    hidden = [p for p in ("/root", "/home") if os.path.realpath(sys.executable).startswith(p + "/")]
     if not hidden or os.stat(hidden[0]).st_mode & 0o001:
         pytest.skip("the interpreter is readable by every user here")
     with pytest.raises(SandboxUnavailable, match=r"without a mount namespace.*LocalSandbox\(python=\.\.\.\)"):
