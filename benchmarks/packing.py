@@ -15,13 +15,15 @@ round and the three trainers train on the same rows:
 Every model forward of the run is a training-phase forward (policy loss, plus old log-probs since
 steps_per_generation = 2 x gradient_accumulation_steps): a hook on the input embeddings counts the tokens each
 forward feeds and the real (non-pad) ones among them. `time/step` is the median of TRL's `step_time` over the
-optimizer steps after the first; peak memory is the process's peak RSS on CPU (each configuration runs in its own
-process) or `torch.cuda.max_memory_allocated` on CUDA.
+optimizer steps after the first, `real tokens / s` the real tokens of all forwards over the summed step times;
+peak memory is the process's peak RSS on CPU (each configuration runs in its own process) or
+`torch.cuda.max_memory_allocated` on CUDA.
 
 Run from the repository root:
 
     python benchmarks/packing.py                                   # CPU, built-in tiny model, L_max 512
-    python benchmarks/packing.py --device cuda --model qwen2.5-0.5b --max-lengths 4096 16384 --dtype bf16
+    python benchmarks/packing.py --device cuda --model qwen2.5-0.5b --max-lengths 4096 16384 --dtype bf16 \\
+        --mixes long-tail --batch 8 --accumulation 2 --gradient-checkpointing
 """
 
 from __future__ import annotations
@@ -181,6 +183,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
         "fed_per_real": counts["fed"] / max(counts["real"], 1),
         "real_tokens": counts["real"],
         "step_time": statistics.median(step_times[1:] or step_times),
+        "tokens_per_s": counts["real"] / max(sum(step_times), 1e-9),
         "peak_mb": peak_mb,
     }
 
@@ -206,8 +209,10 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-bench-"))
     layout = f"batch={args.batch} x accumulation={args.accumulation}, steps_per_generation={2 * args.accumulation}"
     print(f"device={args.device} model={args.model} dtype={args.dtype} {layout} generations={args.num_generations}")
-    print("| L_max | mix | trainer | fed / real tokens | real tokens | time / step (s) | vs GRPO | peak MB |")
-    print("|---|---|---|---|---|---|---|---|")
+    columns = ("L_max", "mix", "trainer", "fed / real tokens", "real tokens", "real tokens / s", "time / step (s)",
+               "vs GRPO", "peak MB")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for max_length in args.max_lengths:
         for mix in args.mixes:
             baseline = None
@@ -227,7 +232,8 @@ def main() -> None:
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 baseline = baseline or result["step_time"]
                 print(f"| {max_length} | {mix} | {trainer_name} | {result['fed_per_real']:.2f} | "
-                      f"{result['real_tokens']} | {result['step_time']:.2f} | {result['step_time'] / baseline:.2f} | "
+                      f"{result['real_tokens']} | {result['tokens_per_s']:.0f} | {result['step_time']:.2f} | "
+                      f"{result['step_time'] / baseline:.2f} | "
                       f"{result['peak_mb']:.0f} |", flush=True)  # fmt: skip
 
 
