@@ -82,12 +82,11 @@ def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
 
     path = work / kind
     if not (path / "config.json").exists():
-        config = Qwen2Config(**QWEN25_05B, torch_dtype=dtype)
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        config = Qwen2Config(**QWEN25_05B, dtype=torch_dtype)
         config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
         torch.manual_seed(0)
-        Qwen2ForCausalLM(config).to(getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[dtype])).save_pretrained(
-            path
-        )
+        Qwen2ForCausalLM(config).to(torch_dtype).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return str(path), tokenizer
 
@@ -147,6 +146,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
         use_cpu=options["device"] == "cpu",
         gradient_checkpointing=options["gradient_checkpointing"],
         disable_tqdm=True,
+        model_init_kwargs={"attn_implementation": options["attn"]},
     )
     if trainer_name == "GRPOTrainer":
         trainer_class, config = GRPOTrainer, GRPOConfig(**common)
@@ -200,6 +200,7 @@ def main() -> None:
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, eager, flex_attention, ...")
     parser.add_argument("--work", default=None, help="folder for models and outputs (default: a temp dir)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -208,7 +209,8 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-bench-"))
     layout = f"batch={args.batch} x accumulation={args.accumulation}, steps_per_generation={2 * args.accumulation}"
-    print(f"device={args.device} model={args.model} dtype={args.dtype} {layout} generations={args.num_generations}")
+    print(f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} {layout} "
+          f"generations={args.num_generations}")  # fmt: skip
     columns = ("L_max", "mix", "trainer", "fed / real tokens", "real tokens", "real tokens / s", "time / step (s)",
                "vs GRPO", "peak MB")  # fmt: skip
     print("| " + " | ".join(columns) + " |")
@@ -221,7 +223,7 @@ def main() -> None:
                     "work": str(work), "model": args.model, "dtype": args.dtype, "device": args.device,
                     "max_length": max_length, "mix": mix, "batch": args.batch, "accumulation": args.accumulation,
                     "num_generations": args.num_generations, "steps": args.steps,
-                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "gradient_checkpointing": args.gradient_checkpointing, "attn": args.attn,
                 }  # fmt: skip
                 env = {**os.environ, "PACKING_BENCH_OPTIONS": json.dumps(options)}
                 command = [sys.executable, __file__, "--run-one", trainer_name]

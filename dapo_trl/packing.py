@@ -107,9 +107,10 @@ def real_token_counts(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 # Attention implementations that keep packed rows apart from position ids restarting at 0 (transformers 5): flash
-# attention through varlen kernels on one sequence (batch 1), sdpa / eager / flex through a packed-sequence mask.
-VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3")
-MASKED_PACKING_ATTENTION = ("sdpa", "eager", "flex_attention")
+# attention through varlen kernels and flex attention through a block-sparse mask, on one sequence (batch 1); sdpa
+# and eager through a dense packed-sequence mask, so on bins (a bin of C tokens costs C^2, not all tokens squared).
+VARLEN_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
+MASKED_PACKING_ATTENTION = ("sdpa", "eager")
 
 PerTokenOutput = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # (logps, entropies, aux_loss)
 
