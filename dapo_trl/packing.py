@@ -16,6 +16,7 @@ import torch
 from .batching import balanced_partition, token_budget_chunks
 
 IGNORE_INDEX = -100
+BIN_ALIGNMENT = 64
 logger = logging.getLogger(__name__)
 
 
@@ -52,6 +53,7 @@ def pack_rows(
     logits_to_keep: int,
     capacity: int | None = None,
     pad_token_id: int = 0,
+    alignment: int = 1,
 ) -> PackedRows:
     """Pack padded rows padding-free into bins of `capacity` tokens (None: one bin holding every row).
 
@@ -59,11 +61,13 @@ def pack_rows(
     so attention implementations that read packed sequences from position ids keep rows apart. Bins cap the
     attention cost when the mask is dense (SDPA, eager): a bin of C tokens costs C^2, not (all tokens)^2. Labels
     follow TRL's padded forward exactly: only attended completion tokens (the last `logits_to_keep` columns) are
-    scored; a row's first token (a prompt token) never is, so no log-prob crosses rows.
+    scored; a row's first token (a prompt token) never is, so no log-prob crosses rows. Bins are as wide as
+    `capacity` rounded up to a multiple of `alignment`.
     """
     token_mask = attention_mask.bool()
     lengths = token_mask.sum(dim=1).tolist()
     capacity = max(capacity or sum(lengths), max(lengths, default=1), 1)
+    capacity = -(-capacity // alignment) * alignment  # the extra tokens are tail padding, a block of its own
     bins = token_budget_chunks(lengths, capacity)
     completion_column = torch.zeros_like(token_mask)
     completion_column[:, input_ids.size(1) - logits_to_keep :] = True
@@ -182,7 +186,9 @@ def padding_free_per_token(
         index = torch.tensor(chunk, device=input_ids.device)
         ids, mask = input_ids.index_select(0, index), attention_mask.index_select(0, index)
         if packed_forward is not None:
-            packed = pack_rows(ids, mask, logits_to_keep, capacity, pad_token_id)
+            # Dense masks reach SDPA's fast kernels only with an aligned last dimension (slow math kernel otherwise).
+            alignment = 1 if one_sequence else BIN_ALIGNMENT
+            packed = pack_rows(ids, mask, logits_to_keep, capacity, pad_token_id, alignment)
             chunk_logps, chunk_entropies, aux = packed_forward(packed)
             chunk_logps = unpack_per_token(packed, chunk_logps, logits_to_keep)
             if chunk_entropies is not None:

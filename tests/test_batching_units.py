@@ -169,3 +169,6 @@ def test_pack_rows_into_bins_of_the_longest_row():
     values = packed.labels[:, 1:].float()
     expected = batch["completion_ids"].float() * batch["completion_mask"]
     assert torch.equal(unpack_per_token(packed, values, 4), expected)
+    aligned = pack_rows(ids, mask, 4, capacity=7, pad_token_id=-1, alignment=8)
+    assert aligned.input_ids.shape == (2, 8) and aligned.position_ids[0].tolist() == list(range(7)) + [0]
+    assert torch.equal(unpack_per_token(aligned, aligned.labels[:, 1:].float(), 4), expected)
