@@ -50,3 +50,11 @@ def test_zero3_dynamic_sampling_matches_one_process(tmp_path):
     for a, b in zip(step_metrics(one), step_metrics(zero3), strict=True):
         assert a["dynamic_sampling/groups_kept"] == b["dynamic_sampling/groups_kept"]
         assert a["dynamic_sampling/rounds"] == b["dynamic_sampling/rounds"]
+
+
+def test_zero3_token_budget_splits_backward_passes_exactly(tmp_path):
+    """Under ZeRO-3 a token budget of 10 splits micro-batches into several backward passes (rows longer than the
+    budget alone, equal passes and rows on both processes); the update still equals Eq. 11's gradient."""
+    delta, rows, model_dir = run_layout(tmp_path, 2, 2, 2, "max_tokens_per_microbatch=10", deepspeed_config=ZERO3)
+    assert sorted(rows) == list(range(16))
+    assert_update_is_minus_gradient(delta, reference_gradient(model_dir, rows))

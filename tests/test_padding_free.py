@@ -31,7 +31,7 @@ def logged(out, names=LOGGED) -> list[dict]:
 
 @pytest.mark.parametrize(
     "processes,accumulation,steps_per_generation,budget",
-    [(1, 4, 4, None), (1, 2, 4, None), (2, 2, 2, None), (1, 4, 4, 20), (2, 2, 2, 20)],
+    [(1, 4, 4, None), (1, 2, 4, None), (2, 2, 2, None), (1, 4, 4, 20), (2, 2, 2, 10)],
     ids=["1proc-K4-S4", "1proc-K2-S4", "2proc-K2-S2", "1proc-budget", "2proc-budget"],
 )
 def test_padding_free_update_equals_padded(tmp_path, processes, accumulation, steps_per_generation, budget):
@@ -58,3 +58,37 @@ def test_dynamic_sampling_with_straddling_groups_on_two_processes(tmp_path):
     names = (*LOGGED, "completions/mean_length", "completions/max_length", "dynamic_sampling/groups_kept")
     for a, b in zip(logged(runs["off"], names), logged(runs["on"], names), strict=True):
         assert a.keys() == b.keys() and all(b[k] == pytest.approx(a[k], abs=1e-6) for k in a)
+
+
+class _OneProcess:
+    """What StepPlanner needs of an accelerator, for one process."""
+
+    device = torch.device("cpu")
+
+    @staticmethod
+    def reduce(tensor, reduction):
+        return tensor
+
+
+def test_budget_splits_a_micro_batch_and_keeps_long_rows_whole(caplog):
+    from dapo_trl import DAPOConfig
+    from dapo_trl.batching import StepPlanner, fed_tokens
+
+    from .scripts.denominator_run import fixed_global_batch
+
+    batch = {k: v for k, v in fixed_global_batch(500).items()}
+    config = DAPOConfig(output_dir="unused", per_device_train_batch_size=16, num_generations=2,
+                        max_tokens_per_microbatch=10, report_to="none")  # fmt: skip
+    planner = StepPlanner(config, _OneProcess(), "dapo")
+    with caplog.at_level("WARNING"):
+        (planned,) = planner.plan([batch])
+    assert "exceeds max_tokens_per_microbatch=10" in caplog.text
+    parts = planner.parts(planned)
+    assert len(parts) == planned["backward_passes"] > 1
+    assert sorted(i for part in parts for i in part["row_index"].tolist()) == list(range(16))  # nothing dropped
+    for part in parts:
+        tokens = fed_tokens(part)
+        assert int(tokens.sum()) <= 10 or len(tokens) == 1  # within the budget, or one long row alone
+    assert sum(int((p["completion_mask"] * p["tool_mask"]).sum()) for p in parts) == int(
+        (batch["completion_mask"] * batch["tool_mask"]).sum()
+    )

@@ -108,6 +108,9 @@ def main() -> None:
         if not trainer.is_deepspeed_enabled:  # ZeRO-3 shards would need gathering
             model = trainer.accelerator.unwrap_model(trainer.model)
             torch.save({name: p.detach().cpu() for name, p in model.named_parameters()}, out / "final_params.pt")
+    trainer.accelerator.wait_for_everyone()  # leave together: a rank exiting mid-teardown can abort gloo
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
