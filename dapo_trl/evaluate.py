@@ -15,7 +15,7 @@ import sys
 
 from .data import load_prompt_dataset
 from .rewards import REWARD_FUNCTIONS
-from .validation import format_table, summarize, validate_checkpoint, write_samples
+from .validation import SamplingSettings, format_table, summarize, validate_checkpoint, write_samples
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,13 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer,
         rows,
         REWARD_FUNCTIONS[args.reward],
-        backend=backend,
-        num_samples=args.num_samples,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_new_tokens=args.max_new_tokens,
-        batch_size=args.batch_size,
-        seed=args.seed,
+        SamplingSettings(
+            args.num_samples, args.temperature, args.top_p, args.max_new_tokens, args.batch_size, args.seed
+        ),
+        backend,
     )
     metrics = summarize(results)
     print(format_table(metrics))

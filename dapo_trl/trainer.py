@@ -115,14 +115,10 @@ class DAPOTrainer(GRPOTrainer):
             from .data import filter_overlong_prompts
 
             self.train_dataset = filter_overlong_prompts(
-                self.train_dataset,
-                self.processing_class,
-                args.max_prompt_length,
-                policy=args.overlong_prompt_policy,
-                chat_template_kwargs=self.chat_template_kwargs,
-                tools=self.tools or None,
+                self.train_dataset, self.processing_class, args.max_prompt_length, policy=args.overlong_prompt_policy,
+                chat_template_kwargs=self.chat_template_kwargs, tools=self.tools or None,
                 chat_template=self.chat_template,
-            )
+            )  # fmt: skip
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         self._sampler = DynamicSampler(
             args,

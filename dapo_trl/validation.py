@@ -132,19 +132,27 @@ def _generate_with_vllm(
     return [[choice.text for choice in output.outputs] for output in llm.generate(texts, params)]
 
 
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How validation samples: `num_samples` responses per prompt at (temperature, top_p), up to `max_new_tokens`;
+    the transformers backend batches `batch_size` prompts, the vLLM backend is seeded with `seed`."""
+
+    num_samples: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    batch_size: int = 8
+    seed: int = 0
+
+
 def sample_responses(
     prompts: Sequence[Any],
+    settings: SamplingSettings,
     *,
     backend: Backend = "transformers",
     model: Any = None,
     model_path: str | None = None,
     tokenizer: Any,
-    num_samples: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    batch_size: int = 8,
-    seed: int = 0,
     chat_template_kwargs: dict[str, Any] | None = None,
 ) -> list[list[str]]:
     """`num_samples` sampled responses per prompt, prompts rendered with the chat template either way.
@@ -153,15 +161,15 @@ def sample_responses(
     prompts per call; backend="vllm" starts a local engine on the checkpoint at `model_path`, seeded with `seed`.
     """
     texts = [_prompt_text(tokenizer, prompt, chat_template_kwargs) for prompt in prompts]
-    sampling = (num_samples, temperature, top_p, max_new_tokens)
+    sampling = (settings.num_samples, settings.temperature, settings.top_p, settings.max_new_tokens)
     if backend == "transformers":
         if model is None:
             raise ValueError("backend='transformers' needs a model")
-        return _generate_with_transformers(model, tokenizer, texts, *sampling, batch_size)
+        return _generate_with_transformers(model, tokenizer, texts, *sampling, settings.batch_size)
     if backend == "vllm":
         if model_path is None:
             raise ValueError("backend='vllm' needs a model_path")
-        return _generate_with_vllm(model_path, texts, *sampling, seed)
+        return _generate_with_vllm(model_path, texts, *sampling, settings.seed)
     raise ValueError(f"unknown sampling backend {backend!r}: use 'transformers' or 'vllm'")
 
 
@@ -269,18 +277,14 @@ def validate(
         with unwrap_model_for_generation(
             trainer.model_wrapped, accelerator, gather_deepspeed3_params=args.ds3_gather_for_generation
         ) as model:
+            settings = SamplingSettings(
+                args.eval_num_samples, args.eval_temperature, args.eval_top_p,
+                args.eval_max_new_tokens or args.max_completion_length, args.per_device_eval_batch_size,
+            )  # fmt: skip
             completions = sample_responses(
-                [row["prompt"] for row in rows],
-                backend="transformers",
-                model=model,
-                tokenizer=trainer._tokenizer,
-                num_samples=args.eval_num_samples,
-                temperature=args.eval_temperature,
-                top_p=args.eval_top_p,
-                max_new_tokens=args.eval_max_new_tokens or args.max_completion_length,
-                batch_size=args.per_device_eval_batch_size,
-                chat_template_kwargs=trainer.chat_template_kwargs,
-            )
+                [row["prompt"] for row in rows], settings, backend="transformers", model=model,
+                tokenizer=trainer._tokenizer, chat_template_kwargs=trainer.chat_template_kwargs,
+            )  # fmt: skip
         reward_context = {"trainer_state": trainer.state, "log_metric": _ignore, "log_extra": _ignore}
         accuracy_reward = trainer.reward_funcs[trainer.accuracy_reward_index]
         correct = score_responses(accuracy_reward, rows, completions, reward_context)
@@ -303,14 +307,8 @@ def validate_checkpoint(
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
     reward_func: Callable[..., list[float]],
-    *,
+    settings: SamplingSettings,
     backend: Backend,
-    num_samples: int,
-    temperature: float,
-    top_p: float,
-    max_new_tokens: int,
-    batch_size: int = 8,
-    seed: int = 0,
 ) -> list[PromptResult]:
     """Sample and score a saved checkpoint outside training (`python -m dapo_trl.evaluate`), one process.
 
@@ -318,25 +316,16 @@ def validate_checkpoint(
     """
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    torch.manual_seed(seed)
+    torch.manual_seed(settings.seed)
     model = None
     if backend == "transformers":
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
         model.to("cuda" if torch.cuda.is_available() else "cpu").eval()
+    prompts = [row["prompt"] for row in rows]
     completions = sample_responses(
-        [row["prompt"] for row in rows],
-        backend=backend,
-        model=model,
-        model_path=model_path,
-        tokenizer=tokenizer,
-        num_samples=num_samples,
-        temperature=temperature,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        batch_size=batch_size,
-        seed=seed,
+        prompts, settings, backend=backend, model=model, model_path=model_path, tokenizer=tokenizer
     )
     correct = score_responses(reward_func, rows, completions)
     return build_results(list(range(len(rows))), rows, completions, correct)

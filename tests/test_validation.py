@@ -9,7 +9,15 @@ from datasets import Dataset
 
 from dapo_trl import DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.validation import PromptResult, format_table, pass_at_k, sample_responses, score_responses, summarize
+from dapo_trl.validation import (
+    PromptResult,
+    SamplingSettings,
+    format_table,
+    pass_at_k,
+    sample_responses,
+    score_responses,
+    summarize,
+)
 
 from .helpers import run_command, tiny_config
 
@@ -69,9 +77,9 @@ def test_score_responses_calls_the_reward_like_trl():
     "backend,message", [("transformers", "needs a model"), ("vllm", "needs a model_path"), ("tgi", "unknown")]
 )
 def test_sample_responses_checks_its_backend(backend, message):
-    sampling = {"num_samples": 1, "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 1}
+    settings = SamplingSettings(num_samples=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
     with pytest.raises(ValueError, match=message):
-        sample_responses(["What is 1 + 1?"], backend=backend, tokenizer=None, **sampling)
+        sample_responses(["What is 1 + 1?"], settings, backend=backend, tokenizer=None)
 
 
 def source_reward(completions, data_source, **kwargs):
