@@ -70,7 +70,8 @@ def full_parameters(model) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     out, accumulation, steps_per_generation = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
-    from script_args import parse_overrides  # run as a script from tests/scripts; the test imports this module
+    # Imported here: run as a script from tests/scripts, while the tests import this module for its batch.
+    from script_args import leave_together, parse_overrides
 
     overrides = parse_overrides(sys.argv[4:])
     model_dir = build_tiny_model(out / "model")
@@ -118,6 +119,7 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         torch.save(delta, out / "delta.pt")
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+    leave_together(trainer.accelerator)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from script_args import parse_overrides
+from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
@@ -108,9 +108,7 @@ def main() -> None:
         if not trainer.is_deepspeed_enabled:  # ZeRO-3 shards would need gathering
             model = trainer.accelerator.unwrap_model(trainer.model)
             torch.save({name: p.detach().cpu() for name, p in model.named_parameters()}, out / "final_params.pt")
-    trainer.accelerator.wait_for_everyone()  # leave together: a rank exiting mid-teardown can abort gloo
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    leave_together(trainer.accelerator)
 
 
 if __name__ == "__main__":

@@ -13,3 +13,14 @@ def parse_value(text: str):
 
 def parse_overrides(arguments: list[str]) -> dict:
     return {key: parse_value(value) for key, value in (argument.split("=", 1) for argument in arguments)}
+
+
+def leave_together(accelerator) -> None:
+    """Every rank waits for the others, then the process group is torn down before the interpreter exits: a rank
+    that exits while its peer still holds the gloo connection can abort ("terminate called without an active
+    exception") after a run that succeeded."""
+    import torch.distributed
+
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
