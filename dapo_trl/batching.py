@@ -48,8 +48,8 @@ def balanced_partition(weights: Sequence[int], num_parts: int, equal_count: bool
     return [sorted(part) for part in parts]
 
 
-def token_budget_chunks(lengths: Sequence[int], max_tokens: int | None, max_rows: int | None = None) -> list[list[int]]:
-    """Row indices grouped into forwards of at most `max_tokens` real tokens (and `max_rows` rows), longest first.
+def token_budget_chunks(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Row indices grouped into forwards of at most `max_tokens` real tokens, longest first.
 
     First-fit decreasing: few chunks, and rows of similar length together (so a padded fallback wastes little). A
     single row longer than the budget gets a chunk of its own: it is never dropped nor truncated.
@@ -59,9 +59,7 @@ def token_budget_chunks(lengths: Sequence[int], max_tokens: int | None, max_rows
     loads: list[int] = []
     for index in order:
         for chunk_index, chunk in enumerate(chunks):
-            fits_tokens = max_tokens is None or loads[chunk_index] + lengths[index] <= max_tokens
-            fits_rows = max_rows is None or len(chunk) < max_rows
-            if fits_tokens and fits_rows:
+            if max_tokens is None or loads[chunk_index] + lengths[index] <= max_tokens:
                 chunk.append(index)
                 loads[chunk_index] += lengths[index]
                 break
@@ -114,22 +112,22 @@ def balance_micro_batches(micro_batches: list[dict[str, object]], window: int) -
     for start in range(0, len(micro_batches), window):
         group = micro_batches[start : start + window]
         rows = group[0]["prompt_ids"].size(0)
+        if any(batch["prompt_ids"].size(0) != rows for batch in group):
+            balanced.extend(trim_micro_batch(batch) for batch in group)
+            continue
         merged = {
             key: torch.cat([batch[key] for batch in group]) if _is_row_tensor(value, rows) else value
             for key, value in group[0].items()
         }
-        if any(batch["prompt_ids"].size(0) != rows for batch in group):
-            balanced.extend(trim_micro_batch(batch) for batch in group)
-            continue
         parts = balanced_partition(fed_tokens(merged).tolist(), len(group), equal_count=True)
         balanced.extend(trim_micro_batch(select_rows(merged, part)) for part in parts)
     return balanced
 
 
-def process_rows(num_rows: int, weights: Sequence[int], num_processes: int, balance: bool) -> list[list[int]]:
+def process_rows(weights: Sequence[int], num_processes: int, balance: bool) -> list[list[int]]:
     """Which rows of a batch every process holds go to each process: token-balanced, or TRL's contiguous slices."""
     if not balance:
-        size = num_rows // num_processes
+        size = len(weights) // num_processes
         return [list(range(rank * size, (rank + 1) * size)) for rank in range(num_processes)]
     return balanced_partition(weights, num_processes, equal_count=True)
 
@@ -152,8 +150,8 @@ def split_for_budget(batch: dict[str, object], max_tokens: int, passes: int) -> 
     process needing fewer splits its heaviest part further, or adds a one-row part that is masked out of the loss
     (zero advantage, zero mask: it only runs so the collectives match).
     """
-    chunks = token_budget_chunks(fed_tokens(batch).tolist(), max_tokens)
     weights = fed_tokens(batch).tolist()
+    chunks = token_budget_chunks(weights, max_tokens)
     while len(chunks) < passes:
         heaviest = max(range(len(chunks)), key=lambda i: (len(chunks[i]) > 1, sum(weights[r] for r in chunks[i])))
         if len(chunks[heaviest]) < 2:

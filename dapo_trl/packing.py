@@ -105,11 +105,6 @@ def unpack_per_token(packed: PackedRows, values: torch.Tensor, logits_to_keep: i
     return out[:, -logits_to_keep:]
 
 
-def real_token_counts(attention_mask: torch.Tensor) -> torch.Tensor:
-    """(rows,) attended tokens per row: what a padding-free forward feeds."""
-    return attention_mask.sum(dim=1)
-
-
 # Attention implementations that keep packed rows apart from position ids restarting at 0 (transformers 5): flash
 # attention through varlen kernels and flex attention through a block-sparse mask, on one sequence (batch 1); sdpa
 # and eager through a dense packed-sequence mask, so on bins (a bin of C tokens costs C^2, not all tokens squared).
@@ -173,14 +168,15 @@ def padding_free_per_token(
     """
     if input_ids.size(0) == 0:
         return padded_forward(input_ids, attention_mask, logits_to_keep)
-    lengths = real_token_counts(attention_mask).tolist()
+    lengths = attention_mask.sum(dim=1).tolist()  # real tokens per row: what a padding-free forward feeds
     if max_tokens is None and max_rows is not None:  # TRL's row chunks bound memory by rows x widest: keep that
         max_tokens = max_rows * max(lengths)
-    chunks = balanced_chunks(lengths, max_tokens) if packed_forward else token_budget_chunks(lengths, max_tokens)
-    units = [(chunk, None) for chunk in chunks]
-    if packed_forward is not None and not one_sequence:
-        units = [unit for chunk in chunks for unit in bin_forwards(chunk, lengths)]
-        chunks = [chunk for chunk, _ in units]
+    if packed_forward is None:
+        units = [(chunk, None) for chunk in token_budget_chunks(lengths, max_tokens)]
+    elif one_sequence:
+        units = [(chunk, None) for chunk in balanced_chunks(lengths, max_tokens)]
+    else:
+        units = [unit for chunk in balanced_chunks(lengths, max_tokens) for unit in bin_forwards(chunk, lengths)]
     logps, entropies, aux_losses = [], [], []
     for chunk, capacity in units:
         index = torch.tensor(chunk, device=input_ids.device)
@@ -206,7 +202,7 @@ def padding_free_per_token(
         entropies.append(chunk_entropies)
         aux_losses.append(aux)
     inverse = torch.empty(len(lengths), dtype=torch.long, device=input_ids.device)
-    inverse[torch.tensor([i for chunk in chunks for i in chunk], device=input_ids.device)] = torch.arange(
+    inverse[torch.tensor([i for chunk, _ in units for i in chunk], device=input_ids.device)] = torch.arange(
         len(lengths), device=input_ids.device
     )
     entropy = None if entropies[0] is None else torch.cat(entropies)[inverse]

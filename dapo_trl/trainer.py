@@ -233,7 +233,7 @@ class DAPOTrainer(GRPOTrainer):
         # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
         balance = self.args.padding_free and self.args.steps_per_generation == self.args.gradient_accumulation_steps
         weights = fed_tokens(batch).tolist()
-        rows = process_rows(len(weights), weights, self.accelerator.num_processes, balance)
+        rows = process_rows(weights, self.accelerator.num_processes, balance)
         local = select_rows(batch, rows[self.accelerator.process_index])
         local["num_items_in_batch"] = self.accelerator.gather(loss_mask(local).sum()).sum()
         return local

@@ -71,7 +71,7 @@ def test_token_budget_chunks_respect_the_budget_and_keep_long_rows_alone():
     for chunk in chunks:
         assert sum(lengths[i] for i in chunk) <= 1000 or len(chunk) == 1
     assert [4] in chunks  # 1200 > budget: a chunk of its own, never dropped
-    assert token_budget_chunks(lengths, None, max_rows=3) == [[4, 0, 6], [2, 3, 1], [5]]
+    assert token_budget_chunks(lengths, None) == [[4, 0, 6, 2, 3, 1, 5]]  # no budget: one chunk, longest first
 
 
 def test_pack_and_unpack_round_trip_places_values_at_completion_tokens():
@@ -116,8 +116,8 @@ def test_balance_micro_batches_keeps_rows_within_each_window():
 
 
 def test_process_rows_balanced_or_contiguous():
-    assert process_rows(4, [1, 1, 1, 1], 2, balance=False) == [[0, 1], [2, 3]]
-    parts = process_rows(4, [10, 1, 9, 2], 2, balance=True)
+    assert process_rows([1, 1, 1, 1], 2, balance=False) == [[0, 1], [2, 3]]
+    parts = process_rows([10, 1, 9, 2], 2, balance=True)
     assert sorted(sum(([10, 1, 9, 2][i] for i in part), 0) for part in parts) == [11, 11]
 
 
