@@ -76,7 +76,7 @@ class DAPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "L_cache of Eq. 13: responses longer than max_completion_length - overlong_buffer_len are "
-            "penalised linearly, down to -1 at max_completion_length. None = 20% of max_completion_length "
+            "penalised linearly, down to -1 at max_completion_length. None = 20%% of max_completion_length "
             "(the paper's 4096 of 20480)."
         },
     )

@@ -65,3 +65,26 @@ def test_unreachable_model_gives_one_clear_message(tmp_path):
 def test_unknown_reward_is_named(tmp_path):
     result = run_failing([sys.executable, "train_dapo.py", "--output_dir", str(tmp_path), "--reward_funcs", "nope"])
     assert "--reward_funcs 'nope'" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train_dapo.py"],
+        ["-m", "dapo_trl.cli"],
+        ["-m", "dapo_trl.evaluate"],
+    ],
+    ids=["train_dapo.py", "dapo_trl.cli", "dapo_trl.evaluate"],
+)
+def test_every_entry_point_prints_help(command):
+    """argparse %-formats help strings: a bare % in any field's help used to crash --help."""
+    result = subprocess.run(
+        [sys.executable, *command, "--help"],
+        cwd=REPO,
+        env=offline_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "usage:" in result.stdout and "--output" in result.stdout
