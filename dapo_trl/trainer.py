@@ -6,8 +6,9 @@ in `dapo_trl.sampling`, rewards in `dapo_trl.rewards`, tool calls in `dapo_trl.t
 - clip-higher and the token-level loss are TRL's `epsilon_high` and `loss_type="dapo"`; dual-clip is TRL's `delta`
   (equal to verl's `clip_ratio_c` when it exceeds 1 + epsilon_high, which DAPOConfig enforces);
 - overlong filtering is TRL's `mask_truncated_completions`;
-- the soft overlong punishment is a built-in reward column (weight `overlong_penalty_factor`), so it is added to
-  the correctness reward before the group advantage and logged as `rewards/overlong_penalty/*`;
+- the soft overlong punishment is a built-in shaping column (weight `overlong_penalty_factor`), added to the
+  correctness reward before the group advantage and logged as `rewards/overlong_penalty/*`, but never shown in the
+  user's `reward_funcs` and its parallel lists (`dapo_trl.rewards.overlong.ShapingColumns`);
 - the token denominator is made exact per optimizer step in `_prepare_inputs`.
 """
 
@@ -18,7 +19,7 @@ import os
 from typing import Any
 
 import torch
-from accelerate.utils import gather_object
+from accelerate.utils import gather, gather_object
 from datasets import IterableDataset
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -36,7 +37,7 @@ from .batching import (
 from .config import DAPOConfig
 from .packing import packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
-from .rewards.overlong import SoftOverlongPenalty
+from .rewards.overlong import ShapingColumns, SoftOverlongPenalty
 from .sampling import ROW_TENSORS, DynamicSampler, Process, ScoredRound, gather_rows, row_padding
 from .tools.runtime import ToolRuntime
 from .vllm_backends import backend_for
@@ -60,7 +61,8 @@ class ValidateBeforeTraining(TrainerCallback):
 class DAPOTrainer(GRPOTrainer):
     """Drop-in for `trl.GRPOTrainer` (same arguments) that trains with DAPO.
 
-    `reward_funcs` defaults to DAPO's "Answer:" correctness reward (+1 / -1) on the dataset's `solution` column.
+    `reward_funcs` defaults to DAPO's "Answer:" correctness reward (+1 / -1) on the dataset's `solution` column,
+    unless an `environment_factory` is given (its environment then owns the reward, as in GRPOTrainer).
     """
 
     def __init__(
@@ -86,10 +88,11 @@ class DAPOTrainer(GRPOTrainer):
                 "filter_groups_enable needs a map-style train_dataset to draw fresh prompts from; "
                 "materialise the IterableDataset (e.g. Dataset.from_list(list(stream))) or disable dynamic sampling."
             )
+        env_factory = kwargs.get("environment_factory")
         with backend_for(args):
             super().__init__(
                 model=model,
-                reward_funcs=[dapo_math_reward] if reward_funcs is None else reward_funcs,
+                reward_funcs=[dapo_math_reward] if reward_funcs is None and not env_factory else reward_funcs,
                 args=args,
                 train_dataset=train_dataset,
                 eval_dataset=eval_dataset,
@@ -97,9 +100,8 @@ class DAPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
-        if args.apply_overlong_penalty:
-            penalty = SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len)
-            self._add_reward_column(penalty, weight=args.overlong_penalty_factor)
+        penalty = SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len)
+        self._shaping = ShapingColumns([(penalty, args.overlong_penalty_factor)] if args.apply_overlong_penalty else [])
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
         if self.tools and self.eval_dataset is not None:
             logger.warning("validation samples single-turn without tools; the tools are used in training only")
@@ -131,17 +133,12 @@ class DAPOTrainer(GRPOTrainer):
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather)
         if self._captured_rewards is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._captured_rewards.append(rewards_per_func)
         return rewards_per_func
-
-    def _add_reward_column(self, reward_func: Any, weight: float) -> None:
-        """Append a built-in reward function, the way TRL itself appends environment rewards."""
-        self.reward_funcs.append(reward_func)
-        self.reward_func_names.append(reward_func.__name__)
-        self.reward_processing_classes.append(None)
-        self.reward_weights = torch.cat([self.reward_weights, torch.tensor([weight], dtype=torch.float32)])
 
     # -------------------------------------------------------------- micro-batches: balance, exact denominator
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
@@ -225,18 +222,21 @@ class DAPOTrainer(GRPOTrainer):
 
     # ---------------------------------------------------------------------------------------- dynamic sampling
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
-        if not (self.model.training and self.args.filter_groups_enable):
-            return super()._generate_and_score_completions(inputs)
-        batch, metrics = self._sampler.sample(inputs, self._score_round)
-        for name, value in metrics.items():
-            self._metrics["train"][name].append(value)
-        # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
-        balance = self.args.padding_free and self.args.steps_per_generation == self.args.gradient_accumulation_steps
-        weights = fed_tokens(batch).tolist()
-        rows = process_rows(weights, self.accelerator.num_processes, balance)
-        local = select_rows(batch, rows[self.accelerator.process_index])
-        local["num_items_in_batch"] = self.accelerator.gather(loss_mask(local).sum()).sum()
-        return local
+        try:
+            if not (self.model.training and self.args.filter_groups_enable):
+                return super()._generate_and_score_completions(inputs)
+            batch, metrics = self._sampler.sample(inputs, self._score_round)
+            for name, value in metrics.items():
+                self._metrics["train"][name].append(value)
+            # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
+            balance = self.args.padding_free and self.args.steps_per_generation == self.args.gradient_accumulation_steps
+            weights = fed_tokens(batch).tolist()
+            rows = process_rows(weights, self.accelerator.num_processes, balance)
+            local = select_rows(batch, rows[self.accelerator.process_index])
+            local["num_items_in_batch"] = self.accelerator.gather(loss_mask(local).sum()).sum()
+            return local
+        finally:
+            self._shaping.hide(self)  # the user's reward lists again, once the batch is scored
 
     def _score_round(self, round_inputs: list[dict[str, Any]]) -> ScoredRound:
         """One TRL generation + scoring pass, gathered from every process, with the raw accuracy of each row.

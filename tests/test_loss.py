@@ -100,13 +100,84 @@ def test_loss_equals_paper_formula(tmp_path, model_dir, clip_ratio_c):
         assert not torch.allclose(expected, paper_loss(trainer.model, batch, 0.2, 0.28, None))
 
 
-def test_soft_overlong_penalty_is_a_weighted_reward_column(tmp_path, model_dir):
-    config = DAPOConfig(**common_args(tmp_path, overlong_buffer_len=4, overlong_penalty_factor=0.5))
+def train_one_step(trainer_config, model_dir, reward_funcs, **trainer_kwargs):
+    dataset = Dataset.from_list([{"prompt": "What is 1 + 1?", "solution": "2"}] * 8)
+    trainer = DAPOTrainer(
+        model=model_dir, reward_funcs=reward_funcs, args=trainer_config, train_dataset=dataset, **trainer_kwargs
+    )
+    trainer.train()
+    return trainer
+
+
+def test_overlong_penalty_is_applied_and_logged_but_never_listed(tmp_path, model_dir):
+    """The user's reward lists stay the user's; the penalty still shapes the reward and is logged."""
+    config = DAPOConfig(
+        **common_args(tmp_path, overlong_buffer_len=4, overlong_penalty_factor=0.5, max_steps=1, logging_steps=1)
+    )
+    user_funcs = [dapo_math_reward]
     trainer = make_trainer(DAPOTrainer, config, model_dir)
-    assert trainer.reward_func_names == ["dapo_math_reward", "overlong_penalty"]
-    assert trainer.reward_weights.tolist() == [1.0, 0.5]
-    penalty = trainer.reward_funcs[-1](completion_ids=[[1] * 12, [1] * 13, [1] * 14, [1] * 16])
-    assert penalty == pytest.approx([0.0, -0.25, -0.5, -1.0])
+    lists = (trainer.reward_funcs, trainer.reward_func_names, trainer.reward_processing_classes)
+    assert trainer.reward_func_names == ["dapo_math_reward"] and trainer.reward_weights.tolist() == [1.0]
+    trainer = train_one_step(config, model_dir, user_funcs)
+    assert user_funcs == [dapo_math_reward]
+    assert trainer.reward_func_names == ["dapo_math_reward"] and len(trainer.reward_funcs) == 1
+    assert len(trainer.reward_processing_classes) == 1 and trainer.reward_weights.tolist() == [1.0]
+    assert all(len(values) == 1 for values in lists)
+    logged = next(entry for entry in trainer.state.log_history if "reward" in entry)
+    penalty = logged["rewards/overlong_penalty/mean"]
+    assert penalty < 0, "16-token completions under a 4-token buffer must be penalised in this run"
+    assert logged["reward"] == pytest.approx(logged["rewards/dapo_math_reward/mean"] + 0.5 * penalty, abs=1e-5)
+    assert "overlong/penalized_frac" in logged
+
+
+def test_trl_all_none_warning_still_fires_with_the_penalty_on(tmp_path, model_dir, caplog):
+    """A row no user function scores stays unscorable: TRL warns, and the penalty column is NaN there too."""
+
+    def abstains(completions, **kwargs):
+        return [None] * len(completions)
+
+    config = DAPOConfig(**common_args(tmp_path, overlong_buffer_len=4, max_steps=1, filter_groups_enable=False))
+    with caplog.at_level("WARNING"):
+        trainer = train_one_step(config, model_dir, [abstains])
+    assert "All reward functions returned None" in caplog.text
+    assert trainer._logs["rewards"]["overlong_penalty"], "the penalty column is logged per completion"
+    assert all(value != value for value in trainer._logs["rewards"]["overlong_penalty"])  # NaN: unscorable
+    assert all(advantage == 0.0 for advantage in trainer._logs["advantages"])
+
+
+class AdditionEnvironment:
+    """An environment that owns the reward (TRL's `environment_factory` contract)."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        self.calls += 1
+        return a + b
+
+    def get_reward(self) -> float:
+        return 1.0
+
+
+def test_no_default_math_reward_when_the_environment_owns_the_reward(tmp_path, model_dir):
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.chat_template = qwen2_5_chat_template
+    config = DAPOConfig(**common_args(tmp_path))
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}] * 8)
+    trainer = DAPOTrainer(
+        model=model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
+        environment_factory=AdditionEnvironment,
+    )  # fmt: skip
+    assert trainer.reward_func_names == ["AdditionEnvironment"]
     assert trainer.accuracy_reward_index == 0
 
 
