@@ -36,6 +36,8 @@ BETA="${BETA:-0.0}"
 ENTROPY_COEFF="${ENTROPY_COEFF:-0.0}"
 TEMPERATURE="${TEMPERATURE:-1.0}"
 TOP_P="${TOP_P:-1.0}"
+# Dual-clip (verl's clip_ratio_c): None = off, as in the paper; verl's DAPO and ReTool recipes set 10.0.
+CLIP_RATIO_C="${CLIP_RATIO_C:-None}"
 # Dynamic sampling.
 FILTER_GROUPS_ENABLE="${FILTER_GROUPS_ENABLE:-true}"
 MAX_FILTER_GEN_BATCHES="${MAX_FILTER_GEN_BATCHES:-10}"
@@ -62,7 +64,7 @@ args=(
   --overlong_buffer_len "$OVERLONG_BUFFER_LEN" --overlong_penalty_factor "$OVERLONG_PENALTY_FACTOR"
   --apply_overlong_penalty "$APPLY_OVERLONG_PENALTY" --mask_truncated_completions "$MASK_TRUNCATED_COMPLETIONS"
   --loss_type "$LOSS_TYPE" --epsilon "$EPSILON" --epsilon_high "$EPSILON_HIGH" --beta "$BETA"
-  --entropy_coeff "$ENTROPY_COEFF" --temperature "$TEMPERATURE" --top_p "$TOP_P"
+  --entropy_coeff "$ENTROPY_COEFF" --temperature "$TEMPERATURE" --top_p "$TOP_P" --clip_ratio_c "$CLIP_RATIO_C"
   --filter_groups_enable "$FILTER_GROUPS_ENABLE" --max_filter_gen_batches "$MAX_FILTER_GEN_BATCHES"
   --bf16 "$BF16" --report_to "$REPORT_TO" --save_steps "$SAVE_STEPS" --logging_steps 1
 )

@@ -114,7 +114,7 @@ def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOCon
         report_to="none",
         logging_steps=1,
         save_strategy="no",
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         seed=SEED,
         disable_tqdm=True,
     )

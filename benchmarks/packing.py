@@ -144,7 +144,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
         seed=0,
         bf16=options["dtype"] == "bf16",
         use_cpu=options["device"] == "cpu",
-        gradient_checkpointing=options["gradient_checkpointing"],
+        activation_checkpointing=options["gradient_checkpointing"],
         disable_tqdm=True,
         model_init_kwargs={"attn_implementation": options["attn"]},
     )

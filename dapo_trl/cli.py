@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import os
 import sys
@@ -40,6 +41,7 @@ SUMMARY_METRICS = (
 
 
 TOOL_NAMES = ("code_interpreter",)
+TRL_DEPRECATED_CALLS = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is"
 
 
 class UserFacingError(RuntimeError):
@@ -133,6 +135,13 @@ class DAPOScriptArguments(ScriptArguments):
             "format) or a .jinja file. Tools need a template that renders tool calls."
         },
     )
+    plot: bool = field(
+        default=True,
+        metadata={
+            "help": "Write the charts (python -m dapo_trl.plot) to OUTPUT_DIR/plots at the end of training; "
+            "--plot false to skip."
+        },
+    )
 
 
 def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None = None) -> Any:
@@ -204,7 +213,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     if name == BUILTIN_TINY_MODEL:
         from .tiny_model import build_tiny_model
 
-        name = str(build_tiny_model())
+        name = str(build_tiny_model(warm_start=True))
         logger.info("using the built-in tiny model at %s", name)
     model_kwargs: dict[str, Any] = {
         "revision": model_args.model_revision,
@@ -231,8 +240,17 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     return model, tokenizer
 
 
+def summary_columns(steps: list[dict[str, Any]], max_columns: int = 8) -> list[tuple[str, list[dict[str, Any]]]]:
+    """One column per logged step, or, for longer runs, `max_columns` consecutive windows (shown as their mean)."""
+    if len(steps) <= max_columns:
+        return [(f"step {entry.get('step', '?')}", [entry]) for entry in steps]
+    bounds = [round(i * len(steps) / max_columns) for i in range(max_columns + 1)]
+    windows = [steps[start:end] for start, end in itertools.pairwise(bounds)]
+    return [(f"{window[0].get('step', '?')}-{window[-1].get('step', '?')}", window) for window in windows]
+
+
 def print_summary(log_history: list[dict[str, Any]]) -> None:
-    """Print the DAPO metrics of every logged step as a small table."""
+    """Print the DAPO metrics of every logged step (or of 8 windows of steps, averaged) as a small table."""
     steps = [entry for entry in log_history if "loss" in entry or "reward" in entry]
     if not steps:
         return
@@ -241,18 +259,37 @@ def print_summary(log_history: list[dict[str, Any]]) -> None:
     )
     ordered = (*LEADING_SUMMARY_METRICS, *reward_means, *SUMMARY_METRICS)
     names = [name for name in ordered if any(name in entry for entry in steps)]
-    print("\nDAPO metrics per logged step")
-    print(f"{'metric':<34}" + "".join(f"{'step ' + str(entry.get('step', '?')):>12}" for entry in steps))
+    columns = summary_columns(steps)
+    averaged = any(len(window) > 1 for _, window in columns)
+    print("\nDAPO metrics per logged step" + (" (mean over each window of steps)" if averaged else ""))
+    print(f"{'metric':<34}" + "".join(f"{title:>12}" for title, _ in columns))
     for name in names:
-        cells = "".join(
-            f"{entry[name]:>12.4f}" if isinstance(entry.get(name), int | float) else f"{'-':>12}" for entry in steps
-        )
+        cells = ""
+        for _, window in columns:
+            values = [entry[name] for entry in window if isinstance(entry.get(name), int | float)]
+            cells += f"{sum(values) / len(values):>12.4f}" if values else f"{'-':>12}"
         print(f"{name:<34}{cells}")
 
 
+def write_charts(output_dir: str, log_history: list[dict[str, Any]]) -> None:
+    """--plot: the finished run's charts in OUTPUT_DIR/plots; a failure only warns (the model is already saved)."""
+    try:
+        from .plot import plot_run
+
+        charts = plot_run(output_dir, log_history=log_history)
+    except Exception as error:  # charts are a convenience: never fail a finished run over them
+        logger.warning("could not write the charts: %s: %s", type(error).__name__, error)
+        return
+    if charts:
+        print(f"charts: {Path(output_dir) / 'plots'}")
+    else:
+        logger.warning("no charts: none of the charted metrics was logged")
+
+
 def main(argv: list[str] | None = None) -> int:
-    # transformers 5 renamed gradient_checkpointing, which GRPOConfig still sets: noise on every run.
-    warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*deprecated", category=FutureWarning)
+    # TRL 1.16 calls transformers 5's deprecated gradient-checkpointing methods around every generation: a
+    # FutureWarning per step that no flag can fix. A user's own deprecated --gradient_checkpointing still warns.
+    warnings.filterwarnings("ignore", message=TRL_DEPRECATED_CALLS, category=FutureWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     # No abbreviations: a typo such as --epsilon_hi must fail, not silently set epsilon_high.
     parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
@@ -287,7 +324,6 @@ def main(argv: list[str] | None = None) -> int:
             script_args.dataset_name,
             split=script_args.dataset_train_split,
             config=script_args.dataset_config,
-            seed=training_args.seed,
             **data_options,
         )
         eval_dataset = None
@@ -318,6 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     if trainer.accelerator.is_main_process:
         print_summary(trainer.state.log_history)
         print(f"\nsaved to {training_args.output_dir}")
+        if script_args.plot:
+            write_charts(training_args.output_dir, trainer.state.log_history)
     return 0
 
 

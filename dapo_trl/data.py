@@ -207,7 +207,8 @@ def load_prompt_dataset(
     """Load a preset (dapo-math-17k, aime2024, aime2025, gsm8k), a hub id, a local file or `builtin:arithmetic`.
 
     Hub ids of the presets get the preset's column mapping; a local file in a preset's hub format can be
-    loaded with `name="aime2024:/path/file.parquet"`.
+    loaded with `name="aime2024:/path/file.parquet"`. `seed` picks which generated problems `builtin:arithmetic`
+    is; 0 (the default, whatever the training seed) is the set the built-in model was warm-started on.
     """
     if name == BUILTIN_ARITHMETIC:
         return make_arithmetic_dataset(seed=seed)

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     if model_path == "builtin:tiny":
         from .tiny_model import build_tiny_model
 
-        model_path = str(build_tiny_model())
+        model_path = str(build_tiny_model(warm_start=True))
     datasets = []
     for name in args.dataset:
         dataset = load_prompt_dataset(name, template=args.prompt_template, seed=args.seed)

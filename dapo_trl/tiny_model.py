@@ -4,16 +4,27 @@ There is no model hub in our CI / smoke environment, so instead of downloading a
 random-init, Qwen2-architecture model and a small byte-level BPE tokenizer from scratch. The result is a normal
 Hugging Face folder that ``AutoTokenizer`` / ``AutoModelForCausalLM`` / TRL load exactly like a real checkpoint,
 so the full training code path is exercised in seconds on CPU.
+
+`builtin:tiny` is that model *warm-started* (`warm_start=True`): a short supervised pass with TRL's SFTTrainer on
+the built-in arithmetic problems, so that RL starts from a policy that is sometimes right. A random model never
+writes a correct "Answer:" line, every group is all-wrong, and a newcomer sees keep rate 0, loss 0, grad norm 0.
+The warm start is deliberately short and half its targets end without DAPO's "Answer:" line (they say "So the
+result is N." instead): it knows some sums and uses the scored format about half the time, which leaves RL
+something visible to learn. Built once and cached (about 30 s on 2 CPU cores).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
 import tempfile
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +32,9 @@ if TYPE_CHECKING:  # torch/transformers/tokenizers are imported lazily inside fu
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerBase
 
-TINY_MODEL_VERSION = "1"
+logger = logging.getLogger(__name__)
+
+TINY_MODEL_VERSION = "2"
 """Recipe version. Bump whenever anything below changes the produced files, so cached builds are not reused."""
 
 MARKER_FILE = "dapo_trl_tiny.json"
@@ -66,14 +79,27 @@ _ITEMS = ("apples", "books", "coins", "pencils", "cookies", "marbles")
 _OPS = (("+", "plus", lambda a, b: a + b), ("-", "minus", lambda a, b: a - b), ("*", "times", lambda a, b: a * b))
 
 
-def default_tiny_model_dir() -> Path:
+@dataclass(frozen=True)
+class WarmStart:
+    """The supervised pass that makes `builtin:tiny` (TRL SFTTrainer, completion-only loss)."""
+
+    steps: int = 450
+    batch_size: int = 32
+    learning_rate: float = 5e-3
+    answer_line_share: float = 0.5  # targets ending in DAPO's "Answer: N"; the rest end "So the result is N."
+
+
+WARM_START = WarmStart()
+
+
+def default_tiny_model_dir(warm_start: bool = False) -> Path:
     """Cache location, versioned so a recipe change never reuses an old build.
 
     ``$DAPO_TRL_CACHE`` overrides the base so CI / read-only homes can point it somewhere writable.
     """
     base = os.environ.get("DAPO_TRL_CACHE")
     root = Path(base) if base else Path.home() / ".cache" / "dapo_trl"
-    return root / f"tiny-qwen2-v{TINY_MODEL_VERSION}"
+    return root / f"tiny-qwen2-v{TINY_MODEL_VERSION}{'-warm' if warm_start else ''}"
 
 
 def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[str]:
@@ -150,7 +176,69 @@ def _save_tokenizer(tok: Tokenizer, out: Path) -> PreTrainedTokenizerBase:
     return hf_tok
 
 
-def _build_into(out: Path, seed: int) -> None:
+def warm_start_examples(settings: WarmStart = WARM_START, seed: int = 0) -> list[dict]:
+    """Prompt-completion pairs on the built-in problems: the worked sum, then the answer in one of two forms."""
+    from .data import make_arithmetic_dataset
+
+    rng = random.Random(seed)
+    examples = []
+    for row in make_arithmetic_dataset():
+        question = row["prompt"][-1]["content"]
+        worked = question.split("What is ", 1)[1].split("?", 1)[0]
+        answer = row["solution"]
+        ending = f"Answer: {answer}" if rng.random() < settings.answer_line_share else f"So the result is {answer}."
+        completion = [{"role": "assistant", "content": f"{worked} = {answer}\n{ending}"}]
+        examples.append({"prompt": row["prompt"], "completion": completion})
+    return examples
+
+
+def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
+    """A short supervised pass (TRL's SFTTrainer, loss on the completion only) over the built-in problems."""
+    import warnings
+
+    import torch
+    from datasets import Dataset
+    from datasets.utils.logging import disable_progress_bar, enable_progress_bar, is_progress_bar_enabled
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from transformers.utils import logging as hf_logging
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    config = SFTConfig(
+        output_dir=str(out / "sft"), max_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate, lr_scheduler_type="cosine", weight_decay=0.0, seed=seed,
+        use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no",
+        logging_strategy="no", disable_tqdm=True, max_length=_MODEL_MAX_LENGTH, dataloader_num_workers=0,
+    )  # fmt: skip
+    verbosity, progress_bars = hf_logging.get_verbosity(), is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()  # the pass is an implementation detail of the build: no logs, bars or warnings
+    disable_progress_bar()
+    try:
+        with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+            warnings.simplefilter("ignore")
+            dataset = Dataset.from_list(warm_start_examples(settings, seed))
+            trainer = SFTTrainer(model=model, args=config, train_dataset=dataset, processing_class=tokenizer)
+            trainer.remove_callback(PrinterCallback)
+            trainer.train()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if progress_bars:
+            enable_progress_bar()
+    shutil.rmtree(out / "sft", ignore_errors=True)
+    _save_weights(model, out)
+
+
+def _save_weights(model, out: Path) -> None:
+    """Not model.save_pretrained: under torch.distributed it silently writes nothing on ranks other than 0, and
+    every rank of `accelerate launch` may be the one that builds."""
+    from safetensors.torch import save_file
+
+    state = {name: tensor.detach().contiguous().cpu() for name, tensor in model.state_dict().items()}
+    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+
+
+def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None) -> None:
     """Build tokenizer + model into an (empty, private) folder; marker written last."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -179,16 +267,14 @@ def _build_into(out: Path, seed: int) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
     )
-    # Not model.save_pretrained: under torch.distributed it silently writes nothing on ranks other than 0, and
-    # every rank of `accelerate launch` may be the one that builds.
-    from safetensors.torch import save_file
-
     model.config.architectures = [type(model).__name__]
     model.config.save_pretrained(out)
     model.generation_config.save_pretrained(out)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
-    save_file(state, out / "model.safetensors", metadata={"format": "pt"})
+    _save_weights(model, out)
+    if warm_start is not None:
+        _warm_start(out, seed, warm_start)
     marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
+    marker["warm_start"] = asdict(warm_start) if warm_start is not None else None
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
@@ -199,13 +285,15 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _is_complete(path: Path, seed: int) -> bool:
+def _is_complete(path: Path, seed: int, warm_start: WarmStart | None = None) -> bool:
     """True if ``path`` holds a finished build of this version; raise if it is a *different* seed's build.
 
     A different seed is refused rather than silently replaced: another process may be using that build.
     """
     marker = _read_marker(path)
     if not marker or marker.get("version") != TINY_MODEL_VERSION:
+        return False
+    if marker.get("warm_start") != (asdict(warm_start) if warm_start is not None else None):
         return False
     if marker.get("seed") != seed:
         raise ValueError(
@@ -225,32 +313,61 @@ def _move_aside(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def build_tiny_model(output_dir: str | Path | None = None, seed: int = 0, overwrite: bool = False) -> Path:
+@contextmanager
+def _build_lock(target: Path, enabled: bool) -> Iterator[None]:
+    """Serialise slow (warm-start) builds of one folder across processes: the others wait, then reuse it."""
+    if not enabled:
+        yield
+        return
+    import fcntl
+
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build_tiny_model(
+    output_dir: str | Path | None = None, seed: int = 0, overwrite: bool = False, warm_start: bool = False
+) -> Path:
     """Build (or reuse) the tiny model folder and return its path.
 
     The build happens in a private temp dir next to the target and is then renamed into place, so concurrent
     callers (e.g. every rank under ``accelerate launch``) never observe a half-written folder; a caller whose
     rename loses the race simply uses the winner's identical build. ``overwrite=True`` forces a rebuild (the old
     folder is briefly absent while swapped, so do not overwrite a folder other processes are reading).
+    ``warm_start=True`` adds the supervised pass of `WARM_START` (what `builtin:tiny` is); concurrent warm builds
+    of one folder wait for each other instead of all training.
     """
-    target = Path(output_dir) if output_dir is not None else default_tiny_model_dir()
+    target = Path(output_dir) if output_dir is not None else default_tiny_model_dir(warm_start)
     target = target.expanduser().absolute()
-    if not overwrite and _is_complete(target, seed):
+    settings = WARM_START if warm_start else None
+    if not overwrite and _is_complete(target, seed, settings):
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        _build_into(tmp, seed)
-        for _ in range(5):
-            if target.exists() and (overwrite or not _is_complete(target, seed)):
-                _move_aside(target)  # stale/partial/explicitly overwritten folder
-            try:
-                os.rename(tmp, target)  # atomic; fails if target exists and is non-empty
-                return target
-            except OSError:
-                if not overwrite and _is_complete(target, seed):
-                    return target  # another process finished first: use theirs
-        raise RuntimeError(f"could not move tiny model build into {target}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with _build_lock(target, enabled=warm_start):
+        if not overwrite and _is_complete(target, seed, settings):
+            return target  # built by another process while this one waited
+        if settings is not None:
+            logger.info(
+                "building the built-in tiny model in %s, once: a random init, then %d supervised steps on the "
+                "built-in problems (about 45 s on 2 CPU cores)", target, settings.steps,
+            )  # fmt: skip
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        try:
+            _build_into(tmp, seed, settings)
+            for _ in range(5):
+                if target.exists() and (overwrite or not _is_complete(target, seed, settings)):
+                    _move_aside(target)  # stale/partial/explicitly overwritten folder
+                try:
+                    os.rename(tmp, target)  # atomic; fails if target exists and is non-empty
+                    return target
+                except OSError:
+                    if not overwrite and _is_complete(target, seed, settings):
+                        return target  # another process finished first: use theirs
+            raise RuntimeError(f"could not move tiny model build into {target}")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -64,7 +64,7 @@ TINY_CONFIG_DEFAULTS: dict[str, Any] = {
     "num_generations": 2,
     "max_completion_length": 8,
     "max_steps": 1,
-    "gradient_checkpointing": False,
+    "activation_checkpointing": False,
     "report_to": "none",
     "save_strategy": "no",
     "logging_steps": 1,

@@ -83,3 +83,26 @@ def test_run_dapo_multi_node_with_a_vllm_server():
     assert (flag(words, "--num_machines"), flag(words, "--machine_rank")) == ("2", "1")
     assert (flag(words, "--main_process_ip"), flag(words, "--main_process_port")) == ("10.1.2.3", "29600")
     assert flag(words, "--vllm_mode") == "server" and flag(words, "--vllm_server_host") == "gen-node"
+
+
+def parsed_config(words: list[str]):
+    """The DAPOConfig train_dapo.py would build from a dry run's command line."""
+    from trl import ModelConfig, TrlParser
+
+    from dapo_trl.cli import DAPOScriptArguments
+    from dapo_trl.config import DAPOConfig
+
+    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
+    _, config, _ = parser.parse_args_and_config(args=words[words.index("train_dapo.py") + 1 :])
+    return config
+
+
+def test_run_dapo_clip_ratio_c_reaches_the_config():
+    default = dry_run()
+    assert flag(default, "--clip_ratio_c") == "None"  # off, as in the paper
+    config = parsed_config(default)
+    assert config.clip_ratio_c is None and config.delta is None
+    config = parsed_config(dry_run(CLIP_RATIO_C="10.0"))  # verl's DAPO and ReTool recipes
+    assert config.clip_ratio_c == 10.0 and config.delta == 10.0  # dual-clip is TRL's delta
+    with pytest.raises(ValueError, match="clip_ratio_c=1.1 must be > 1 \\+ epsilon_high"):
+        parsed_config(dry_run(CLIP_RATIO_C="1.1"))

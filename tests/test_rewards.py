@@ -72,6 +72,8 @@ def pool():
         ("Answer: 4\nwait, no.\nAnswer: 3", "4", False),
         ("The answer is 4.", "4", False),  # no Answer line
         ("Answer:", "4", False),  # empty Answer line
+        ("Answer: 4\nAnswer:", "4", True),  # as DAPO's scorer: a trailing empty Answer line is skipped
+        ("Answer: 1,000\r\n", "1000", False),  # as DAPO's scorer: not stripped, so the \r keeps the comma
         ("Answer: 12 dollars", "12", True),
         # Faithful to the paper, so blind to what math_verify fixes:
         ("\\boxed{4}", "4", False),  # boxed only

@@ -106,6 +106,7 @@ def test_trainer_validation_and_val_before_train(tmp_path):
     trainer.train()
     before = next(entry for entry in trainer.state.log_history if "eval_all/avg@3" in entry)
     assert before["step"] == 0
+    assert "eval_loss" in before and "eval_rewards/source_reward/mean" in before  # TRL's, in the same log entry
     assert before["eval_easy/avg@3"] == 1.0 and before["eval_easy/pass@3"] == 1.0
     assert before["eval_hard/avg@3"] == 0.0 and before["eval_all/avg@3"] == pytest.approx(2 / 3)
     samples = [json.loads(line) for line in (tmp_path / "eval_samples" / "step_000000.jsonl").read_text().splitlines()]

@@ -23,7 +23,9 @@ MAX_RESPONSE_CHARS = 100_000
 # A committed answer longer than this is not a final answer (a 1 MB "Answer:" line); it is not sent to math-verify.
 MAX_ANSWER_CHARS = 1_000
 
-_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]*)")
+# DAPO's answer line, as its published scorer reads it: at least one character must follow, and `\s*` may cross line
+# breaks, so a trailing empty "Answer:" line does not count but "Answer:\n5" reads "5".
+_ANSWER_LINE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 
 # Minerva's normalisation (Lewkowycz et al. 2022, Appendix D), as DAPO uses it.
 _SUBSTITUTIONS = [
@@ -174,11 +176,15 @@ def log_verdict_counts(
 
 # ------------------------------------------------------------------------------------------------------ extraction
 def extract_dapo_answer(response: str) -> str | None:
-    """The last "Answer: ..." line within the last DAPO_TAIL_CHARS characters, or None when there is none."""
+    """The text of the last "Answer: ..." line within the last DAPO_TAIL_CHARS characters, or None when there is none.
+
+    Exactly what DAPO's published scorer reads: the text is not stripped (a trailing `\\r`, tab or no-break space is
+    part of the answer and can change its normalised form); an "Answer:" followed only by line breaks is skipped in
+    favour of an earlier one, and one followed by line breaks and then text reads that text. The result may be
+    whitespace only ("Answer: " at the very end).
+    """
     matches = _ANSWER_LINE.findall(response[-DAPO_TAIL_CHARS:])
-    if not matches:
-        return None
-    return matches[-1].strip() or None
+    return matches[-1] if matches else None
 
 
 _BOX_OPEN = re.compile(r"\\(?:boxed|fbox)[ \t]*\{")
