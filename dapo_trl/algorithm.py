@@ -1,12 +1,24 @@
 """DAPO's math as pure tensor functions: no trainer state, each one testable against the paper's formula.
 
 Shapes use N = number of completions, G = completions per prompt (a group), S = micro-batches per generation
-batch (`steps_per_generation`), K = micro-batches per optimizer step (`gradient_accumulation_steps`).
+batch (`steps_per_generation`), K = micro-batches per optimizer step (`gradient_accumulation_steps`), T = completion
+tokens. The one piece of glue is `log_ratio_clamped`, which applies `clamp_log_ratio` to a trainer's loss forward.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
 import torch
+
+# verl clamps log(pi / pi_old) to [-20, 20] before exp (core_algos.compute_policy_loss_vanilla): one stale token can
+# then cost at most exp(20) * |A| (5e8), not an overflow to inf, or NaN once multiplied by a zero advantage.
+LOG_RATIO_BOUND = 20.0
+# TRL loss types whose policy term sees the current log-probs only through the ratio exp(log pi - log pi_old), so
+# clamping the log-probs is clamping the ratio. cispo and vespo also use log pi directly (and bound their weights).
+RATIO_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo", "sapo")
 
 
 def soft_overlong_penalty(
@@ -122,3 +134,49 @@ def assemble_batch(
     batch = {key: value[:target_rows] for key, value in merged.items()}
     surplus = {key: value[target_rows:] for key, value in merged.items()} if total_rows > target_rows else None
     return batch, surplus
+
+
+def clamp_log_ratio(
+    per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor, bound: float = LOG_RATIO_BOUND
+) -> torch.Tensor:
+    """The current log-probs, with their log-ratio to the old ones clamped to [-bound, bound] (verl's clamp).
+
+    Where |log pi - log pi_old| <= bound (or is NaN) the log-probs are returned as they are, values and gradient.
+    Elsewhere they become the constant log pi_old +- bound, so a loss computing exp(log pi - log pi_old) sees
+    exp(+-bound) with no gradient through the ratio, exactly as with verl's torch.clamp(log_ratio, -20, 20).
+
+    Args:
+        per_token_logps, old_per_token_logps: (N, T) log-probabilities under the current and the old policy.
+    Returns:
+        (N, T) in the dtype of per_token_logps.
+    """
+    old = old_per_token_logps.detach()
+    log_ratio = per_token_logps.detach() - old
+    clamped = (old + log_ratio.clamp(-bound, bound)).to(per_token_logps.dtype)
+    return torch.where(log_ratio.abs() > bound, clamped, per_token_logps)
+
+
+@contextmanager
+def log_ratio_clamped(trainer: Any, inputs: Mapping[str, Any], bound: float = LOG_RATIO_BOUND) -> Iterator[None]:
+    """Within the block, `trainer`'s loss forward returns log-probs clamped against `inputs["old_per_token_logps"]`.
+
+    TRL's GRPOTrainer computes `exp(per_token_logps - old_per_token_logps)` unclamped inside `_compute_loss`; its one
+    forward there, `_get_per_token_logps_and_entropies`, is wrapped for the duration of the block so the log-probs it
+    returns pass through `clamp_log_ratio`. Nothing changes without old log-probs (the ratio is then 1) or for loss
+    types outside RATIO_LOSS_TYPES.
+    """
+    old = inputs.get("old_per_token_logps")
+    if old is None or trainer.loss_type not in RATIO_LOSS_TYPES:
+        yield
+        return
+    forward = trainer._get_per_token_logps_and_entropies
+
+    def clamped_forward(*args: Any, **kwargs: Any) -> tuple:
+        per_token_logps, *rest = forward(*args, **kwargs)
+        return (clamp_log_ratio(per_token_logps, old, bound), *rest)
+
+    trainer._get_per_token_logps_and_entropies = clamped_forward
+    try:
+        yield
+    finally:
+        del trainer._get_per_token_logps_and_entropies

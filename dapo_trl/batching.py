@@ -15,8 +15,6 @@ from typing import Any
 
 import torch
 
-from .algorithm import optimizer_window_token_counts, trl_items_for_exact_normalizer
-
 logger = logging.getLogger(__name__)
 
 
@@ -255,9 +253,11 @@ class TokenWeightedMetrics:
 class StepPlanner:
     """Prepares a generation batch's micro-batches for training and splits them under the token budget.
 
-    `plan` deals each optimizer step's rows to its micro-batches by tokens (padding-free), gives every micro-batch
-    its step's exact token count over all processes (TRL scales one generation-wide count by K / S, exact only
-    when S == K: TRL #5619, #6024, #5890, #6439) and agrees on how many backward passes each needs under
+    `plan` deals each optimizer step's rows to its micro-batches by tokens (padding-free; only when every optimizer
+    step lies inside one generation batch, i.e. K divides S), records each micro-batch's loss tokens over all
+    processes as `loss_tokens` (one all-reduce per generation batch; `steps.OptimizerSteps` sums them into each
+    optimizer step's exact denominator, where TRL scales one generation-wide count by K / S, exact only when S == K:
+    TRL #5619, #6024, #5890, #6439) and agrees on how many backward passes each needs under
     `max_tokens_per_microbatch`; `parts` cuts one micro-batch into those passes, with equal rows on every process.
     """
 
@@ -269,15 +269,13 @@ class StepPlanner:
     def plan(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         window = self.args.gradient_accumulation_steps
         if self.args.padding_free:
-            micro_batches = balance_micro_batches(micro_batches, window)
+            aligned = self.args.steps_per_generation % window == 0
+            micro_batches = balance_micro_batches(micro_batches, window if aligned else 1)
         device = self.accelerator.device
-        if self.exact_denominator:
-            local_counts = torch.stack([loss_mask(batch).sum() for batch in micro_batches]).to(device)
-            global_counts = self.accelerator.reduce(local_counts.float(), reduction="sum")
-            window_counts = optimizer_window_token_counts(global_counts, window)
-            items = trl_items_for_exact_normalizer(window_counts, self.args.steps_per_generation, window)
-            for batch, count in zip(micro_batches, items, strict=True):
-                batch["num_items_in_batch"] = count
+        local_counts = torch.stack([loss_mask(batch).sum() for batch in micro_batches]).to(device)
+        global_counts = self.accelerator.reduce(local_counts.float(), reduction="sum").tolist()
+        for batch, count in zip(micro_batches, global_counts, strict=True):
+            batch["loss_tokens"] = count
         budget = self.args.max_tokens_per_microbatch
         if budget:
             local = torch.tensor([budget_passes(batch, budget) for batch in micro_batches], device=device)

@@ -42,6 +42,13 @@ class DAPOConfig(GRPOConfig):
         metadata={"help": "Upper clip bound epsilon_high of clip-higher (DAPO: 0.28). None means = epsilon."},
     )
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay (DAPO: 0.1)."})
+    gradient_checkpointing: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Deprecated transformers alias of activation_checkpointing. Unset, activation checkpointing is "
+            "on, as in GRPOConfig (which sets this old name, so every GRPOConfig warns about it)."
+        },
+    )
     report_to: None | str | list[str] = field(
         default="tensorboard",
         metadata={"help": "Loggers to report to: 'tensorboard' (default), 'wandb', 'none', or a list."},
@@ -90,7 +97,8 @@ class DAPOConfig(GRPOConfig):
         default=None,
         metadata={
             "help": "Dual-clip bound: for negative advantages the per-token loss is capped at -A * clip_ratio_c "
-            "(verl default 3.0, ReTool 10.0). Must exceed 1 + epsilon_high. None disables it (paper)."
+            "(verl default 3.0; verl's DAPO and ReTool recipes 10.0). Must exceed 1 + epsilon_high. None disables "
+            "it (paper)."
         },
     )
 
@@ -132,6 +140,16 @@ class DAPOConfig(GRPOConfig):
     filter_groups_atol: float = field(
         default=1e-6,
         metadata={"help": "A group is kept when max - min of its accuracy exceeds this (float-noise tolerance)."},
+    )
+    filter_groups_shuffle_buffer_size: int = field(
+        default=1000,
+        metadata={
+            "help": "With an IterableDataset train_dataset, dynamic sampling draws its fresh prompts through a seeded "
+            "shuffle buffer of this many rows (and a seeded shard order per pass); 1000 is the buffer that "
+            "GRPOTrainer's own dataloader shuffles a stream with (datasets' default). Larger mixes better; the "
+            "buffered rows are saved in checkpoints, so a resumed run continues exactly. Map-style datasets are "
+            "fully permuted instead. verl has no equivalent (its dynamic sampling needs a map-style dataset)."
+        },
     )
     accuracy_reward_name: str | None = field(
         default=None,
@@ -222,7 +240,6 @@ class DAPOConfig(GRPOConfig):
         self._validate_lengths()
         self._validate_overlong_penalty()
         self._validate_clipping()
-        self._validate_token_level_loss()
         self._validate_padding_free()
         self._validate_dynamic_sampling()
         self._validate_validation()
@@ -244,6 +261,11 @@ class DAPOConfig(GRPOConfig):
     # ------------------------------------------------------------------------------------------- derived fields
     def _derive_platform_defaults(self) -> None:
         """Fields GRPOConfig's own __post_init__ must already see: the entropy alias and CPU-only defaults."""
+        if self.gradient_checkpointing is None:  # GRPOConfig's default (on), under the name transformers wants
+            if not hasattr(self, "activation_checkpointing"):  # transformers before the rename
+                self.gradient_checkpointing = True
+            elif self.activation_checkpointing is None:
+                self.activation_checkpointing = True
         if self.entropy_coeff is not None:
             if self.entropy_coef not in (0.0, self.entropy_coeff):
                 raise ValueError(
@@ -315,16 +337,8 @@ class DAPOConfig(GRPOConfig):
         upper = 1.0 + (self.epsilon_high if self.epsilon_high is not None else self.epsilon)
         if self.clip_ratio_c <= upper:
             raise ValueError(
-                f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} (verl uses 3.0, ReTool 10.0)."
-            )
-
-    def _validate_token_level_loss(self) -> None:
-        if self.loss_type == "dapo" and self.steps_per_generation % self.gradient_accumulation_steps != 0:
-            raise ValueError(
-                f"steps_per_generation={self.steps_per_generation} must be a multiple of "
-                f"gradient_accumulation_steps={self.gradient_accumulation_steps} for the exact token-level loss: "
-                "an optimizer step must not span two generation batches, whose token counts are not known yet. "
-                "Raise generation_batch_size / steps_per_generation or lower gradient_accumulation_steps."
+                f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} "
+                "(verl default 3.0, its DAPO and ReTool recipes 10.0)."
             )
 
     def _validate_padding_free(self) -> None:
@@ -346,11 +360,9 @@ class DAPOConfig(GRPOConfig):
             )
         if self.filter_groups_atol < 0:
             raise ValueError(f"filter_groups_atol={self.filter_groups_atol} must be >= 0.")
-        if self.filter_groups_enable and self.scale_rewards == "batch":
-            raise ValueError(
-                "filter_groups_enable with scale_rewards='batch' would normalise kept groups by the std of "
-                "different rounds: use scale_rewards='group' (DAPO) or 'none'."
-            )
+        if self.filter_groups_shuffle_buffer_size < 1:
+            size = self.filter_groups_shuffle_buffer_size
+            raise ValueError(f"filter_groups_shuffle_buffer_size={size} must be >= 1 (rows held to shuffle a stream).")
 
     def _validate_validation(self) -> None:
         if self.eval_num_samples < 1:

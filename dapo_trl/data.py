@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, IterableDataset, load_dataset
 
 logger = logging.getLogger(__name__)
 
@@ -277,7 +277,20 @@ def filter_overlong_prompts(
     chat_template: str | None = None,
 ) -> Dataset:
     """Drop (policy 'filter', logged) or reject (policy 'error') prompts longer than max_prompt_length tokens,
-    like verl's filter_overlong_prompts / truncation='error'."""
+    like verl's filter_overlong_prompts / truncation='error'. A streamed (iterable) dataset is filtered lazily, as it
+    is read: nothing is counted up front, and 'error' stops the run at the first overlong prompt it meets."""
+    if isinstance(dataset, IterableDataset):
+
+        def fits(row: dict[str, Any]) -> bool:
+            length = prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs, tools, chat_template)
+            if length > max_prompt_length and policy == "error":
+                raise ValueError(
+                    f"a streamed prompt has {length} tokens > max_prompt_length={max_prompt_length}; raise "
+                    "max_prompt_length or use overlong_prompt_policy='filter'."
+                )
+            return length <= max_prompt_length
+
+        return dataset.filter(fits)
     lengths = [
         prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs, tools, chat_template) for row in dataset
     ]

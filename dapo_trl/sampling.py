@@ -7,6 +7,7 @@ reads trainer state. Its checkpoint state is `state_dict()` / `load_state_dict()
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -15,12 +16,12 @@ from typing import Any
 
 import torch
 
+from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
 from .algorithm import assemble_batch, group_keep_mask
+from .streams import IterablePromptStream, PromptStream
 
 logger = logging.getLogger(__name__)
 
-# Keeps the stream's permutations apart from the dataloader's (both start from `args.seed`).
-_STREAM_SEED_OFFSET = 7919
 # Per-row tensors of a generated batch that dynamic sampling moves between processes: 2-D ones are widened with
 # (pad value, pad on the left?) to concatenate rounds; the token-id pads use the tokenizer's pad id instead of 0.
 ROW_TENSORS = {
@@ -44,63 +45,19 @@ STAT_NAMES = (
     "surplus_carried_groups",
     "surplus_discarded_groups",
 )
-
-
-class PromptStream:
-    """An endless, seeded stream of dataset indices: one fresh permutation per pass over the data.
-
-    Every process builds the same stream from the same seed and draws the same indices, so all processes agree
-    on the extra rounds' prompts without communicating. Its position is two integers, saved with checkpoints.
-    """
-
-    def __init__(self, dataset_size: int, seed: int, shuffle: bool = True):
-        if dataset_size < 1:
-            raise ValueError("dynamic sampling needs a non-empty train_dataset to draw fresh prompts from")
-        self.dataset_size = dataset_size
-        self.seed = seed
-        self.shuffle = shuffle
-        self.pass_index = 0
-        self.offset = 0
-        self._order = self._permutation(0)
-
-    def _permutation(self, pass_index: int) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.dataset_size))
-        generator = torch.Generator().manual_seed(self.seed + _STREAM_SEED_OFFSET * (pass_index + 1))
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
-
-    def draw(self, count: int) -> list[int]:
-        """The next `count` indices, continuing into a new permutation when a pass ends."""
-        indices = []
-        while len(indices) < count:
-            if self.offset == self.dataset_size:
-                self.pass_index += 1
-                self.offset = 0
-                self._order = self._permutation(self.pass_index)
-            take = min(count - len(indices), self.dataset_size - self.offset)
-            indices.extend(self._order[self.offset : self.offset + take])
-            self.offset += take
-        return indices
-
-    def state_dict(self) -> dict[str, int]:
-        return {"pass_index": self.pass_index, "offset": self.offset, "dataset_size": self.dataset_size}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["dataset_size"] != self.dataset_size:
-            raise ValueError(
-                f"checkpoint's prompt stream covers {state['dataset_size']} prompts, the train_dataset has "
-                f"{self.dataset_size}: resume with the same dataset (and max_prompt_length filter)."
-            )
-        self.pass_index, self.offset = state["pass_index"], state["offset"]
-        self._order = self._permutation(self.pass_index)
+# The per-row reward that batch-level advantages are recomputed from (`dapo_trl.advantages`); NaN for filler rows.
+BATCH_REWARDS = "dapo_batch_rewards"
 
 
 @dataclass
 class ScoredRound:
-    """One generation round as every process sees it: all rows in global (process) order and their raw accuracy."""
+    """One generation round as every process sees it: all rows in global (process) order, their raw accuracy and
+    (rewards_per_func, reward_weights) as TRL weighted them (only read when advantages are normalised by batch
+    statistics: `advantages.batch_level_rewards`)."""
 
     rows: dict[str, torch.Tensor]
     accuracy: torch.Tensor
+    rewards: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 RoundScorer = Callable[[list[dict[str, Any]]], ScoredRound]
@@ -119,9 +76,11 @@ class DynamicSampler:
     """Keeps only groups whose accuracy has spread, generating more rounds from fresh prompts until the batch is full.
 
     Round 1 uses the dataloader's prompts (plus fresh ones when over-sampling); later rounds draw fresh prompts from
-    the sampler's own seeded `PromptStream`. Every process scores the same gathered rounds, so all take the same
-    keep decisions; the batch is cut at a group boundary to exactly the generation batch. No weights change between
-    rounds, so the old log-probs of every round stay valid.
+    the sampler's own seeded stream (`dapo_trl.streams`: a permutation of a map-style dataset, or a shuffle buffer
+    over an IterableDataset). Every process scores the same gathered rounds, so all take the same keep decisions;
+    the batch is cut at a group boundary to exactly the generation batch. No weights change between rounds, so the
+    old log-probs of every round stay valid. Advantages that TRL normalises by batch statistics are recomputed over
+    the final batch's trained rows.
     """
 
     def __init__(
@@ -139,12 +98,17 @@ class DynamicSampler:
         self.padding = padding
         self.process = process or Process()
         self.shuffle = shuffle
-        self._stream: PromptStream | None = None
+        self._stream: PromptStream | IterablePromptStream | None = None
         self.carried: dict[str, torch.Tensor] | None = None
+        self.normalisation = batch_normalisation(args)  # None, or the centre of batch-level advantages
+        self._checked_agreement = False
 
     @property
-    def stream(self) -> PromptStream:
-        if self._stream is None:
+    def stream(self) -> PromptStream | IterablePromptStream:
+        if self._stream is None and not hasattr(self.dataset, "__len__"):  # a datasets.IterableDataset
+            buffer_size = self.args.filter_groups_shuffle_buffer_size
+            self._stream = IterablePromptStream(self.dataset, self.args.seed, buffer_size, shuffle=self.shuffle)
+        elif self._stream is None:
             self._stream = PromptStream(len(self.dataset), self.args.seed, shuffle=self.shuffle)
         return self._stream
 
@@ -163,6 +127,10 @@ class DynamicSampler:
         while True:
             stats["rounds"] += 1
             scored = score_round(round_inputs)
+            if self.normalisation is not None:
+                aggregation = self.args.multi_objective_aggregation
+                rewards = batch_level_rewards(*scored.rewards, self.group_size, aggregation)
+                scored.rows[BATCH_REWARDS] = rewards.to(scored.rows["advantages"].device)
             group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
             row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
             stats["groups_generated"] += group_kept.numel()
@@ -182,6 +150,8 @@ class DynamicSampler:
             stats["filler_groups"] = (target_rows - kept_rows) // self.group_size
         batch, surplus = assemble_batch(kept_parts, target_rows, self.padding)
         self._keep_surplus(surplus, carried_in_rows, target_rows, stats)
+        if self.normalisation is not None:  # verl: advantages over the final batch; filler rows (NaN) left out
+            batch["advantages"] = batch_scaled_advantages(batch.pop(BATCH_REWARDS), self.group_size, self.normalisation)
         return batch, self._metrics(stats)
 
     def _keep_surplus(
@@ -205,12 +175,25 @@ class DynamicSampler:
     def _fresh_round_inputs(self, local_rows: int) -> list[dict[str, Any]]:
         """This process's slice of a round of fresh prompts, each repeated group_size times."""
         global_rows = local_rows * self.process.count
-        indices = self.stream.draw(global_rows // self.group_size)
+        drawn = self.stream.draw(global_rows // self.group_size)  # rows of an IterableDataset, else indices
+        streamed = isinstance(self.stream, IterablePromptStream)
+        if streamed and not self._checked_agreement:
+            self._check_processes_agree(drawn)
         start = self.process.index * local_rows
         first_prompt, last_prompt = start // self.group_size, (start + local_rows - 1) // self.group_size
-        prompts = {i: self.dataset[indices[i]] for i in range(first_prompt, last_prompt + 1)}
+        prompts = {i: drawn[i] if streamed else self.dataset[drawn[i]] for i in range(first_prompt, last_prompt + 1)}
         # One copy per row: TRL may write per-row fields into its input dicts.
         return [dict(prompts[position // self.group_size]) for position in range(start, start + local_rows)]
+
+    def _check_processes_agree(self, drawn: list[dict[str, Any]]) -> None:
+        """Once: every process must have drawn the same rows (the sampler slices the global round by position)."""
+        digest = hashlib.sha256(repr(drawn).encode()).hexdigest()
+        if len(set(self.process.gather_objects([digest]))) > 1:
+            raise RuntimeError(
+                "processes drew different fresh prompts from the IterableDataset train_dataset: give every process "
+                "the same whole stream in the same order (not split_dataset_by_node), as for GRPOTrainer."
+            )
+        self._checked_agreement = True
 
     def _first_round_inputs(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous."""
@@ -257,6 +240,8 @@ def zero_advantage_filler(dropped: dict[str, torch.Tensor], rows: int) -> dict[s
     filler = {key: value[:rows].clone() for key, value in dropped.items()}
     filler["advantages"].zero_()
     filler["completion_mask"].zero_()
+    if BATCH_REWARDS in filler:
+        filler[BATCH_REWARDS].fill_(torch.nan)  # not trained: no part in batch-level statistics
     return filler
 
 

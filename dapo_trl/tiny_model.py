@@ -210,6 +210,7 @@ def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
         learning_rate=settings.learning_rate, lr_scheduler_type="cosine", weight_decay=0.0, seed=seed,
         use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no",
         logging_strategy="no", disable_tqdm=True, max_length=_MODEL_MAX_LENGTH, dataloader_num_workers=0,
+        activation_checkpointing=False,  # a 170k-parameter model: recomputing activations would only cost time
     )  # fmt: skip
     verbosity, progress_bars = hf_logging.get_verbosity(), is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the pass is an implementation detail of the build: no logs, bars or warnings

@@ -9,7 +9,7 @@ in `dapo_trl.sampling`, rewards in `dapo_trl.rewards`, tool calls in `dapo_trl.t
 - the soft overlong punishment is a built-in shaping column (weight `overlong_penalty_factor`), added to the
   correctness reward before the group advantage and logged as `rewards/overlong_penalty/*`, but never shown in the
   user's `reward_funcs` and its parallel lists (`dapo_trl.rewards.overlong.ShapingColumns`);
-- the token denominator is made exact per optimizer step in `_prepare_inputs`.
+- the token denominator is exact per optimizer step, and a step without a loss token is skipped (`dapo_trl.steps`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
-from datasets import IterableDataset
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
+from . import steps, streams
+from .algorithm import log_ratio_clamped
 from .batching import (
     StepPlanner,
     TokenWeightedMetrics,
@@ -54,7 +55,7 @@ class ValidateBeforeTraining(TrainerCallback):
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0:
+        if state.global_step == 0 and not args.eval_on_start:  # with eval_on_start, TRL evaluates right after this
             self.trainer.evaluate()
 
 
@@ -83,11 +84,6 @@ class DAPOTrainer(GRPOTrainer):
                 f"DAPOTrainer needs a DAPOConfig, got {type(args).__name__}: build it with "
                 "DAPOConfig(**same_arguments) (DAPOConfig accepts every GRPOConfig field)."
             )
-        if args.filter_groups_enable and isinstance(train_dataset, IterableDataset):
-            raise ValueError(
-                "filter_groups_enable needs a map-style train_dataset to draw fresh prompts from; "
-                "materialise the IterableDataset (e.g. Dataset.from_list(list(stream))) or disable dynamic sampling."
-            )
         env_factory = kwargs.get("environment_factory")
         with backend_for(args):
             super().__init__(
@@ -103,12 +99,12 @@ class DAPOTrainer(GRPOTrainer):
         penalty = SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len)
         self._shaping = ShapingColumns([(penalty, args.overlong_penalty_factor)] if args.apply_overlong_penalty else [])
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
-        if self.tools and self.eval_dataset is not None:
-            logger.warning("validation samples single-turn without tools; the tools are used in training only")
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._token_metrics = TokenWeightedMetrics()
         self._planner = StepPlanner(args, self.accelerator, self.loss_type)
+        self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
+        self.add_callback(steps.SkipEmptySteps(self))  # an optimizer step without a loss token changes nothing
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -122,14 +118,8 @@ class DAPOTrainer(GRPOTrainer):
                 chat_template=self.chat_template,
             )  # fmt: skip
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
-        self._sampler = DynamicSampler(
-            args,
-            self.train_dataset,
-            self.num_generations,
-            row_padding(self._tokenizer.pad_token_id),
-            process,
-            self.shuffle_dataset,
-        )
+        padding, shuffle = row_padding(self._tokenizer.pad_token_id), self.shuffle_dataset
+        self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -141,13 +131,27 @@ class DAPOTrainer(GRPOTrainer):
         return rewards_per_func
 
     # -------------------------------------------------------------- micro-batches: balance, exact denominator
+    def _get_dataloader(self, dataset, *args, **kwargs):  # TRL's loader, each process slicing one whole stream
+        return super()._get_dataloader(streams.whole_stream(dataset, self.accelerator.num_processes), *args, **kwargs)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._optimizer_steps.begin(self._step, batches)  # one optimizer step's batches, before its first micro-step
+        return batches, num_items
+
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
-        buffered_before = self._buffered_inputs
-        inputs = super()._prepare_inputs(generation_batch)
-        if self.model.training and self._buffered_inputs is not buffered_before:
-            self._buffered_inputs = self._planner.plan(self._buffered_inputs)
-            inputs = self._buffered_inputs[self._step % self.args.steps_per_generation]
-        return inputs
+        if not self.model.training:
+            return super()._prepare_inputs(generation_batch)
+        return self._optimizer_steps.micro_batch(self._step, self._generate_micro_batches)
+
+    def _generate_micro_batches(self, step: int, generation_batch: Any) -> list[dict[str, Any]]:
+        """TRL's generation, shuffle and split as at micro-step `step` (TRL generates into an empty buffer), planned."""
+        saved_step, (self._step, self._buffered_inputs) = self._step, (step, None)
+        try:
+            super()._prepare_inputs(generation_batch)
+            return self._planner.plan(self._buffered_inputs)
+        finally:
+            self._step = saved_step
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync."""
@@ -162,7 +166,8 @@ class DAPOTrainer(GRPOTrainer):
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """TRL's loss, recording the forward's token count so its metrics are averaged per token at log time."""
-        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        with log_ratio_clamped(self, inputs):  # verl's clamp of log(pi / pi_old) to [-20, 20] before exp
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         tokens = self.accelerator.reduce(loss_mask(inputs).sum().float(), reduction="sum")
         self._token_metrics.record("train" if self.model.training else "eval", tokens.item())
         return loss
@@ -267,19 +272,17 @@ class DAPOTrainer(GRPOTrainer):
         return ScoredRound(
             gather_rows(self.accelerator, output, self._tokenizer.pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
+            (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
         )
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Validation: avg@n and pass@k per data source with the eval sampling parameters (`dapo_trl.validation`)."""
-        from .validation import validate
+        """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
+        `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
+        TRL's metrics: `dapo_trl.validation.evaluate_with_validation`."""
+        from .validation import evaluate_with_validation
 
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset: pass one to DAPOTrainer or to evaluate().")
-        metrics = validate(self, dataset, metric_key_prefix)
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
+        return evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing
     def _save_checkpoint(self, model, trial):

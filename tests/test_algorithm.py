@@ -5,7 +5,14 @@ import random
 import pytest
 import torch
 
-from dapo_trl.algorithm import optimizer_window_token_counts, soft_overlong_penalty, trl_items_for_exact_normalizer
+from dapo_trl.algorithm import (
+    LOG_RATIO_BOUND,
+    clamp_log_ratio,
+    log_ratio_clamped,
+    optimizer_window_token_counts,
+    soft_overlong_penalty,
+    trl_items_for_exact_normalizer,
+)
 
 
 def eq13_reference(length: int, max_len: int, cache: int) -> float:
@@ -66,3 +73,78 @@ def test_trl_normaliser_becomes_exact_window_count(processes, accumulation, step
     per_process_normaliser = items / processes * accumulation / steps_per_generation
     effective = per_process_normaliser * processes  # DDP's mean over P of sum/normaliser
     assert effective.item() == pytest.approx(window_tokens.item())
+
+
+# ------------------------------------------------------------------------------------------ log-ratio clamp
+EXTREME_LOG_RATIOS = [-1000.0, -50.0, -20.5, -20.0, -3.0, 0.0, 0.1, 19.9, 20.0, 20.5, 50.0, 1000.0]
+
+
+def ppo_token_loss(ratio, advantage, eps_low=0.2, eps_high=0.28, clip_ratio_c=None):
+    """-min(r A, clip(r) A), capped at -A c for A < 0 (verl's dual-clip) when clip_ratio_c is set."""
+    loss = -torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantage)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantage < 0, torch.minimum(loss, -advantage * clip_ratio_c), loss)
+    return loss
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_clamped_log_ratio_equals_verls_clamp(dtype):
+    old = torch.linspace(-30.0, -0.01, len(EXTREME_LOG_RATIOS), dtype=dtype).repeat(2, 1)
+    old[1] = -2.0
+    new = (old + torch.tensor(EXTREME_LOG_RATIOS, dtype=dtype)).requires_grad_()
+    ratio = torch.exp(clamp_log_ratio(new, old) - old)
+    expected = torch.exp(torch.clamp(new.detach() - old, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+    assert torch.isfinite(ratio).all()
+    torch.testing.assert_close(ratio, expected, rtol=1e-5, atol=0)
+    ratio.sum().backward()
+    inside = (new.detach() - old).abs() <= LOG_RATIO_BOUND
+    torch.testing.assert_close(new.grad[inside], ratio.detach()[inside])  # d exp(x - old) / dx = the ratio
+    assert (new.grad[~inside] == 0).all()  # pinned at the bound, as verl's clamp: no gradient
+
+
+def test_clamp_leaves_ordinary_log_probs_bit_identical():
+    old = -torch.rand(4, 7) * 10
+    new = old + torch.randn(4, 7)
+    assert torch.equal(clamp_log_ratio(new, old), new)
+    nan_old = old.clone()
+    nan_old[0, 0] = float("nan")
+    assert torch.equal(clamp_log_ratio(new, nan_old), new)  # NaN stays NaN-producing, as unclamped
+
+
+@pytest.mark.parametrize("clip_ratio_c", [None, 3.0, 10.0])
+@pytest.mark.parametrize("advantage", [-1.5, 0.0, 2.0])
+def test_extreme_log_ratios_give_a_finite_loss_equal_to_the_clamped_one(clip_ratio_c, advantage):
+    old = torch.full((1, len(EXTREME_LOG_RATIOS)), -5.0)
+    new = old + torch.tensor([EXTREME_LOG_RATIOS])
+    advantages = torch.full((1, 1), advantage)
+    unclamped = ppo_token_loss(torch.exp(new - old), advantages, clip_ratio_c=clip_ratio_c)
+    loss = ppo_token_loss(torch.exp(clamp_log_ratio(new, old) - old), advantages, clip_ratio_c=clip_ratio_c)
+    reference = ppo_token_loss(torch.exp(torch.clamp(new - old, -20, 20)), advantages, clip_ratio_c=clip_ratio_c)
+    assert torch.isfinite(loss).all()
+    torch.testing.assert_close(loss, reference, rtol=1e-5, atol=1e-6)
+    if clip_ratio_c is None and advantage <= 0:  # without the clamp: inf (A < 0) or NaN (inf * 0)
+        assert not torch.isfinite(unclamped).all()
+
+
+class ForwardOwner:
+    """Stands in for the trainer: a loss type and the per-token forward TRL's loss calls."""
+
+    def __init__(self, loss_type, logps):
+        self.loss_type, self.logps = loss_type, logps
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        return self.logps, "entropies", None
+
+
+@pytest.mark.parametrize("loss_type,clamped", [("dapo", True), ("grpo", True), ("sapo", True), ("cispo", False)])
+def test_the_context_clamps_the_loss_forward_only_inside_the_block(loss_type, clamped):
+    old = torch.zeros(1, 3) - 1.0
+    owner = ForwardOwner(loss_type, old + torch.tensor([[-1000.0, 0.5, 1000.0]]))
+    with log_ratio_clamped(owner, {"old_per_token_logps": old}):
+        logps, entropies, aux = owner._get_per_token_logps_and_entropies("model", input_ids=None)
+    assert (entropies, aux) == ("entropies", None)
+    expected = old + torch.tensor([[-20.0, 0.5, 20.0]]) if clamped else owner.logps
+    torch.testing.assert_close(logps, expected)
+    assert owner._get_per_token_logps_and_entropies()[0] is owner.logps  # restored after the block
+    with log_ratio_clamped(owner, {}):  # no old log-probs: the ratio is 1, nothing to clamp
+        assert owner._get_per_token_logps_and_entropies()[0] is owner.logps

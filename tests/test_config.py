@@ -38,16 +38,32 @@ def test_tensorboard_is_the_default_logger(tmp_path):
         ({"epsilon": 1.5}, "epsilon"),
         ({"epsilon_high": -0.1}, "epsilon_high"),
         ({"max_filter_gen_batches": -1}, "max_filter_gen_batches"),
-        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "steps_per_generation"),
+        ({"filter_groups_shuffle_buffer_size": 0}, "filter_groups_shuffle_buffer_size"),
         ({"max_prompt_length": 0}, "max_prompt_length"),
         ({"overlong_prompt_policy": "truncate"}, "overlong_prompt_policy"),
-        ({"filter_groups_enable": True, "scale_rewards": "batch"}, "scale_rewards"),
         ({"entropy_coeff": 0.1, "entropy_coef": 0.2}, "entropy_coeff"),
     ],
 )
 def test_bad_values_name_the_field(tmp_path, overrides, field):
     with pytest.raises(ValueError, match=field):
         make(tmp_path, **overrides)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"gradient_accumulation_steps": 2, "steps_per_generation": 3},  # an optimizer step spans two generations
+        {"gradient_accumulation_steps": 3, "steps_per_generation": 1},
+        {"filter_groups_enable": True, "scale_rewards": "batch"},
+        {"filter_groups_enable": True, "multi_objective_aggregation": "normalize_then_sum"},
+    ],
+)
+def test_grpo_config_layouts_are_accepted(tmp_path, overrides):
+    """Drop-in: what GRPOConfig accepts, DAPOConfig accepts (the trainer makes these exact)."""
+    config = make(tmp_path, **overrides)
+    trl_fields = {key: value for key, value in overrides.items() if key in GRPOConfig.__dataclass_fields__}
+    GRPOConfig(output_dir=str(tmp_path), report_to="none", bf16=False, use_cpu=True, **trl_fields)
+    assert all(getattr(config, key) == value for key, value in overrides.items())
 
 
 def test_dual_clip_maps_to_trl_delta(tmp_path):

@@ -126,3 +126,7 @@ def test_overlong_prompts_filtered_or_rejected(tmp_path):
     assert len(filter_overlong_prompts(dataset, tokenizer, 50)) == 2
     with pytest.raises(ValueError, match="row 1"):
         filter_overlong_prompts(dataset, tokenizer, 50, policy="error")
+    streamed = dataset.to_iterable_dataset()
+    assert [row["prompt"] for row in filter_overlong_prompts(streamed, tokenizer, 50)] == [short["prompt"]] * 2
+    with pytest.raises(ValueError, match="streamed prompt has"):
+        list(filter_overlong_prompts(streamed, tokenizer, 50, policy="error"))

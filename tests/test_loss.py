@@ -24,7 +24,7 @@ def common_args(tmp_path, **overrides):
         num_generations=4,
         max_completion_length=16,
         report_to="none",
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         bf16=False,
         use_cpu=True,
         epsilon_high=0.28,
@@ -98,6 +98,32 @@ def test_loss_equals_paper_formula(tmp_path, model_dir, clip_ratio_c):
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     if clip_ratio_c == 1.5:  # the cap must actually bind in this batch, or the test proves nothing
         assert not torch.allclose(expected, paper_loss(trainer.model, batch, 0.2, 0.28, None))
+
+
+@pytest.mark.parametrize("clip_ratio_c", [None, 3.0, 10.0])
+def test_extreme_log_ratios_are_clamped_like_verl(tmp_path, model_dir, clip_ratio_c):
+    """A stale token (log pi - log pi_old up to +-1000) costs at most exp(20) |A|: no inf, no NaN, in loss and grads."""
+    trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path, clip_ratio_c=clip_ratio_c)), model_dir)
+    batch = fixed_batch(trainer.model.config.vocab_size, trainer.model)
+    batch["advantages"][0] = 0.0  # exp(1000) * 0 is NaN unclamped
+    offsets = torch.tensor([1000.0, -1000.0, 50.0, -50.0, 0.0, 20.5, -20.5, 19.0, 3.0, -3.0])
+    with torch.no_grad():
+        logps = token_logps(trainer.model, batch)
+    batch["old_per_token_logps"] = logps - torch.stack([offsets.roll(row) for row in range(ROWS)])
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    grads = [parameter.grad for parameter in trainer.model.parameters() if parameter.grad is not None]
+    assert torch.isfinite(loss) and grads and all(torch.isfinite(grad).all() for grad in grads)
+    with torch.no_grad():  # verl: ratio = exp(clamp(log pi - log pi_old, -20, 20)), then the clipped surrogate
+        ratio = torch.exp(torch.clamp(token_logps(trainer.model, batch) - batch["old_per_token_logps"], -20, 20))
+        advantage = batch["advantages"][:, None]
+        per_token = -torch.minimum(ratio * advantage, torch.clamp(ratio, 0.8, 1.28) * advantage)
+        if clip_ratio_c is not None:
+            per_token = torch.where(advantage < 0, torch.minimum(per_token, -advantage * clip_ratio_c), per_token)
+        mask = batch["completion_mask"].float()
+        expected = (per_token * mask).sum() / mask.sum()
+    torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
+    assert expected.abs() > 1e6 or clip_ratio_c is not None  # the bound binds: exp(20) |A| enters the loss
 
 
 def train_one_step(trainer_config, model_dir, reward_funcs, **trainer_kwargs):

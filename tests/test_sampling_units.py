@@ -1,4 +1,4 @@
-"""Dynamic sampling's pure pieces against plain references: keep mask, batch assembly, prompt stream."""
+"""Dynamic sampling's pure pieces against plain references: keep mask, batch assembly, prompt streams."""
 
 import math
 import random
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dapo_trl.algorithm import assemble_batch, concat_padded, group_keep_mask
-from dapo_trl.sampling import PromptStream
+from dapo_trl.streams import IterablePromptStream, PromptStream
 
 
 def keep_reference(values: list[float], group: int, atol: float) -> list[bool]:
@@ -78,3 +78,52 @@ def test_prompt_stream_is_seeded_covers_every_pass_and_resumes():
     assert resumed.draw(7) == continuation
     with pytest.raises(ValueError, match="same dataset"):
         PromptStream(11, seed=3).load_state_dict(saved)
+
+
+def stream_rows(size: int = 23, shards: int = 4):
+    from datasets import Dataset
+
+    rows = [{"prompt": f"p{i}", "solution": str(i)} for i in range(size)]
+    return Dataset.from_list(rows).to_iterable_dataset(num_shards=shards)
+
+
+def prompts(rows: list[dict]) -> list[str]:
+    return [row["prompt"] for row in rows]
+
+
+def test_iterable_stream_is_seeded_and_covers_every_row_once_per_pass():
+    first = prompts(IterablePromptStream(stream_rows(), seed=3, buffer_size=5).draw(50))
+    assert prompts(IterablePromptStream(stream_rows(), seed=3, buffer_size=5).draw(50)) == first  # every process
+    assert sorted(first[:23]) == sorted(f"p{i}" for i in range(23)) == sorted(first[23:46])
+    assert first[:23] != first[23:46]  # a new shard order and buffer draws each pass
+    assert first[:23] != [f"p{i}" for i in range(23)]  # shuffled
+    assert prompts(IterablePromptStream(stream_rows(), seed=4, buffer_size=5).draw(23)) != first[:23]
+    in_order = IterablePromptStream(stream_rows(), seed=3, buffer_size=5, shuffle=False)
+    assert prompts(in_order.draw(25)) == [f"p{i}" for i in range(23)] + ["p0", "p1"]
+
+
+@pytest.mark.parametrize("shards", [1, 4])
+def test_iterable_stream_resumes_exactly_from_any_position(tmp_path, shards):
+    """Saved mid-buffer, mid-shard, at shard and pass boundaries: the checkpoint (through torch.save / torch.load,
+    as the trainer stores it) continues with exactly the rows an uninterrupted stream draws next."""
+    for drawn in range(0, 52):
+        stream = IterablePromptStream(stream_rows(shards=shards), seed=1, buffer_size=5)
+        stream.draw(drawn)
+        torch.save(stream.state_dict(), tmp_path / "state.pt")
+        continuation = prompts(stream.draw(20))
+        resumed = IterablePromptStream(stream_rows(shards=shards), seed=1, buffer_size=5)
+        resumed.load_state_dict(torch.load(tmp_path / "state.pt"))
+        assert prompts(resumed.draw(20)) == continuation, drawn
+
+
+def test_iterable_stream_refuses_a_foreign_checkpoint():
+    with pytest.raises(ValueError, match="same train_dataset"):
+        IterablePromptStream(stream_rows(shards=2), seed=1).load_state_dict(
+            IterablePromptStream(stream_rows(shards=4), seed=1).state_dict()
+        )
+    with pytest.raises(ValueError, match="same dataset"):
+        PromptStream(10, seed=3).load_state_dict(IterablePromptStream(stream_rows(), seed=1).state_dict())
+    from datasets import IterableDataset
+
+    with pytest.raises(ValueError, match="non-empty"):
+        IterablePromptStream(IterableDataset.from_generator(lambda: iter(())), seed=1).draw(1)

@@ -19,12 +19,15 @@ from dapo_trl.tiny_model import (
     MARKER_FILE,
     QWEN2_PRETOKENIZE_REGEX,
     TINY_MODEL_VERSION,
+    WARM_START,
+    _is_complete,
     build_tiny_model,
     default_tiny_model_dir,
     tiny_tokenizer_corpus,
+    warm_start_examples,
 )
 
-CORPUS_SHA256_V1 = "6d432d3ae3b2e08dee723e423a754857c05a16b7274bc7ee73b41f0acdbaa80c"
+CORPUS_SHA256 = "6d432d3ae3b2e08dee723e423a754857c05a16b7274bc7ee73b41f0acdbaa80c"
 ROUND_TRIP_STRINGS = [
     "What is 12 + 7?",
     "Answer: 42",
@@ -74,7 +77,7 @@ def test_corpus_pinned_to_model_version() -> None:
     # The corpus embeds dapo_trl.data's prompt template: editing it changes the tokenizer, so cached builds of
     # this TINY_MODEL_VERSION would be stale. Bump TINY_MODEL_VERSION, then update this hash.
     digest = hashlib.sha256("\n".join(tiny_tokenizer_corpus(0)).encode()).hexdigest()
-    assert (TINY_MODEL_VERSION, digest) == ("1", CORPUS_SHA256_V1), "tiny corpus changed: bump TINY_MODEL_VERSION"
+    assert (TINY_MODEL_VERSION, digest) == ("2", CORPUS_SHA256), "tiny corpus changed: bump TINY_MODEL_VERSION"
 
 
 def test_tokenizer_round_trip_and_matches_raw(tiny_dir: Path) -> None:
@@ -193,3 +196,25 @@ def test_concurrent_build(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["shared"], "temp folders left behind"
     AutoModelForCausalLM.from_pretrained(target)
     AutoTokenizer.from_pretrained(target)
+
+
+def test_warm_start_targets_are_the_builtin_problems_worked_and_answered() -> None:
+    """The supervised pass teaches each built-in problem's sum; about half the targets end in DAPO's Answer line."""
+    from dapo_trl.data import make_arithmetic_dataset
+    from dapo_trl.rewards import dapo_math_reward
+
+    examples = warm_start_examples()
+    problems = make_arithmetic_dataset()
+    assert [example["prompt"] for example in examples] == problems["prompt"]
+    completions = [example["completion"] for example in examples]
+    rewards = dapo_math_reward(completions, solution=problems["solution"])
+    answered = sum(reward > 0 for reward in rewards) / len(rewards)
+    assert abs(answered - WARM_START.answer_line_share) < 0.1
+    assert all(
+        reward > 0 or "So the result is" in c[0]["content"] for c, reward in zip(completions, rewards, strict=True)
+    )
+
+
+def test_random_and_warm_builds_are_never_confused(tiny_dir: Path) -> None:
+    assert _is_complete(tiny_dir, 0) and not _is_complete(tiny_dir, 0, WARM_START)
+    assert default_tiny_model_dir(warm_start=True).name.endswith("-warm")

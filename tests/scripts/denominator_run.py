@@ -42,10 +42,21 @@ def fixed_global_batch(vocab_size: int) -> dict[str, torch.Tensor]:
 
 
 class FixedBatchTrainer(DAPOTrainer):
-    """Replaces generation with a slice of the fixed batch; records which rows each micro-batch trained on."""
+    """Replaces generation with a slice of the fixed batch; records which rows each micro-batch trained on.
+
+    Each row carries the index of the generation it came from; with `zero_first_generation`, the first generation's
+    advantages are all zero (its optimizer step then changes nothing under plain SGD, but its tokens still count).
+    """
+
+    generations = 0
+    zero_first_generation = False
 
     def _generate_and_score_completions(self, inputs):
         batch = fixed_global_batch(self.model.config.vocab_size)
+        batch["generation"] = torch.full((GLOBAL_ROWS,), self.generations)
+        if self.zero_first_generation and self.generations == 0:
+            batch["advantages"] = torch.zeros(GLOBAL_ROWS)
+        self.generations += 1
         local_rows = len(inputs)
         start = self.accelerator.process_index * local_rows
         local = {key: value[start : start + local_rows] for key, value in batch.items()}
@@ -54,6 +65,8 @@ class FixedBatchTrainer(DAPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         self.recorded_rows.append(inputs["row_index"].tolist())
+        self.recorded_generations.append(inputs["generation"].tolist())
+        self.recorded_items.append(float(inputs["num_items_in_batch"]))
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 
 
@@ -74,9 +87,10 @@ def main() -> None:
     from script_args import leave_together, parse_overrides
 
     overrides = parse_overrides(sys.argv[4:])
+    zero_first_generation = overrides.pop("zero_first_generation", False)
     model_dir = build_tiny_model(out / "model")
     per_device = GLOBAL_ROWS // (int(os.environ.get("WORLD_SIZE", "1")) * steps_per_generation)
-    config = DAPOConfig(
+    settings = dict(
         output_dir=str(out / "run"),
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=accumulation,
@@ -90,17 +104,18 @@ def main() -> None:
         weight_decay=0.0,
         max_grad_norm=0.0,
         max_steps=1,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
         disable_tqdm=True,
         seed=0,
-        **overrides,
     )
+    config = DAPOConfig(**{**settings, **overrides})
     prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 64)
     trainer = FixedBatchTrainer(model=str(model_dir), args=config, train_dataset=prompts)
-    trainer.recorded_rows = []
+    trainer.recorded_rows, trainer.recorded_generations, trainer.recorded_items = [], [], []
+    trainer.zero_first_generation = zero_first_generation
     before = full_parameters(trainer.model)
     trainer.train()
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -113,9 +128,18 @@ def main() -> None:
         (out / f"zero3_rank{trainer.accelerator.process_index}.json").write_text(json.dumps(shards))
     after = full_parameters(model)
     delta = {name: after[name] - before[name] for name in after}
-    # Only the micro-batches of the first optimizer step count (max_steps=1 trains exactly one).
+    # "rows": the micro-batches of the first optimizer step; "micro_batches": every micro-step's (generation, row)
+    # pairs and the num_items_in_batch TRL's loss got.
     rank = trainer.accelerator.process_index
-    torch.save({"rows": trainer.recorded_rows[:accumulation]}, out / f"rows_rank{rank}.pt")
+    micro_batches = [
+        {"rows": list(zip(generations, rows, strict=True)), "num_items": items}
+        for generations, rows, items in zip(
+            trainer.recorded_generations, trainer.recorded_rows, trainer.recorded_items, strict=True
+        )
+    ]
+    torch.save(
+        {"rows": trainer.recorded_rows[:accumulation], "micro_batches": micro_batches}, out / f"rows_rank{rank}.pt"
+    )
     if trainer.accelerator.is_main_process:
         torch.save(delta, out / "delta.pt")
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))

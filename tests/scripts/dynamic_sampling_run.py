@@ -3,8 +3,15 @@
 Prompts are "easy k" (always correct), "hard k" (always wrong) or "mixed k" (alternately right and wrong within a
 group), so exactly the mixed groups have spread. Usage (one process or under accelerate launch):
   python dynamic_sampling_run.py OUT PER_DEVICE_BATCH MAX_STEPS [key=value DAPOConfig overrides...]
-Writes OUT/trained_rank{r}.jsonl (prompts and advantages of every trained micro-batch), OUT/prompts_seen.jsonl
-(every prompt generated for, per step and round) and OUT/log_history.json.
+Script options among the overrides: mixed_share, resume, crash_after_save; iterable=true (the train set as a
+3-shard datasets.IterableDataset); reward=ids (mixed prompts are right when their completion's token ids sum to an
+even number, plus a second reward `id_shaping` = 0.1 x (sum of ids mod 7), so shaped rewards vary within groups);
+constant_from_step=N (every reward is -1 from optimizer step N on: nothing to keep);
+snapshots=true (weights and optimizer state saved at the start and after every optimizer step);
+skip_empty=false (without DAPOTrainer's empty-step skipping, as a control).
+Writes OUT/trained_rank{r}.jsonl (prompts, completion ids, advantages, active tokens and num_items_in_batch of every
+trained micro-batch), OUT/prompts_seen.jsonl (every prompt generated for, per step and round) and
+OUT/log_history.json.
 """
 
 import json
@@ -18,9 +25,11 @@ from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.steps import SkipEmptySteps
 from dapo_trl.tiny_model import build_tiny_model
 
 NUM_GENERATIONS = 4
+SCRIPT_OPTIONS = {"constant_from_step": None, "reward": "parity"}
 
 
 def difficulty_dataset(mixed_share: float, size: int = 60) -> Dataset:
@@ -31,31 +40,72 @@ def difficulty_dataset(mixed_share: float, size: int = 60) -> Dataset:
     return Dataset.from_list(rows)
 
 
-def known_difficulty_reward(prompts, completions, trainer_state=None, **kwargs) -> list[float]:
-    """+1 for easy, -1 for hard, and for mixed prompts +1 / -1 by row parity (groups are contiguous, even size)."""
+def known_difficulty_reward(prompts, completions, completion_ids, trainer_state=None, **kwargs) -> list[float]:
+    """+1 for easy, -1 for hard, and for mixed prompts +1 / -1 by row parity (groups are contiguous, even size), or
+    by the parity of the completion's id sum with reward=ids."""
     out = Path(os.environ["DS_OUT"])
     rank = int(os.environ.get("RANK", "0"))
     with open(out / f"prompts_seen_rank{rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": trainer_state.global_step, "prompts": prompts}) + "\n")
+    constant_from = SCRIPT_OPTIONS["constant_from_step"]
+    if constant_from is not None and trainer_state.global_step >= constant_from:
+        return [-1.0] * len(prompts)
     rewards = []
-    for index, prompt in enumerate(prompts):
+    for index, (prompt, ids) in enumerate(zip(prompts, completion_ids, strict=True)):
         kind = prompt.split()[0]
-        rewards.append(1.0 if kind == "easy" else -1.0 if kind == "hard" else (1.0 if index % 2 == 0 else -1.0))
+        parity = sum(ids) if SCRIPT_OPTIONS["reward"] == "ids" else index
+        rewards.append(1.0 if kind == "easy" else -1.0 if kind == "hard" else (1.0 if parity % 2 == 0 else -1.0))
     return rewards
+
+
+def id_shaping(completion_ids, **kwargs) -> list[float]:
+    return [0.1 * (sum(ids) % 7) for ids in completion_ids]
 
 
 class RecordingTrainer(DAPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         prompts = self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)
         with open(Path(os.environ["DS_OUT"]) / f"trained_rank{self.accelerator.process_index}.jsonl", "a") as f:
+            masks = inputs["completion_mask"].bool()
             record = {
                 "step": self.state.global_step,
                 "prompts": prompts,
+                "completion_ids": [
+                    ids[mask].tolist() for ids, mask in zip(inputs["completion_ids"], masks, strict=True)
+                ],
                 "advantages": inputs["advantages"].tolist(),
                 "active_tokens": inputs["completion_mask"].sum(dim=1).tolist(),
+                "num_items": float(inputs["num_items_in_batch"]),
             }
             f.write(json.dumps(record) + "\n")
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+
+class Snapshots(TrainerCallback):
+    """Saves the weights and the optimizer state before training and after every optimizer step (one process)."""
+
+    def __init__(self, out: Path):
+        self.out = out
+
+    def save(self, name: str, model, optimizer) -> None:
+        state = {key: value.clone() if torch.is_tensor(value) else value for key, value in _flat(optimizer).items()}
+        params = {key: value.detach().clone() for key, value in model.named_parameters()}
+        torch.save({"params": params, "optimizer": state}, self.out / f"snapshot_{name}.pt")
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.save("start", model, optimizer)
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+        self.save(str(state.global_step), model, optimizer)
+
+
+def _flat(optimizer) -> dict:
+    """Every per-parameter optimizer state entry (exp_avg, exp_avg_sq, step) under one flat key."""
+    return {
+        f"{index}.{key}": value
+        for index, entries in optimizer.state_dict()["state"].items()
+        for key, value in entries.items()
+    }
 
 
 class CrashAfterSave(TrainerCallback):
@@ -75,6 +125,11 @@ def main() -> None:
     mixed_share = overrides.pop("mixed_share", 0.25)
     resume = overrides.pop("resume", None)
     crash_after = overrides.pop("crash_after_save", None)
+    iterable = overrides.pop("iterable", False)
+    snapshots = overrides.pop("snapshots", False)
+    skip_empty = overrides.pop("skip_empty", True)
+    for option in SCRIPT_OPTIONS:
+        SCRIPT_OPTIONS[option] = overrides.pop(option, SCRIPT_OPTIONS[option])
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
     settings = dict(
@@ -86,7 +141,7 @@ def main() -> None:
         filter_groups_enable=True,
         max_filter_gen_batches=0,
         apply_overlong_penalty=False,
-        gradient_checkpointing=False,
+        activation_checkpointing=False,
         report_to="none",
         save_strategy="no",
         logging_steps=1,
@@ -94,12 +149,19 @@ def main() -> None:
         seed=0,
     )
     settings.update(overrides)
+    dataset = difficulty_dataset(mixed_share)
     trainer = RecordingTrainer(
         model=str(build_tiny_model(out.parent / "tiny")),
-        reward_funcs=known_difficulty_reward,
+        reward_funcs=[known_difficulty_reward, id_shaping]
+        if SCRIPT_OPTIONS["reward"] == "ids"
+        else known_difficulty_reward,
         args=DAPOConfig(**settings),
-        train_dataset=difficulty_dataset(mixed_share),
+        train_dataset=dataset.to_iterable_dataset(num_shards=3) if iterable else dataset,
     )
+    if snapshots and trainer.accelerator.is_main_process:
+        trainer.add_callback(Snapshots(out))
+    if not skip_empty:
+        trainer.remove_callback(SkipEmptySteps)
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
     trainer.train(resume_from_checkpoint=resume)

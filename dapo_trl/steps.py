@@ -1,0 +1,110 @@
+"""Optimizer steps: which micro-batches one step trains on, their exact token count, and skipping empty steps.
+
+TRL's Trainer loop fetches an optimizer step's `gradient_accumulation_steps` (K) dataloader batches at once
+(`get_batch_samples`), then runs them one micro-step at a time; TRL generates every `steps_per_generation` (S) x
+`num_iterations` micro-steps and hands out the buffered micro-batch `step % S`. When K does not divide S, an
+optimizer step spans two generation batches and the second is not generated yet when the step begins, so DAPO's
+exact token denominator (paper Eq. 11: the active tokens of the whole step) cannot be known. `OptimizerSteps`
+generates, at a step's first micro-step, every generation batch that starts inside the step. The weights only change
+at the end of a step, so this samples from exactly the policy TRL's own timing would, and the denominator is exact
+for every S, K and `num_iterations`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from .algorithm import trl_items_for_exact_normalizer
+
+logger = logging.getLogger(__name__)
+
+# A generation batch's prompts -> its planned micro-batches (each with "loss_tokens": its loss tokens, all processes).
+Generate = Callable[[int, Any], list[dict[str, Any]]]
+
+
+class OptimizerSteps:
+    """Hands out each training micro-step's micro-batch with its optimizer step's exact normaliser.
+
+    `begin(step, batches)` is called with a step's dataloader batches before its first micro-step (`step` is TRL's
+    micro-step counter `_step`); `micro_batch(step, generate)` then returns micro-step `step`'s micro-batch.
+    `tokens` is the current optimizer step's loss-token count over all its micro-batches and processes (the same on
+    every process), which `SkipEmptySteps` reads.
+    """
+
+    def __init__(self, args: Any, device: Any, exact_denominator: bool):
+        self.steps_per_generation = args.steps_per_generation
+        self.generate_every = args.steps_per_generation * args.num_iterations
+        self.device = device
+        self.exact_denominator = exact_denominator
+        self.start: int | None = None
+        self.batches: list[Any] = []
+        self.buffer: list[dict[str, Any]] | None = None  # the micro-batches of the generation batch in use
+        self.ahead: dict[int, list[dict[str, Any]]] = {}  # generation batches made early, by their first micro-step
+        self.tokens: float | None = None
+
+    def begin(self, step: int, batches: list[Any]) -> None:
+        self.start, self.batches = step, list(batches)
+
+    def micro_batch(self, step: int, generate: Generate) -> dict[str, Any]:
+        if self.start is None or not 0 <= step - self.start < len(self.batches):
+            raise RuntimeError(
+                f"micro-step {step} is outside the optimizer step that began at {self.start}: DAPOTrainer trains "
+                "through Trainer.train(), whose get_batch_samples announces each optimizer step."
+            )
+        if step == self.start:
+            self._prepare(generate)
+        self.buffer = self.ahead.pop(step, self.buffer)
+        inputs = self.buffer[step % self.steps_per_generation]
+        if self.exact_denominator:
+            tokens = torch.tensor(self.tokens, device=self.device)
+            inputs["num_items_in_batch"] = trl_items_for_exact_normalizer(
+                tokens, self.steps_per_generation, len(self.batches)
+            )
+        return inputs
+
+    def _prepare(self, generate: Generate) -> None:
+        """Generate the generation batches starting inside this optimizer step; sum the step's loss tokens."""
+        buffer, tokens = self.buffer, 0.0
+        for offset, prompts in enumerate(self.batches):
+            step = self.start + offset
+            if buffer is None or step % self.generate_every == 0:
+                buffer = self.ahead[step] = generate(step, prompts)
+            tokens += buffer[step % self.steps_per_generation]["loss_tokens"]
+        self.tokens = tokens
+
+
+class SkipEmptySteps(TrainerCallback):
+    """An optimizer step with no loss token at all (every group zero-advantage filler, or every completion masked by
+    `mask_truncated_completions`) leaves the weights and the optimizer state untouched.
+
+    Right before `optimizer.step()` every gradient is set to None: torch optimizers skip a parameter without a
+    gradient entirely (no weight decay, no moment update, no step count), which `zero_grad(set_to_none=True)`
+    documents. The step still counts: `global_step` and the LR schedule advance, as verl's step counter does, so
+    `max_steps`, `save_steps`, warm-up and decay stay in optimizer steps. The metric `skipped_steps` (1 for a skipped
+    step, 0 otherwise, averaged over the logging window like every TRL metric: the share of skipped steps) counts
+    them. Every process holds the same all-reduced count, so all skip together. DeepSpeed steps its optimizer inside
+    the last backward pass, before this hook: there an empty step is taken (zero gradient: weight decay and Adam's
+    moment decay still apply), logged once as a warning and not counted.
+    """
+
+    def __init__(self, trainer: Any):
+        self.trainer = trainer
+        self.warned = False
+
+    def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
+        empty = self.trainer._optimizer_steps.tokens == 0
+        skipped = empty and not self.trainer.is_deepspeed_enabled
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        elif empty and not self.warned:
+            self.warned = True
+            logger.warning(
+                "optimizer step %d has no loss token; DeepSpeed takes it anyway (zero gradient: weight decay and "
+                "Adam's moment decay still apply)", state.global_step + 1,
+            )  # fmt: skip
+        self.trainer._metrics["train"]["skipped_steps"].append(float(skipped))
