@@ -3,8 +3,8 @@
 #   ./test_dapo.sh                                    built-in tiny model + built-in problems, offline, CPU is fine
 #   MODEL_PATH=Qwen/Qwen2.5-0.5B-Instruct ./test_dapo.sh   the same on a real model (hub access or a local folder)
 #   TOOLS=code_interpreter ./test_dapo.sh            with ReTool's sandboxed code interpreter (Hermes template)
-#   DEMO=1 ./test_dapo.sh                            150 steps (about 2.5 min on 2 CPU cores): accuracy climbs from
-#                                                    about 25% to about 55%; charts in OUTPUT_DIR/plots
+#   DEMO=1 ./test_dapo.sh                            150 steps (about 1.5 min on 2 CPU cores): accuracy climbs from
+#                                                    about 30% to about 60%; charts in OUTPUT_DIR/plots
 # Extra arguments are passed to train_dapo.py (e.g. ./test_dapo.sh --max_steps 4).
 set -euo pipefail
 cd "$(dirname "$0")"

@@ -355,7 +355,7 @@ def build_tiny_model(
         if settings is not None:
             logger.info(
                 "building the built-in tiny model in %s, once: a random init, then %d supervised steps on the "
-                "built-in problems (about 45 s on 2 CPU cores)", target, settings.steps,
+                "built-in problems (about 30 s on 2 CPU cores)", target, settings.steps,
             )  # fmt: skip
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
