@@ -279,8 +279,8 @@ class DAPOTrainer(GRPOTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
-        TRL's metrics: `dapo_trl.validation.evaluate_with_validation`."""
-        from .validation import evaluate_with_validation
+        TRL's metrics: `dapo_trl.trainer_validation.evaluate_with_validation`."""
+        from .trainer_validation import evaluate_with_validation
 
         return evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
