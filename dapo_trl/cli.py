@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
+import importlib.util
 import itertools
 import logging
 import os
@@ -17,6 +19,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from .config import DAPOConfig
 from .data import BUILTIN_ARITHMETIC, DatasetLoadError, load_prompt_dataset
 from .rewards import REWARD_BUILDERS, REWARD_FUNCTIONS, MissingRewardOptions, build_reward
+from .rewards.verl_compat import from_verl_compute_score, is_verl_compute_score
 
 logger = logging.getLogger("dapo_trl")
 
@@ -98,13 +101,18 @@ class DAPOScriptArguments(ScriptArguments):
     reward_funcs: list[str] = field(
         default_factory=lambda: ["dapo_math"],
         metadata={
-            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)}, 'judge', or dotted import paths "
-            "(my_pkg.rewards.my_reward). The first one is the accuracy reward unless accuracy_reward_name says."
+            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)}, 'judge', or import paths "
+            "(my_pkg.rewards.my_reward, my_pkg.rewards:my_reward or path/to/file.py:my_reward; a verl "
+            "compute_score(data_source, solution_str, ground_truth, extra_info) is adapted). The first one is the "
+            "accuracy reward unless accuracy_reward_name says."
         },
     )
     tools: list[str] = field(
         default_factory=list,
-        metadata={"help": f"Tools the policy may call: {list(TOOL_NAMES)} (ReTool's sandboxed Python interpreter)."},
+        metadata={
+            "help": f"Tools the policy may call: {list(TOOL_NAMES)} (ReTool's sandboxed Python interpreter); "
+            "--tool_config implies it."
+        },
     )
     sandbox: str = field(
         default="local",
@@ -127,6 +135,15 @@ class DAPOScriptArguments(ScriptArguments):
     )
     tool_max_output_chars: int = field(
         default=1024, metadata={"help": "Characters of a tool's output the model sees (head and tail kept)."}
+    )
+    tool_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "verl's tool config YAML (rollout.multi_turn.tool_config_path, e.g. the ReTool recipe's "
+            "sandbox_fusion_tool_config.yaml): its SandboxFusionTool becomes the code interpreter on that remote "
+            "sandbox (url, default_timeout, memory_limit_mb, rate_limit/num_workers concurrency, tool_schema). "
+            "Implies --tools code_interpreter; fields it cannot honour are logged as warnings."
+        },
     )
     chat_template: str | None = field(
         default=None,
@@ -153,19 +170,78 @@ def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None =
         except MissingRewardOptions as error:
             needed = " and ".join(f"--{option}" for option in error.required)
             raise UserFacingError(f"--reward_funcs {name} needs {needed}.") from None
-    module_name, _, attribute = name.rpartition(".")
-    if not module_name:
+    if ":" in name:  # module:function or path/to/file.py:function (verl's custom_reward_function.path / .name)
+        module_name, _, attribute = name.rpartition(":")
+    else:
+        module_name, _, attribute = name.rpartition(".")
+    if not module_name or not attribute:
         raise UserFacingError(
-            f"--reward_funcs {name!r}: unknown reward; use one of {sorted(REWARD_FUNCTIONS)} or a dotted path."
+            f"--reward_funcs {name!r}: unknown reward; use one of {sorted(REWARD_FUNCTIONS)}, a dotted path "
+            "(my_pkg.rewards.fn), module:function or path/to/file.py:function."
         )
     try:
-        return getattr(importlib.import_module(module_name), attribute)
-    except (ImportError, AttributeError) as error:
+        function = getattr(_import_reward_module(module_name), attribute)
+    except (ImportError, AttributeError, OSError, SyntaxError) as error:
         raise UserFacingError(f"--reward_funcs {name!r}: cannot import it ({error}).") from None
+    if is_verl_compute_score(function):  # verl's per-response signature: adapt it to TRL's batched one
+        return from_verl_compute_score(function)
+    return function
 
 
-def build_tools(script_args: DAPOScriptArguments) -> list[Any]:
-    """The tool functions named by --tools, each over the sandbox the --sandbox_* flags describe."""
+def _import_reward_module(module_name: str) -> Any:
+    """A module by dotted name, or a Python file by path (imported under a name derived from the path)."""
+    if not module_name.endswith(".py"):
+        return importlib.import_module(module_name)
+    path = Path(module_name).expanduser().resolve()
+    if not path.is_file():
+        raise ImportError(f"no file {str(path)!r}")
+    spec = importlib.util.spec_from_file_location(f"dapo_trl_reward_{abs(hash(str(path)))}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+# --tool_config sets these script fields; the same flag given with another non-default value is a conflict.
+TOOL_CONFIG_FIELDS = {
+    "sandbox": lambda settings: "remote",
+    "sandbox_url": lambda settings: settings.sandbox_url,
+    "sandbox_timeout": lambda settings: settings.timeout_s,
+    "sandbox_memory_mb": lambda settings: settings.memory_mb,
+    "sandbox_max_concurrency": lambda settings: settings.max_concurrency,
+}
+
+
+def apply_tool_config(script_args: DAPOScriptArguments, world_size: int = 1) -> Any:
+    """Read --tool_config (verl's tool YAML) into the --sandbox_* fields; returns its settings (None without it)."""
+    if not script_args.tool_config:
+        return None
+    from .tools.verl_config import ToolConfigError, load_verl_tool_config
+
+    try:
+        settings = load_verl_tool_config(script_args.tool_config, world_size=world_size)
+    except ToolConfigError as error:
+        raise UserFacingError(f"--tool_config: {error}") from None
+    defaults = {f.name: f.default for f in dataclasses.fields(DAPOScriptArguments)}
+    for name, value_of in TOOL_CONFIG_FIELDS.items():
+        given, value = getattr(script_args, name), value_of(settings)
+        if given not in (defaults[name], value):
+            raise UserFacingError(
+                f"--{name} {given} contradicts --tool_config {script_args.tool_config}, which sets it to {value}: "
+                "drop one of them."
+            )
+        setattr(script_args, name, value)
+    if script_args.tools and script_args.tools != [TOOL_NAMES[0]]:
+        raise UserFacingError(f"--tool_config describes the {TOOL_NAMES[0]} tool only; drop --tools from the call.")
+    script_args.tools = [TOOL_NAMES[0]]
+    for note in settings.notes:
+        logger.warning("--tool_config %s: %s", script_args.tool_config, note)
+    return settings
+
+
+def build_tools(script_args: DAPOScriptArguments, world_size: int = 1) -> list[Any]:
+    """The tool functions named by --tools (or --tool_config), each over the sandbox the --sandbox_* flags describe."""
+    settings = apply_tool_config(script_args, world_size)
     unknown = [name for name in script_args.tools if name not in TOOL_NAMES]
     if unknown:
         raise UserFacingError(f"--tools {' '.join(unknown)}: unknown tool; available: {', '.join(TOOL_NAMES)}.")
@@ -188,6 +264,10 @@ def build_tools(script_args: DAPOScriptArguments) -> list[Any]:
         raise UserFacingError(f"--tools code_interpreter: {error}") from None
     if script_args.sandbox == "local" and script_args.sandbox_require_isolation:
         interpreter.sandbox.isolation()  # fail now, not at the first tool call
+    if settings is not None:
+        from .tools.verl_config import apply_tool_schema
+
+        apply_tool_schema(interpreter.tool, settings)
     return [interpreter.tool]
 
 
@@ -305,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)
         if script_args.chat_template:
             tokenizer.chat_template = resolve_chat_template(script_args.chat_template)
-        tools = build_tools(script_args)
+        tools = build_tools(script_args, world_size=training_args.world_size)
         if tools:
             from trl.chat_template_utils import supports_tool_calling
 

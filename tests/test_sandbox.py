@@ -326,6 +326,23 @@ def test_a_virtual_environment_runs_wherever_it_lives_and_stays_read_only(venv_p
     assert not list(venv.rglob("pwned"))
 
 
+def test_a_virtual_environment_other_users_cannot_enter_is_named_with_the_fix():
+    """A venv made inside a `mktemp -d` folder keeps its mode 700: the sandbox user cannot run it, and says why."""
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to an unprivileged sandbox user")
+    venv = Path(tempfile.mkdtemp(prefix="dapo-closed-venv-", dir="/tmp"))
+    try:
+        made = [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", "--clear", str(venv)]
+        subprocess.run(made, check=True, capture_output=True, timeout=120)
+        venv.chmod(0o700)
+        with pytest.raises(SandboxUnavailable, match=rf"Other users cannot enter {venv}: `chmod o\+rx` it"):
+            LocalSandbox(SandboxLimits(timeout_s=20), python=str(venv / "bin" / "python"))
+        venv.chmod(0o755)
+        assert LocalSandbox(SandboxLimits(timeout_s=20), python=str(venv / "bin" / "python")).run("print(1)").ok
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
 def test_an_interpreter_the_sandbox_cannot_run_fails_at_construction(tmp_path):
     broken = tmp_path / "venv" / "bin" / "python"
     broken.parent.mkdir(parents=True)

@@ -64,3 +64,9 @@ def hidden_dirs(paths: list[str], hidden: list[str]) -> list[str]:
     found = {os.path.realpath(path) for path in paths} | {os.path.abspath(path) for path in paths}
     found = {path for path in found if os.path.isdir(path) and any(_is_under(path, r) and path != r for r in roots)}
     return sorted(path for path in found if not any(other != path and _is_under(path, other) for other in found))
+
+
+def closed_to_others(roots: list[str]) -> list[str]:
+    """The exposed interpreter directories the unprivileged sandbox user cannot enter (no read or execute for
+    others): bind-mounted as they are, they stay closed to it whatever the mount namespace shows."""
+    return [root for root in roots if os.path.isdir(root) and (os.stat(root).st_mode & 0o005) != 0o005]

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 from .cgroups import Cgroups
-from .interpreter_paths import hidden_dirs, interpreter_dirs, resolve_python
+from .interpreter_paths import closed_to_others, hidden_dirs, interpreter_dirs, resolve_python
 from .sandbox import (
     RUNNER_SOURCE,
     ExecutionResult,
@@ -130,6 +130,9 @@ class LocalSandbox(Sandbox):
             hidden = ", ".join([*PRIVATE_PATHS, *self.mask_paths])
             shown = ", ".join(self.expose_paths) or "none of them"
             where = f" Inside, {hidden} are hidden except the interpreter's own directories ({shown})."
+        closed = closed_to_others(self.expose_paths) if self.is_root else []
+        if closed:  # e.g. a venv made in a `mktemp -d` folder (mode 700): the sandbox user cannot enter it
+            where += f" Other users cannot enter {', '.join(closed)}: `chmod o+rx` it (as `python -m venv` leaves it)."
         raise SandboxUnavailable(
             f"LocalSandbox cannot start Python {self.python} inside its sandbox: {'; '.join(notes)}.{where} Pass "
             "LocalSandbox(python=...) an interpreter the sandbox can run (e.g. /usr/bin/python3, or a conda or virtual "
