@@ -215,6 +215,7 @@ NOT_NEEDED_KEYS: list[tuple[str, str]] = [
     ("*.strategy", "verl's training backend; the accelerate config shards instead (see its rule in the report)"),
     ("*._target_", "Hydra class selector"),
     ("*.rollout_n", "copy of actor_rollout_ref.rollout.n"),
+    ("actor_rollout_ref.actor.use_remove_padding", "copy of actor_rollout_ref.model.use_remove_padding"),
     ("*.data_loader_seed", "seed of verl's mini-batch shuffling"),
     ("*.router_replay.*", "MoE router replay, off"),
     ("*.freeze_vision_tower", "vision models only"),
@@ -337,7 +338,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """verl's batch sizes as TRL's layout (module docstring of `plan_batches`)."""
+    """verl's batch sizes as TRL's layout (see `plan_batches`)."""
 
     world_size: int
     num_generations: int
@@ -420,8 +421,10 @@ def plan_batches(
         budget = None
         if micro_batch_per_gpu is None:
             micro = per_process
-            notes.append("no ppo_micro_batch_size_per_gpu (verl requires one without use_dynamic_bsz): one forward "
-                         "of all the process's responses per update")  # fmt: skip
+            notes.append(
+                "no ppo_micro_batch_size_per_gpu (verl requires one without use_dynamic_bsz): one forward "
+                "of all the process's responses per update"
+            )
         else:
             micro = _largest_divisor_at_most(per_process, micro_batch_per_gpu)
             if micro != micro_batch_per_gpu:
@@ -508,7 +511,8 @@ class Translation:
 
     # ------------------------------------------------------------------------------------------------ reading
     def given(self, key: str) -> bool:
-        return key in self.found.values and key not in self.found.unresolved
+        """The input sets `key` (to a resolved value; Hydra's `???` marks a value left to fill, i.e. unset)."""
+        return key in self.found.values and key not in self.found.unresolved and self.found.values[key] != "???"
 
     def value(self, key: str) -> Any:
         return self.found.values[key] if self.given(key) else VERL_DEFAULTS.get(key)
@@ -609,9 +613,14 @@ def map_model(t: Translation) -> None:
     if template:
         t.files["chat_template.jinja"] = str(template)
         t.set(chat_template="chat_template.jinja")
-        t.mark("actor_rollout_ref.model.custom_chat_template", MAPPED, "chat_template: <DIR>/chat_template.jinja",
-               "written next to the recipe")  # fmt: skip
-    t.mark("actor_rollout_ref.model.tokenizer_path", UNSUPPORTED, how="the tokenizer is loaded from the model path")
+        t.mark(
+            "actor_rollout_ref.model.custom_chat_template",
+            MAPPED,
+            "chat_template: <DIR>/chat_template.jinja",
+            "written next to the recipe",
+        )
+    if t.value("actor_rollout_ref.model.tokenizer_path"):
+        t.mark("actor_rollout_ref.model.tokenizer_path", UNSUPPORTED, how="the tokenizer is loaded from the model path")
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -646,8 +655,13 @@ def map_data(t: Translation) -> None:
         t.set(dataset_name=name)
         t.mark("data.train_files", status, _field("dataset_name", name), how, blocking=status == UNSUPPORTED)
     elif len(train) > 1:
-        t.mark("data.train_files", UNSUPPORTED, "", "several training files: --dataset_name takes one; concatenate "
-               "them into one parquet file", blocking=True)  # fmt: skip
+        t.mark(
+            "data.train_files",
+            UNSUPPORTED,
+            "",
+            "several training files: --dataset_name takes one; concatenate them into one parquet file",
+            blocking=True,
+        )
     else:
         t.notes.append("no data.train_files: pass --dataset_name")
     validation = _as_list(t.value("data.val_files"))
@@ -663,16 +677,24 @@ def map_data(t: Translation) -> None:
     prompt_key = t.value("data.prompt_key")
     if prompt_key != "prompt":
         t.set(prompt_column=str(prompt_key))
-    t.mark("data.prompt_key", MAPPED, _field("prompt_column", prompt_key) if prompt_key != "prompt" else
-           "prompt_column: auto (prompt)", "column holding the prompt")  # fmt: skip
+    t.mark(
+        "data.prompt_key",
+        MAPPED,
+        _field("prompt_column", prompt_key) if prompt_key != "prompt" else "prompt_column: auto (prompt)",
+        "column holding the prompt",
+    )
 
     # Overlong prompts: verl filters them (filter_overlong_prompts), else applies `truncation` at load time.
     filter_prompts = _boolean(t.value("data.filter_overlong_prompts"))
     truncation = str(t.value("data.truncation"))
     if filter_prompts:
         t.set(overlong_prompt_policy="filter")
-        t.record("data.filter_overlong_prompts", MAPPED, "overlong_prompt_policy: filter",
-                 "prompts longer than max_prompt_length are dropped (and counted)")  # fmt: skip
+        t.record(
+            "data.filter_overlong_prompts",
+            MAPPED,
+            "overlong_prompt_policy: filter",
+            "prompts longer than max_prompt_length are dropped (and counted)",
+        )
         t.mark("data.truncation", NOT_NEEDED, how="overlong prompts are filtered before truncation could apply")
     elif truncation == "error":
         t.set(overlong_prompt_policy="error")
@@ -680,11 +702,14 @@ def map_data(t: Translation) -> None:
         t.mark("data.filter_overlong_prompts", MAPPED, "overlong_prompt_policy: error", "no filtering")
     else:
         t.set(overlong_prompt_policy="filter")
-        t.mark("data.truncation", APPROXIMATED, "overlong_prompt_policy: filter",
-               f"verl cuts overlong prompts ({truncation}); dapo-trl never truncates a prompt and drops them "
-               "instead (counted in the log)")  # fmt: skip
-        t.mark("data.filter_overlong_prompts", APPROXIMATED, "overlong_prompt_policy: filter",
-               "see data.truncation")  # fmt: skip
+        t.mark(
+            "data.truncation",
+            APPROXIMATED,
+            "overlong_prompt_policy: filter",
+            f"verl cuts overlong prompts ({truncation}); dapo-trl never truncates a prompt and drops them "
+            "instead (counted in the log)",
+        )
+        t.mark("data.filter_overlong_prompts", APPROXIMATED, "overlong_prompt_policy: filter", "see data.truncation")
 
     custom_path, custom_name = t.value("data.custom_cls.path"), t.value("data.custom_cls.name")
     if custom_path:
@@ -710,8 +735,12 @@ def map_data(t: Translation) -> None:
             t.mark(limit, NOT_NEEDED, how="-1: every row")
     if t.given("data.seed") and t.value("data.seed") is not None:
         t.set(seed=int(t.value("data.seed")))
-        t.mark("data.seed", APPROXIMATED, _field("seed", t.value("data.seed")),
-               "the Trainer's one seed: data order, and also sampling and initialisation")  # fmt: skip
+        t.mark(
+            "data.seed",
+            APPROXIMATED,
+            _field("seed", t.value("data.seed")),
+            "the Trainer's one seed: data order, and also sampling and initialisation",
+        )
     else:
         t.mark("data.seed", NOT_NEEDED, how="unset")
 
@@ -775,15 +804,20 @@ def map_batches(t: Translation) -> BatchPlan:
     if n >= 2:
         t.record("actor_rollout_ref.rollout.n", MAPPED, _field("num_generations", n), "responses per prompt")
     else:
-        t.record("actor_rollout_ref.rollout.n", UNSUPPORTED, "", "GRPO needs at least 2 responses per prompt",
-                 blocking=True)  # fmt: skip
+        t.record(
+            "actor_rollout_ref.rollout.n", UNSUPPORTED, "", "GRPO needs at least 2 responses per prompt", blocking=True
+        )
     t.record(actor + "ppo_epochs", MAPPED, _field("num_iterations", epochs), "passes over each generation batch")
     t.mark("trainer.nnodes", MAPPED, f"accelerate.yaml num_machines: {nnodes}", f"world size {world}")
     t.mark("trainer.n_gpus_per_node", MAPPED, f"accelerate.yaml num_processes: {world}", f"{nnodes} x {gpus}")
     if dynamic:
-        t.mark(actor + "use_dynamic_bsz", MAPPED, _field("max_tokens_per_microbatch", budget),
-               "token-bounded forwards: each process's share of an update is split into forwards of at most "
-               "ppo_max_token_len_per_gpu real tokens")  # fmt: skip
+        t.mark(
+            actor + "use_dynamic_bsz",
+            MAPPED,
+            _field("max_tokens_per_microbatch", budget),
+            "token-bounded forwards: each process's share of an update is split into forwards of at most "
+            "ppo_max_token_len_per_gpu real tokens",
+        )
         t.mark(
             actor + "ppo_max_token_len_per_gpu",
             MAPPED,
@@ -800,8 +834,14 @@ def map_batches(t: Translation) -> BatchPlan:
             t.mark(key, NOT_NEEDED, how="use_dynamic_bsz=True sizes forwards by tokens instead")
     else:
         t.mark(actor + "use_dynamic_bsz", MAPPED, "max_tokens_per_microbatch: unset", "fixed-size micro-batches")
-        t.mark(micro_key, status, _field("per_device_train_batch_size", plan.per_device_train_batch_size),
-               "responses per forward and process" + (f"; {notes}" if notes else ""))  # fmt: skip
+        other = actor + ("ppo_micro_batch_size" if micro_key.endswith("_per_gpu") else "ppo_micro_batch_size_per_gpu")
+        t.mark(other, NOT_NEEDED, how=f"{micro_key.rsplit('.', 1)[-1]} sets the micro-batch")
+        t.mark(
+            micro_key,
+            status,
+            _field("per_device_train_batch_size", plan.per_device_train_batch_size),
+            "responses per forward and process" + (f"; {notes}" if notes else ""),
+        )
     if sequence_parallel > 1:
         t.mark(
             actor + "ulysses_sequence_parallel_size",
@@ -814,18 +854,25 @@ def map_batches(t: Translation) -> BatchPlan:
         t.mark(actor + "ulysses_sequence_parallel_size", NOT_NEEDED, how="1: no sequence parallelism")
     t.step_rows += [
         ("world size", f"nnodes x n_gpus_per_node = {nnodes} x {gpus}", f"{world} processes"),
-        ("responses per rollout step", f"train_batch_size x n = {train} x {n} = {train * n}",
-         f"per_device_train_batch_size x W x steps_per_generation = {plan.per_device_train_batch_size} x {world} x "
-         f"{plan.steps_per_generation} = {plan.responses_per_rollout}"),
-        ("responses per optimizer update",
-         f"ppo_mini_batch_size x n = {plan.ppo_mini_batch_size} x {n} = {plan.ppo_mini_batch_size * n}",
-         f"per_device_train_batch_size x W x gradient_accumulation_steps = {plan.per_device_train_batch_size} x "
-         f"{world} x {plan.gradient_accumulation_steps} = {plan.responses_per_update}"),
-        ("optimizer steps per rollout step (K)",
-         f"train_batch_size / ppo_mini_batch_size x ppo_epochs = {train} / {plan.ppo_mini_batch_size} x {epochs}",
-         f"steps_per_generation / gradient_accumulation_steps x num_iterations = {plan.steps_per_generation} / "
-         f"{plan.gradient_accumulation_steps} x {epochs} = {plan.updates_per_rollout}"),
-    ]  # fmt: skip
+        (
+            "responses per rollout step",
+            f"train_batch_size x n = {train} x {n} = {train * n}",
+            f"per_device_train_batch_size x W x steps_per_generation = {plan.per_device_train_batch_size} x {world} x "
+            f"{plan.steps_per_generation} = {plan.responses_per_rollout}",
+        ),
+        (
+            "responses per optimizer update",
+            f"ppo_mini_batch_size x n = {plan.ppo_mini_batch_size} x {n} = {plan.ppo_mini_batch_size * n}",
+            f"per_device_train_batch_size x W x gradient_accumulation_steps = {plan.per_device_train_batch_size} x "
+            f"{world} x {plan.gradient_accumulation_steps} = {plan.responses_per_update}",
+        ),
+        (
+            "optimizer steps per rollout step (K)",
+            f"train_batch_size / ppo_mini_batch_size x ppo_epochs = {train} / {plan.ppo_mini_batch_size} x {epochs}",
+            f"steps_per_generation / gradient_accumulation_steps x num_iterations = {plan.steps_per_generation} / "
+            f"{plan.gradient_accumulation_steps} x {epochs} = {plan.updates_per_rollout}",
+        ),
+    ]
     if plan.per_device_train_batch_size * world % n:
         t.notes.append(
             f"per_device_train_batch_size x world size = {plan.per_device_train_batch_size * world} is not a "
@@ -850,22 +897,39 @@ def map_schedule(t: Translation) -> None:
     ratio = float(t.value(optim + "lr_warmup_steps_ratio") or 0.0)
     if warmup_steps >= 0:
         warmup: float = warmup_steps * per_rollout
-        t.record(optim + "lr_warmup_steps", APPROXIMATED, _field("warmup_steps", warmup),
-                 f"{warmup_steps} rollout steps x K={per_rollout} optimizer steps; verl raises the LR once per "
-                 "rollout step (a staircase), TRL every optimizer step (a ramp over the same span)")  # fmt: skip
+        t.record(
+            optim + "lr_warmup_steps",
+            APPROXIMATED,
+            _field("warmup_steps", warmup),
+            f"{warmup_steps} rollout steps x K={per_rollout} optimizer steps; verl raises the LR once per "
+            "rollout step (a staircase), TRL every optimizer step (a ramp over the same span)",
+        )
         t.mark(optim + "lr_warmup_steps_ratio", NOT_NEEDED, how="lr_warmup_steps is set and wins, as in verl")
         if warmup_steps:
-            t.step_rows.append(("LR warm-up", f"lr_warmup_steps = {warmup_steps} rollout steps",
-                                f"warmup_steps = {warmup_steps} x {per_rollout} = {int(warmup)}"))  # fmt: skip
+            t.step_rows.append(
+                (
+                    "LR warm-up",
+                    f"lr_warmup_steps = {warmup_steps} rollout steps",
+                    f"warmup_steps = {warmup_steps} x {per_rollout} = {int(warmup)}",
+                )
+            )
     else:
         warmup = ratio
         t.mark(optim + "lr_warmup_steps", NOT_NEEDED, how="-1: the ratio applies")
-        t.mark(optim + "lr_warmup_steps_ratio", MAPPED if ratio == 0 else APPROXIMATED, _field("warmup_steps", ratio),
-               "a warmup_steps below 1 is a share of the run's steps, so the same share of the run")  # fmt: skip
+        t.mark(
+            optim + "lr_warmup_steps_ratio",
+            MAPPED if ratio == 0 else APPROXIMATED,
+            _field("warmup_steps", ratio),
+            "a warmup_steps below 1 is a share of the run's steps, so the same share of the run",
+        )
     if scheduler == "constant":
         t.set(lr_scheduler_type="constant_with_warmup" if warmup else "constant")
-        t.record(scheduler_key, MAPPED, _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
-                 "constant after the warm-up")  # fmt: skip
+        t.record(
+            scheduler_key,
+            MAPPED,
+            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            "constant after the warm-up",
+        )
         t.mark(optim + "min_lr_ratio", NOT_NEEDED, how="cosine schedule only")
         t.mark(optim + "num_cycles", NOT_NEEDED, how="cosine schedule only")
     elif scheduler == "cosine":
@@ -879,31 +943,57 @@ def map_schedule(t: Translation) -> None:
             t.set(lr_scheduler_type="cosine")
         if kwargs:
             t.set(lr_scheduler_kwargs=kwargs)
-        t.record(scheduler_key, APPROXIMATED, _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
-                 "the same cosine over the run, decayed per optimizer step instead of per rollout step")  # fmt: skip
+        t.record(
+            scheduler_key,
+            APPROXIMATED,
+            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            "the same cosine over the run, decayed per optimizer step instead of per rollout step",
+        )
         t.mark(optim + "min_lr_ratio", MAPPED, _field("lr_scheduler_kwargs.min_lr_rate", minimum), "LR floor")
         t.mark(optim + "num_cycles", MAPPED, _field("lr_scheduler_kwargs.num_cycles", cycles), "cosine waves")
     else:
-        t.record(scheduler_key, UNSUPPORTED, "", f"LR schedule {scheduler!r}: verl's FSDP actor has constant and "
-                 "cosine only", blocking=True)  # fmt: skip
+        t.record(
+            scheduler_key,
+            UNSUPPORTED,
+            "",
+            f"LR schedule {scheduler!r}: verl's FSDP actor has constant and cosine only",
+            blocking=True,
+        )
     if warmup:
         t.set(warmup_steps=warmup)
+    if style is None:
+        t.mark(style_key, NOT_NEEDED, how="null: lr_scheduler_type applies")
+    betas = t.value(optim + "betas")
+    if t.given(optim + "betas") and isinstance(betas, list) and len(betas) == 2:
+        t.set(adam_beta1=float(betas[0]), adam_beta2=float(betas[1]))
+        t.mark(optim + "betas", MAPPED, f"adam_beta1: {betas[0]}, adam_beta2: {betas[1]}", "AdamW betas")
 
     total = t.value("trainer.total_training_steps")
     epochs = t.value("trainer.total_epochs")
     if total is not None and int(total) > 0:
         t.set(max_steps=_to_updates(t, int(total)))
-        t.mark("trainer.total_training_steps", MAPPED, _field("max_steps", t.recipe["max_steps"]),
-               f"{total} rollout steps x K={per_rollout}")  # fmt: skip
+        t.mark(
+            "trainer.total_training_steps",
+            MAPPED,
+            _field("max_steps", t.recipe["max_steps"]),
+            f"{total} rollout steps x K={per_rollout}",
+        )
         t.mark("trainer.total_epochs", NOT_NEEDED, how="total_training_steps is set and wins, as in verl")
-        t.step_rows.append(("run length", f"total_training_steps = {total} rollout steps",
-                            f"max_steps = {total} x {per_rollout} = {t.recipe['max_steps']}"))  # fmt: skip
+        t.step_rows.append(
+            (
+                "run length",
+                f"total_training_steps = {total} rollout steps",
+                f"max_steps = {total} x {per_rollout} = {t.recipe['max_steps']}",
+            )
+        )
     else:
         t.set(num_train_epochs=float(epochs))
-        dedup = (
-            " verl reads the data file as it is (the hub copy of DAPO-Math-17k repeats every problem about 100 "
-            "times), dapo-trl drops repeated prompts, so one verl epoch there is about 100 epochs here."
-        )
+        dedup = ""
+        if str(t.recipe.get("dataset_name", "")).startswith("dapo-math-17k"):
+            dedup = (
+                " verl reads the data file as it is (the hub copy of DAPO-Math-17k repeats every problem about 100 "
+                "times), dapo-trl drops repeated prompts, so one verl epoch there is about 100 epochs here."
+            )
         t.record(
             "trainer.total_epochs",
             APPROXIMATED,
@@ -942,25 +1032,41 @@ def map_loss(t: Translation) -> None:
     )
     c = float(t.value(actor + "clip_ratio_c"))
     t.set(clip_ratio_c=c)
-    t.record(actor + "clip_ratio_c", MAPPED, _field("clip_ratio_c", c),
-             "dual-clip for negative advantages; verl always applies it (default 3.0)")  # fmt: skip
+    t.record(
+        actor + "clip_ratio_c",
+        MAPPED,
+        _field("clip_ratio_c", c),
+        "dual-clip for negative advantages; verl always applies it (default 3.0)",
+    )
 
     mode = str(t.value(actor + "loss_agg_mode"))
     losses = {
         "token-mean": ("dapo", MAPPED, "token-level loss over the whole optimizer step (exact denominator)"),
-        "seq-mean-token-mean": ("grpo", APPROXIMATED, "TRL's grpo: per-sequence token mean, averaged over "
-                                "sequences per micro-batch then over accumulation steps; equal to verl's mean over "
-                                "the mini-batch's sequences when micro-batches hold equal row counts, and sequences "
-                                "with no loss token are not left out of the mean"),
-        "seq-mean-token-sum": ("dr_grpo", APPROXIMATED, "TRL's dr_grpo: per-sequence token sum divided by "
-                               "max_completion_length, averaged over sequences: verl's seq-mean-token-sum divided "
-                               "by the constant max_completion_length (the same direction; gradient clipping and "
-                               "the effective learning rate see the smaller scale)"),
-        "seq-mean-token-sum-norm": ("dr_grpo", APPROXIMATED, "TRL's dr_grpo: token sum / (sequences x "
-                                    "max_completion_length); verl divides the token sum by loss_scale_factor "
-                                    "(default the response length) only: the same direction, scaled by a "
-                                    "constant"),
-    }  # fmt: skip
+        "seq-mean-token-mean": (
+            "grpo",
+            APPROXIMATED,
+            "TRL's grpo: per-sequence token mean, averaged over "
+            "sequences per micro-batch then over accumulation steps; equal to verl's mean over "
+            "the mini-batch's sequences when micro-batches hold equal row counts, and sequences "
+            "with no loss token are not left out of the mean",
+        ),
+        "seq-mean-token-sum": (
+            "dr_grpo",
+            APPROXIMATED,
+            "TRL's dr_grpo: per-sequence token sum divided by "
+            "max_completion_length, averaged over sequences: verl's seq-mean-token-sum divided "
+            "by the constant max_completion_length (the same direction; gradient clipping and "
+            "the effective learning rate see the smaller scale)",
+        ),
+        "seq-mean-token-sum-norm": (
+            "dr_grpo",
+            APPROXIMATED,
+            "TRL's dr_grpo: token sum / (sequences x "
+            "max_completion_length); verl divides the token sum by loss_scale_factor "
+            "(default the response length) only: the same direction, scaled by a "
+            "constant",
+        ),
+    }
     if mode in losses:
         loss_type, status, how = losses[mode]
         t.set(loss_type=loss_type)
@@ -968,15 +1074,23 @@ def map_loss(t: Translation) -> None:
     else:
         t.set(loss_type="dapo")
         t.mark(actor + "loss_agg_mode", UNSUPPORTED, "", f"unknown aggregation {mode!r}", blocking=True)
-    t.mark(actor + "loss_scale_factor", NOT_NEEDED if mode != "seq-mean-token-sum-norm" else APPROXIMATED,
-           how="used by seq-mean-token-sum-norm only; see loss_agg_mode")  # fmt: skip
+    t.mark(
+        actor + "loss_scale_factor",
+        NOT_NEEDED if mode != "seq-mean-token-sum-norm" else APPROXIMATED,
+        how="used by seq-mean-token-sum-norm only; see loss_agg_mode",
+    )
 
     loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
     if loss_mode == "vanilla":
         t.mark(actor + "policy_loss.loss_mode", MAPPED, "(PPO clip with dual-clip)", "verl's vanilla PPO loss")
     else:
-        t.record(actor + "policy_loss.loss_mode", UNSUPPORTED, "", f"policy loss {loss_mode!r}: only verl's "
-                 "vanilla clipped loss is translated", blocking=True)  # fmt: skip
+        t.record(
+            actor + "policy_loss.loss_mode",
+            UNSUPPORTED,
+            "",
+            f"policy loss {loss_mode!r}: only verl's vanilla clipped loss is translated",
+            blocking=True,
+        )
 
     # KL loss (in the policy loss): TRL's beta uses the k3 estimator, verl's low_var_kl.
     use_kl = _boolean(t.value(actor + "use_kl_loss"))
@@ -991,15 +1105,19 @@ def map_loss(t: Translation) -> None:
         t.set(beta=coefficient)
         t.mark(actor + "use_kl_loss", MAPPED, _field("beta", coefficient), "KL to the reference model in the loss")
         t.record(actor + "kl_loss_coef", MAPPED, _field("beta", coefficient), "KL coefficient")
-        t.record(actor + "kl_loss_type", APPROXIMATED, "(TRL's k3 estimator)",
-                 "k3 = low_var_kl; verl clamps each token's estimate to [-10, 10], TRL does not")  # fmt: skip
+        t.record(
+            actor + "kl_loss_type",
+            APPROXIMATED,
+            "(TRL's k3 estimator)",
+            "k3 = low_var_kl; verl clamps each token's estimate to [-10, 10], TRL does not",
+        )
     else:
         t.set(beta=coefficient)
-        why = (
-            f"kl_loss_type={kind!r}: TRL's beta uses the k3 (low_var_kl) estimator only; "
-            + ("the '+' variants take the k2 gradient (straight-through)" if kind.endswith("+")
-               else "k1 (kl), abs, k2 (mse) and full have no counterpart")
-        )  # fmt: skip
+        why = f"kl_loss_type={kind!r}: TRL's beta uses the k3 (low_var_kl) estimator only; " + (
+            "the '+' variants take the k2 gradient (straight-through)"
+            if kind.endswith("+")
+            else "k1 (kl), abs, k2 (mse) and full have no counterpart"
+        )
         t.record(actor + "kl_loss_type", UNSUPPORTED, "", why, blocking=True)
         t.mark(actor + "use_kl_loss", UNSUPPORTED, "", "see kl_loss_type", blocking=True)
         t.mark(actor + "kl_loss_coef", UNSUPPORTED, "", "see kl_loss_type", blocking=True)
@@ -1008,8 +1126,13 @@ def map_loss(t: Translation) -> None:
     if estimator == "grpo":
         t.mark("algorithm.adv_estimator", MAPPED, "(TRL's group-relative advantage)", "GRPO advantage")
     else:
-        t.record("algorithm.adv_estimator", UNSUPPORTED, "", f"advantage estimator {estimator!r}: only grpo "
-                 "(group-relative, no critic) has a counterpart", blocking=True)  # fmt: skip
+        t.record(
+            "algorithm.adv_estimator",
+            UNSUPPORTED,
+            "",
+            f"advantage estimator {estimator!r}: only grpo (group-relative, no critic) has a counterpart",
+            blocking=True,
+        )
     normalise = _boolean(t.value("algorithm.norm_adv_by_std_in_grpo"))
     t.set(scale_rewards="group" if normalise else "none")
     t.mark(
@@ -1041,51 +1164,81 @@ def map_kl_in_reward(t: Translation) -> None:
 def map_dynamic_sampling(t: Translation) -> None:
     enabled = _boolean(t.value("algorithm.filter_groups.enable"))
     t.set(filter_groups_enable=enabled)
-    t.record("algorithm.filter_groups.enable", MAPPED, _field("filter_groups_enable", enabled),
-             "dynamic sampling" + ("" if t.given("algorithm.filter_groups.enable") else
-                                   " (verl's default is off, dapo-trl's on)"))  # fmt: skip
+    t.record(
+        "algorithm.filter_groups.enable",
+        MAPPED,
+        _field("filter_groups_enable", enabled),
+        "dynamic sampling"
+        + ("" if t.given("algorithm.filter_groups.enable") else " (verl's default is off, dapo-trl's on)"),
+    )
     gen_key = "data.gen_batch_size"
     oversample = t.batch.filter_groups_oversample
     if not enabled:
         for key in ("algorithm.filter_groups.metric", "algorithm.filter_groups.max_num_gen_batches"):
             t.mark(key, NOT_NEEDED, how="dynamic sampling is off")
         if t.given(gen_key) and oversample != 1:
-            t.mark(gen_key, APPROXIMATED, "", "without dynamic sampling verl's DAPO trainer trains on the whole "
-                   "generation batch; here a rollout step is train_batch_size prompts")  # fmt: skip
+            t.mark(
+                gen_key,
+                APPROXIMATED,
+                "",
+                "without dynamic sampling verl's DAPO trainer trains on the whole "
+                "generation batch; here a rollout step is train_batch_size prompts",
+            )
         else:
             t.mark(gen_key, NOT_NEEDED, how="dynamic sampling is off")
         return
     rounds = int(t.value("algorithm.filter_groups.max_num_gen_batches") or 0)
     rounds = max(rounds, 0)
     t.set(max_filter_gen_batches=rounds, filter_groups_oversample=oversample, filter_groups_on_exhausted="error")
-    t.record("algorithm.filter_groups.max_num_gen_batches", MAPPED,
-             f"max_filter_gen_batches: {rounds}, filter_groups_on_exhausted: error",
-             "most generation rounds per step (0 = unlimited); when they run out verl stops with an error, and so "
-             "does this recipe (filter_groups_on_exhausted: fill trains on what was kept instead)")  # fmt: skip
+    t.record(
+        "algorithm.filter_groups.max_num_gen_batches",
+        MAPPED,
+        f"max_filter_gen_batches: {rounds}, filter_groups_on_exhausted: error",
+        "most generation rounds per step (0 = unlimited); when they run out verl stops with an error, and so "
+        "does this recipe (filter_groups_on_exhausted: fill trains on what was kept instead)",
+    )
     metric = t.value("algorithm.filter_groups.metric")
     if metric == "acc":
-        t.mark("algorithm.filter_groups.metric", MAPPED, "accuracy_reward_name: (first reward)",
-               "groups are kept when the accuracy reward has a spread")  # fmt: skip
+        t.mark(
+            "algorithm.filter_groups.metric",
+            MAPPED,
+            "accuracy_reward_name: (first reward)",
+            "groups are kept when the accuracy reward has a spread",
+        )
     else:
-        t.record("algorithm.filter_groups.metric", APPROXIMATED, "accuracy_reward_name: (first reward)",
-                 f"verl filters on {metric!r}; dapo-trl filters on the first reward function's raw value (before "
-                 "the overlong penalty)")  # fmt: skip
+        t.record(
+            "algorithm.filter_groups.metric",
+            APPROXIMATED,
+            "accuracy_reward_name: (first reward)",
+            f"verl filters on {metric!r}; dapo-trl filters on the first reward function's raw value (before "
+            "the overlong penalty)",
+        )
     if t.given(gen_key):
         status = APPROXIMATED if any("gen_batch_size" in note for note in t.batch.notes) else MAPPED
-        t.mark(gen_key, status, _field("filter_groups_oversample", oversample),
-               f"each dynamic-sampling round generates gen_batch_size / train_batch_size = {oversample} generation "
-               "batches of prompts")  # fmt: skip
-        t.step_rows.append(("prompts per dynamic-sampling round", f"gen_batch_size = {t.value(gen_key)}",
-                            f"filter_groups_oversample x train_batch_size = {oversample} x "
-                            f"{t.batch.train_batch_size}"))  # fmt: skip
+        t.mark(
+            gen_key,
+            status,
+            _field("filter_groups_oversample", oversample),
+            f"each dynamic-sampling round generates gen_batch_size / train_batch_size = {oversample} generation "
+            "batches of prompts",
+        )
+        t.step_rows.append(
+            (
+                "prompts per dynamic-sampling round",
+                f"gen_batch_size = {t.value(gen_key)}",
+                f"filter_groups_oversample x train_batch_size = {oversample} x {t.batch.train_batch_size}",
+            )
+        )
 
 
 def map_reward(t: Translation) -> None:
-    enable_key, enable = t.first("reward_model.overlong_buffer.enable",
-                                 "reward.reward_kwargs.overlong_buffer_cfg.enable")  # fmt: skip
+    enable_key, enable = t.first(
+        "reward_model.overlong_buffer.enable", "reward.reward_kwargs.overlong_buffer_cfg.enable"
+    )
     length_key, length = t.first("reward_model.overlong_buffer.len", "reward.reward_kwargs.overlong_buffer_cfg.len")
-    factor_key, factor = t.first("reward_model.overlong_buffer.penalty_factor",
-                                 "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor")  # fmt: skip
+    factor_key, factor = t.first(
+        "reward_model.overlong_buffer.penalty_factor", "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"
+    )
     if _boolean(enable):
         t.set(apply_overlong_penalty=True, overlong_buffer_len=int(length), overlong_penalty_factor=float(factor))
         t.mark(enable_key, MAPPED, "apply_overlong_penalty: true", "DAPO's soft overlong punishment (Eq. 13)")
@@ -1093,8 +1246,12 @@ def map_reward(t: Translation) -> None:
         t.mark(factor_key, MAPPED, _field("overlong_penalty_factor", factor), "penalty scale")
     else:
         t.set(apply_overlong_penalty=False)
-        t.record(enable_key, MAPPED, "apply_overlong_penalty: false",
-                 "no overlong penalty (verl's default; dapo-trl's default is on)")  # fmt: skip
+        t.record(
+            enable_key,
+            MAPPED,
+            "apply_overlong_penalty: false",
+            "no overlong penalty (verl's default; dapo-trl's default is on)",
+        )
         for key in (length_key, factor_key):
             t.mark(key, NOT_NEEDED, how="the overlong penalty is off")
     for pattern in ("reward_model.overlong_buffer.log", "reward.reward_kwargs.overlong_buffer_cfg.log"):
@@ -1103,8 +1260,13 @@ def map_reward(t: Translation) -> None:
     for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
         t.mark(key, NOT_NEEDED, how="verl's reward manager; the DAPO manager's overlong penalty is mapped above")
     if _boolean(t.value("reward_model.enable")):
-        t.mark("reward_model.enable", UNSUPPORTED, "", "model-based rewards are not translated: pass the reward "
-               "as --reward_funcs", blocking=True)  # fmt: skip
+        t.mark(
+            "reward_model.enable",
+            UNSUPPORTED,
+            "",
+            "model-based rewards are not translated: pass the reward as --reward_funcs",
+            blocking=True,
+        )
 
     path, name = t.value("custom_reward_function.path"), t.value("custom_reward_function.name")
     if path and str(path).endswith("retool/retool.py") and name == "compute_score":
@@ -1127,7 +1289,7 @@ def map_reward(t: Translation) -> None:
         t.mark("custom_reward_function.name", MAPPED, _field("reward_funcs", [reference]), how)
     else:
         t.set(reward_funcs=["dapo_math"])
-        t.default(
+        t.record(
             "custom_reward_function.path",
             APPROXIMATED,
             "reward_funcs: [dapo_math]",
@@ -1138,7 +1300,7 @@ def map_reward(t: Translation) -> None:
     t.mark_all("custom_reward_function.reward_kwargs.*", UNSUPPORTED, "", "extra reward arguments are not passed")
 
 
-def map_rollout(t: Translation, plan: BatchPlan) -> None:
+def map_rollout(t: Translation) -> None:
     rollout = "actor_rollout_ref.rollout."
     engine = str(t.value(rollout + "name"))
     if engine in ("vllm", "sglang"):
@@ -1149,9 +1311,13 @@ def map_rollout(t: Translation, plan: BatchPlan) -> None:
             "use_vllm: true, vllm_mode: server",
             "generation on a vLLM server (vllm_server.sh)" + ("" if engine == "vllm" else "; verl used SGLang"),
         )
-        t.default("algorithm.rollout_correction.rollout_is", MAPPED, "vllm_importance_sampling_correction: false",
-                  "verl applies no rollout importance correction unless algorithm.rollout_correction says so "
-                  "(TRL's default is on)")  # fmt: skip
+        t.default(
+            "algorithm.rollout_correction.rollout_is",
+            MAPPED,
+            "vllm_importance_sampling_correction: false",
+            "verl applies no rollout importance correction unless algorithm.rollout_correction says so "
+            "(TRL's default is on)",
+        )
     else:
         t.set(use_vllm=False)
         t.mark(rollout + "name", MAPPED, "use_vllm: false", "generation with transformers")
@@ -1165,8 +1331,9 @@ def map_rollout(t: Translation, plan: BatchPlan) -> None:
     if _boolean(t.value(rollout + "do_sample")):
         t.mark(rollout + "do_sample", MAPPED, "(sampling)", "sampled rollouts")
     else:
-        t.mark(rollout + "do_sample", UNSUPPORTED, "", "greedy training rollouts make every group constant",
-               blocking=True)  # fmt: skip
+        t.mark(
+            rollout + "do_sample", UNSUPPORTED, "", "greedy training rollouts make every group constant", blocking=True
+        )
     if _boolean(t.value(rollout + "ignore_eos")):
         t.mark(rollout + "ignore_eos", UNSUPPORTED, "", "generation past EOS is not supported", blocking=True)
     else:
@@ -1198,11 +1365,19 @@ def map_rollout(t: Translation, plan: BatchPlan) -> None:
             val + "do_sample", NOT_NEEDED, how="verl's vLLM/SGLang rollout ignores it: val_kwargs.temperature decides"
         )
     else:
-        t.mark(val + "do_sample", APPROXIMATED if greedy else MAPPED, "see val_kwargs.temperature",
-               greedy_how if greedy else "sampled validation")  # fmt: skip
+        t.mark(
+            val + "do_sample",
+            APPROXIMATED if greedy else MAPPED,
+            "see val_kwargs.temperature",
+            greedy_how if greedy else "sampled validation",
+        )
     val_top_k = int(t.value(val + "top_k"))
-    t.mark(val + "top_k", NOT_NEEDED if val_top_k <= 0 else UNSUPPORTED, "",
-           "-1: no top-k" if val_top_k <= 0 else "validation top-k is not configurable")  # fmt: skip
+    t.mark(
+        val + "top_k",
+        NOT_NEEDED if val_top_k <= 0 else UNSUPPORTED,
+        "",
+        "-1: no top-k" if val_top_k <= 0 else "validation top-k is not configurable",
+    )
 
     # vLLM server.
     tp = int(t.value(rollout + "tensor_model_parallel_size"))
@@ -1243,11 +1418,24 @@ def map_rollout(t: Translation, plan: BatchPlan) -> None:
     t.vllm = VLLMServer(model, tp, dp, memory, length, str(t.value(rollout + "dtype")), extra)
     if engine in ("vllm", "sglang"):
         t.record(rollout + "tensor_model_parallel_size", MAPPED, f"vllm_server.sh TP={tp}", "tensor parallel size")
-        t.record(rollout + "gpu_memory_utilization", MAPPED, f"vllm_server.sh GPU_MEMORY_UTILIZATION={memory:g}",
-                 "KV-cache share of the server's GPUs")  # fmt: skip
+        t.record(
+            rollout + "gpu_memory_utilization",
+            MAPPED,
+            f"vllm_server.sh GPU_MEMORY_UTILIZATION={memory:g}",
+            "KV-cache share of the server's GPUs",
+        )
         t.mark(rollout + "data_parallel_size", MAPPED, f"vllm_server.sh DP={dp}", "engine replicas")
         t.mark(rollout + "max_model_len", MAPPED, f"vllm_server.sh MAX_MODEL_LEN={length}", "context length")
         t.mark(rollout + "dtype", MAPPED, f"vllm_server.sh DTYPE={t.value(rollout + 'dtype')}", "rollout dtype")
+    else:
+        for name in (
+            "tensor_model_parallel_size",
+            "gpu_memory_utilization",
+            "data_parallel_size",
+            "max_model_len",
+            "dtype",
+        ):
+            t.mark(rollout + name, NOT_NEEDED, how=f"no vLLM: verl's {engine} rollout generates with transformers")
     _map_multi_turn(t)
 
 
@@ -1282,9 +1470,13 @@ def _map_multi_turn(t: Translation) -> None:
         "multi-turn tool calling" if enabled else "verl's multi_turn.enable is off but a tool config is set",
     )
     fmt = str(t.value(turns + "format"))
-    t.record(turns + "format", MAPPED if fmt == "hermes" else APPROXIMATED, "chat_template: qwen2_5",
-             "Hermes tool calls (<tool_call>...</tool_call>) through Qwen2.5's template; drop chat_template to keep "
-             "a model's own template if it renders tool calls")  # fmt: skip
+    t.record(
+        turns + "format",
+        MAPPED if fmt == "hermes" else APPROXIMATED,
+        "chat_template: qwen2_5",
+        "Hermes tool calls (<tool_call>...</tool_call>) through Qwen2.5's template; drop chat_template to keep "
+        "a model's own template if it renders tool calls",
+    )
     assistant = t.value(turns + "max_assistant_turns")
     user = t.value(turns + "max_user_turns")
     limits = [int(assistant) - 1] if assistant else []
@@ -1297,8 +1489,12 @@ def _map_multi_turn(t: Translation) -> None:
         _field("max_tool_calling_iterations", rounds),
         "tool rounds = assistant turns - 1 (the last turn answers)" if assistant else "null: no limit",
     )
-    t.mark(turns + "max_user_turns", MAPPED, _field("max_tool_calling_iterations", rounds),
-           "tool replies are verl's user turns: the tighter of the two limits")  # fmt: skip
+    t.mark(
+        turns + "max_user_turns",
+        MAPPED,
+        _field("max_tool_calling_iterations", rounds),
+        "tool replies are verl's user turns: the tighter of the two limits",
+    )
     chars = int(t.value(turns + "max_tool_response_length"))
     t.set(tool_max_output_chars=max(chars, 64))
     t.record(
@@ -1315,11 +1511,20 @@ def _map_multi_turn(t: Translation) -> None:
         "long replies lose their middle" + ("" if side == "middle" else f"; verl cut the {side} side"),
     )
     parallel = int(t.value(turns + "max_parallel_calls"))
-    t.record(turns + "max_parallel_calls", APPROXIMATED, "(every call of a turn runs)",
-             f"verl runs at most {parallel} tool call(s) per turn; TRL runs every call the turn makes")  # fmt: skip
+    t.record(
+        turns + "max_parallel_calls",
+        APPROXIMATED,
+        "(every call of a turn runs)",
+        f"verl runs at most {parallel} tool call(s) per turn; TRL runs every call the turn makes",
+    )
     if t.value(turns + "interaction_config_path"):
-        t.mark(turns + "interaction_config_path", UNSUPPORTED, "", "verl interactions (simulated users) are not "
-               "supported", blocking=True)  # fmt: skip
+        t.mark(
+            turns + "interaction_config_path",
+            UNSUPPORTED,
+            "",
+            "verl interactions (simulated users) are not supported",
+            blocking=True,
+        )
 
 
 def _locate(path: str, source: str) -> Path | None:
@@ -1337,8 +1542,13 @@ def _locate(path: str, source: str) -> Path | None:
 def map_trainer(t: Translation) -> None:
     per_rollout = t.batch.updates_per_rollout
     loggers = [str(name) for name in _as_list(t.value("trainer.logger"))]
-    known = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow", "swanlab": "swanlab",
-             "trackio": "trackio"}  # fmt: skip
+    known = {
+        "wandb": "wandb",
+        "tensorboard": "tensorboard",
+        "mlflow": "mlflow",
+        "swanlab": "swanlab",
+        "trackio": "trackio",
+    }
     report_to = [known[name] for name in loggers if name in known] or ["none"]
     t.set(report_to=report_to if len(report_to) > 1 else report_to[0])
     others = [name for name in loggers if name not in known and name != "console"]
@@ -1352,8 +1562,12 @@ def map_trainer(t: Translation) -> None:
     experiment = t.value("trainer.experiment_name")
     t.set(run_name=str(experiment), project=str(project))
     t.record("trainer.experiment_name", MAPPED, _field("run_name", experiment), "the run's name in the loggers")
-    t.record("trainer.project_name", APPROXIMATED, _field("project", project),
-             "TrainingArguments' project is used by Trackio; for wandb export WANDB_PROJECT as well")  # fmt: skip
+    t.record(
+        "trainer.project_name",
+        APPROXIMATED,
+        _field("project", project),
+        "TrainingArguments' project is used by Trackio; for wandb export WANDB_PROJECT as well",
+    )
     output_dir = str(t.value("trainer.default_local_dir"))
     output_dir = output_dir.replace("${trainer.project_name}", str(project)).replace(
         "${trainer.experiment_name}", str(experiment)
@@ -1364,23 +1578,45 @@ def map_trainer(t: Translation) -> None:
     save = int(t.value("trainer.save_freq") or -1)
     if save > 0:
         t.set(save_strategy="steps", save_steps=save * per_rollout)
-        t.mark("trainer.save_freq", MAPPED, f"save_strategy: steps, save_steps: {save * per_rollout}",
-               f"every {save} rollout steps x K={per_rollout} optimizer steps")  # fmt: skip
-        t.step_rows.append(("checkpoint every", f"save_freq = {save} rollout steps",
-                            f"save_steps = {save} x {per_rollout} = {save * per_rollout}"))  # fmt: skip
+        t.mark(
+            "trainer.save_freq",
+            MAPPED,
+            f"save_strategy: steps, save_steps: {save * per_rollout}",
+            f"every {save} rollout steps x K={per_rollout} optimizer steps",
+        )
+        t.step_rows.append(
+            (
+                "checkpoint every",
+                f"save_freq = {save} rollout steps",
+                f"save_steps = {save} x {per_rollout} = {save * per_rollout}",
+            )
+        )
     else:
         t.set(save_strategy="no")
-        t.record("trainer.save_freq", MAPPED, "save_strategy: 'no'", "no intermediate checkpoints (train_dapo.py "
-                 "still saves the final model)")  # fmt: skip
+        t.record(
+            "trainer.save_freq",
+            MAPPED,
+            "save_strategy: 'no'",
+            "no intermediate checkpoints (train_dapo.py still saves the final model)",
+        )
     has_eval = "eval_dataset_name" in t.recipe
     test = int(t.value("trainer.test_freq") or -1)
     if test > 0 and has_eval:
         t.set(eval_strategy="steps", eval_steps=test * per_rollout)
-        t.mark("trainer.test_freq", APPROXIMATED, f"eval_strategy: steps, eval_steps: {test * per_rollout}",
-               f"every {test} rollout steps x K={per_rollout}; verl also validates after the last step, the "
-               "Trainer only on multiples of eval_steps")  # fmt: skip
-        t.step_rows.append(("validation every", f"test_freq = {test} rollout steps",
-                            f"eval_steps = {test} x {per_rollout} = {test * per_rollout}"))  # fmt: skip
+        t.mark(
+            "trainer.test_freq",
+            APPROXIMATED,
+            f"eval_strategy: steps, eval_steps: {test * per_rollout}",
+            f"every {test} rollout steps x K={per_rollout}; verl also validates after the last step, the "
+            "Trainer only on multiples of eval_steps",
+        )
+        t.step_rows.append(
+            (
+                "validation every",
+                f"test_freq = {test} rollout steps",
+                f"eval_steps = {test} x {per_rollout} = {test * per_rollout}",
+            )
+        )
     else:
         t.set(eval_strategy="no")
         t.mark(
@@ -1412,25 +1648,44 @@ def map_trainer(t: Translation) -> None:
     if mode == "disable":
         t.mark("trainer.resume_mode", MAPPED, "(no resume)", "start from scratch")
     else:
-        t.mark("trainer.resume_mode", APPROXIMATED, "(resume by hand)",
-               f"verl resumes {mode} from its own checkpoints; here pass --resume_from_checkpoint "
-               "OUTPUT_DIR/checkpoint-N (dapo-trl checkpoints; verl's cannot be loaded)")  # fmt: skip
+        t.mark(
+            "trainer.resume_mode",
+            APPROXIMATED,
+            "(resume by hand)",
+            f"verl resumes {mode} from its own checkpoints; here pass --resume_from_checkpoint "
+            "OUTPUT_DIR/checkpoint-N (dapo-trl checkpoints; verl's cannot be loaded)",
+        )
     if t.value("trainer.resume_from_path"):
-        t.mark("trainer.resume_from_path", UNSUPPORTED, "", "verl checkpoints cannot be loaded: merge it to a "
-               "Hugging Face model with verl's model merger and pass it as model_name_or_path")  # fmt: skip
+        t.mark(
+            "trainer.resume_from_path",
+            UNSUPPORTED,
+            "",
+            "verl checkpoints cannot be loaded: merge it to a "
+            "Hugging Face model with verl's model merger and pass it as model_name_or_path",
+        )
     generations = int(t.value("trainer.log_val_generations") or 0)
     if generations > 0:
         t.set(eval_samples_to_log=generations)
-        t.mark("trainer.log_val_generations", APPROXIMATED, _field("eval_samples_to_log", generations),
-               "validation responses of that many prompts are written to output_dir/eval_samples/*.jsonl "
-               "(verl sends them to the logger)")  # fmt: skip
+        t.mark(
+            "trainer.log_val_generations",
+            APPROXIMATED,
+            _field("eval_samples_to_log", generations),
+            "validation responses of that many prompts are written to output_dir/eval_samples/*.jsonl "
+            "(verl sends them to the logger)",
+        )
     if _boolean(t.value("trainer.val_only")):
-        t.mark("trainer.val_only", UNSUPPORTED, "", "validation-only runs: use python -m dapo_trl.evaluate",
-               blocking=True)  # fmt: skip
+        t.mark(
+            "trainer.val_only", UNSUPPORTED, "", "validation-only runs: use python -m dapo_trl.evaluate", blocking=True
+        )
     for key in ("trainer.rollout_data_dir", "trainer.validation_data_dir", "trainer.default_hdfs_dir"):
         if t.value(key):
-            t.mark(key, UNSUPPORTED, "", "no dumps of rollouts to a folder or HDFS copies here (validation samples "
-                   "go to output_dir/eval_samples)")  # fmt: skip
+            t.mark(
+                key,
+                UNSUPPORTED,
+                "",
+                "no dumps of rollouts to a folder or HDFS copies here (validation samples "
+                "go to output_dir/eval_samples)",
+            )
 
 
 def plan_accelerate(t: Translation) -> None:
@@ -1442,8 +1697,9 @@ def plan_accelerate(t: Translation) -> None:
     size = model_size_billions(t.recipe.get("model_name_or_path"))
     if offload_param or offload_optimizer:
         template = "zero3_offload_1node_8gpu.yaml"
-        offloaded = " and ".join(name for name, on in (("param_offload", offload_param),
-                                                       ("optimizer_offload", offload_optimizer)) if on)  # fmt: skip
+        offloaded = " and ".join(
+            name for name, on in (("param_offload", offload_param), ("optimizer_offload", offload_optimizer)) if on
+        )
         rule = f"ZeRO-3 with CPU offload: the script sets fsdp_config.{offloaded}"
         if not (offload_param and offload_optimizer):
             rule += " (the DeepSpeed config offloads both parameters and optimizer state)"
@@ -1463,16 +1719,24 @@ def plan_accelerate(t: Translation) -> None:
     config["num_processes"] = world
     t.accelerate = config
     t.accelerate_rule = f"{rule} (template configs/accelerate/{template})"
-    for key in ("actor_rollout_ref.actor.fsdp_config.param_offload",
-                "actor_rollout_ref.actor.fsdp_config.optimizer_offload"):  # fmt: skip
+    for key in (
+        "actor_rollout_ref.actor.fsdp_config.param_offload",
+        "actor_rollout_ref.actor.fsdp_config.optimizer_offload",
+    ):
         t.mark(key, MAPPED, f"accelerate.yaml distributed_type: {config['distributed_type']}", rule)
-    t.mark("actor_rollout_ref.actor.strategy", MAPPED, f"accelerate.yaml distributed_type: "
-           f"{config['distributed_type']}", rule)  # fmt: skip
+    t.mark(
+        "actor_rollout_ref.actor.strategy",
+        MAPPED,
+        f"accelerate.yaml distributed_type: {config['distributed_type']}",
+        rule,
+    )
 
 
 def apply_simple_rules(t: Translation) -> None:
     for key, rule in SIMPLE_RULES.items():
-        if t.given(key):
+        if t.given(key) and t.value(key) is None:
+            t.mark(key, NOT_NEEDED, how="null: the Trainer's default")
+        elif t.given(key):
             value = rule.convert(t.value(key))
             t.set(**{rule.field: value})
             t.mark(key, MAPPED, _field(rule.field, value), rule.how)
@@ -1486,8 +1750,11 @@ def mark_remaining(t: Translation) -> None:
     """Every key no mapping function recorded: not needed (by `NOT_NEEDED_KEYS`), unresolved, or not recognised."""
     for key, variables in t.found.unresolved.items():
         t.mark(key, UNSUPPORTED, "", f"unresolved: needs {', '.join(variables)}", blocking=True)
-    for key in t.found.values:
+    for key, value in t.found.values.items():
         if key in t.entries:
+            continue
+        if value is None or value == "???" or value == {} or value == []:
+            t.mark(key, NOT_NEEDED, how="unset (null): nothing to translate")
             continue
         reason = next((why for pattern, why in NOT_NEEDED_KEYS if fnmatch.fnmatchcase(key, pattern)), None)
         if reason is not None:
@@ -1495,8 +1762,13 @@ def mark_remaining(t: Translation) -> None:
         else:
             t.mark(key, UNSUPPORTED, "", "not recognised by the translator: check whether it matters for your run")
     for key in t.found.deleted:
-        t.entries[f"~{key}"] = Entry(f"~{key}", "(deleted)", UNSUPPORTED, "", "Hydra deletion of a verl key: "
-                                     "nothing to delete here; the translation uses verl's defaults")  # fmt: skip
+        t.entries[f"~{key}"] = Entry(
+            f"~{key}",
+            "(deleted)",
+            UNSUPPORTED,
+            "",
+            "Hydra deletion of a verl key: nothing to delete here; the translation uses verl's defaults",
+        )
 
 
 def translate(found: VerlInput) -> Translation:
@@ -1506,13 +1778,13 @@ def translate(found: VerlInput) -> Translation:
     apply_simple_rules(t)
     map_model(t)
     map_data(t)
-    plan = map_batches(t)
+    map_batches(t)
     map_loss(t)
     map_kl_in_reward(t)
     map_dynamic_sampling(t)
     map_reward(t)
     map_schedule(t)
-    map_rollout(t, plan)
+    map_rollout(t)
     map_trainer(t)
     plan_accelerate(t)
     mark_remaining(t)
@@ -1521,30 +1793,113 @@ def translate(found: VerlInput) -> Translation:
 
 # ---------------------------------------------------------------------------------------------- writing
 RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
-    ("Model and data", ("model_name_or_path", "dtype", "use_peft", "lora_r", "lora_alpha", "lora_target_modules",
-                        "trust_remote_code", "use_liger_kernel", "dataset_name", "eval_dataset_name", "prompt_column",
-                        "prompt_template", "chat_template", "chat_template_kwargs", "max_prompt_length",
-                        "overlong_prompt_policy", "max_completion_length", "shuffle_dataset", "dataloader_num_workers",
-                        "seed")),
-    ("Batch layout (see report.md: responses per update and per rollout step equal verl's)",
-     ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-      "num_iterations", "max_tokens_per_microbatch", "per_device_eval_batch_size")),
-    ("DAPO / PPO loss", ("loss_type", "epsilon", "epsilon_high", "clip_ratio_c", "beta", "entropy_coeff",
-                         "scale_rewards")),
-    ("Reward and dynamic sampling", ("reward_funcs", "apply_overlong_penalty", "overlong_buffer_len",
-                                     "overlong_penalty_factor", "filter_groups_enable", "max_filter_gen_batches",
-                                     "filter_groups_oversample", "filter_groups_on_exhausted")),
-    ("Optimizer and schedule (steps are optimizer steps: verl's rollout steps x K)",
-     ("learning_rate", "weight_decay", "max_grad_norm", "lr_scheduler_type", "lr_scheduler_kwargs", "warmup_steps",
-      "num_train_epochs", "max_steps")),
-    ("Generation", ("use_vllm", "vllm_mode", "vllm_importance_sampling_correction", "temperature", "top_p", "top_k",
-                    "padding_free", "activation_checkpointing")),
+    (
+        "Model and data",
+        (
+            "model_name_or_path",
+            "dtype",
+            "use_peft",
+            "lora_r",
+            "lora_alpha",
+            "lora_target_modules",
+            "trust_remote_code",
+            "use_liger_kernel",
+            "dataset_name",
+            "eval_dataset_name",
+            "prompt_column",
+            "prompt_template",
+            "chat_template",
+            "chat_template_kwargs",
+            "max_prompt_length",
+            "overlong_prompt_policy",
+            "max_completion_length",
+            "shuffle_dataset",
+            "dataloader_num_workers",
+            "seed",
+        ),
+    ),
+    (
+        "Batch layout (see report.md: responses per update and per rollout step equal verl's)",
+        (
+            "num_generations",
+            "per_device_train_batch_size",
+            "gradient_accumulation_steps",
+            "steps_per_generation",
+            "num_iterations",
+            "max_tokens_per_microbatch",
+            "per_device_eval_batch_size",
+        ),
+    ),
+    (
+        "DAPO / PPO loss",
+        ("loss_type", "epsilon", "epsilon_high", "clip_ratio_c", "beta", "entropy_coeff", "scale_rewards"),
+    ),
+    (
+        "Reward and dynamic sampling",
+        (
+            "reward_funcs",
+            "apply_overlong_penalty",
+            "overlong_buffer_len",
+            "overlong_penalty_factor",
+            "filter_groups_enable",
+            "max_filter_gen_batches",
+            "filter_groups_oversample",
+            "filter_groups_on_exhausted",
+        ),
+    ),
+    (
+        "Optimizer and schedule (steps are optimizer steps: verl's rollout steps x K)",
+        (
+            "learning_rate",
+            "weight_decay",
+            "max_grad_norm",
+            "lr_scheduler_type",
+            "lr_scheduler_kwargs",
+            "warmup_steps",
+            "num_train_epochs",
+            "max_steps",
+        ),
+    ),
+    (
+        "Generation",
+        (
+            "use_vllm",
+            "vllm_mode",
+            "vllm_importance_sampling_correction",
+            "temperature",
+            "top_p",
+            "top_k",
+            "padding_free",
+            "activation_checkpointing",
+        ),
+    ),
     ("Tools", ("tool_config", "max_tool_calling_iterations", "tool_max_output_chars")),
-    ("Validation", ("eval_strategy", "eval_steps", "val_before_train", "eval_num_samples", "eval_temperature",
-                    "eval_top_p", "eval_samples_to_log")),
-    ("Output and logging", ("output_dir", "run_name", "project", "report_to", "logging_steps", "save_strategy",
-                            "save_steps", "save_total_limit")),
-]  # fmt: skip
+    (
+        "Validation",
+        (
+            "eval_strategy",
+            "eval_steps",
+            "val_before_train",
+            "eval_num_samples",
+            "eval_temperature",
+            "eval_top_p",
+            "eval_samples_to_log",
+        ),
+    ),
+    (
+        "Output and logging",
+        (
+            "output_dir",
+            "run_name",
+            "project",
+            "report_to",
+            "logging_steps",
+            "save_strategy",
+            "save_steps",
+            "save_total_limit",
+        ),
+    ),
+]
 
 
 def recipe_yaml(t: Translation) -> str:
@@ -1625,10 +1980,15 @@ def report_markdown(t: Translation, out_dir: Path | None) -> str:
             f"--vllm_gpu_memory_utilization {t.vllm.gpu_memory_utilization:g}`.",
             "",
         ]
-    lines += ["## Batch and step arithmetic", "",
-              "verl counts save_freq, test_freq, warm-up and total_training_steps in rollout steps (one per "
-              "generation batch); TRL counts optimizer steps, K per rollout step.", "",
-              "| quantity | verl | dapo-trl |", "|---|---|---|"]  # fmt: skip
+    lines += [
+        "## Batch and step arithmetic",
+        "",
+        "verl counts save_freq, test_freq, warm-up and total_training_steps in rollout steps (one per "
+        "generation batch); TRL counts optimizer steps, K per rollout step.",
+        "",
+        "| quantity | verl | dapo-trl |",
+        "|---|---|---|",
+    ]
     lines += [f"| {_cell(a)} | {_cell(b)} | {_cell(c)} |" for a, b, c in t.step_rows]
     lines.append("")
     sections = [
@@ -1649,12 +2009,17 @@ def report_markdown(t: Translation, out_dir: Path | None) -> str:
             )
         lines.append("")
     if t.defaults:
-        lines += ["## verl defaults applied (keys the input does not set)", "",
-                  "| key | verl default | becomes | how |", "|---|---|---|---|"]  # fmt: skip
+        lines += [
+            "## verl defaults applied (keys the input does not set)",
+            "",
+            "| key | verl default | becomes | how |",
+            "|---|---|---|---|",
+        ]
         for entry in t.defaults:
             flag = " **(blocking)**" if entry.blocking else ""
-            lines.append(f"| `{entry.key}` | `{_cell(entry.value)}` | {_cell(entry.target)} | "
-                         f"{_cell(entry.how)}{flag} |")  # fmt: skip
+            lines.append(
+                f"| `{entry.key}` | `{_cell(entry.value)}` | {_cell(entry.target)} | {_cell(entry.how)}{flag} |"
+            )
         lines.append("")
     if t.notes:
         lines += ["## Notes", ""] + [f"- {note}" for note in t.notes] + [""]
@@ -1678,7 +2043,9 @@ def write_outputs(t: Translation, out_dir: Path, *, report_only: bool = False) -
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [out_dir / "report.md"]
     written[0].write_text(report_markdown(t, out_dir), encoding="utf-8")
-    if report_only:
+    if report_only:  # no recipe: remove one a previous translation left here, so none is used by mistake
+        for name in ("recipe.yaml", "accelerate.yaml", "vllm_server.sh"):
+            (out_dir / name).unlink(missing_ok=True)
         return written
     recipe = dict(t.recipe)
     for name, content in t.files.items():
@@ -1690,7 +2057,7 @@ def write_outputs(t: Translation, out_dir: Path, *, report_only: bool = False) -
         written.append(target)
         for key in ("tool_config", "chat_template"):
             if recipe.get(key) == name:
-                recipe[key] = str(target)
+                recipe[key] = str(target.resolve())  # the recipe may be used from another folder
     t.recipe = recipe
     (out_dir / "recipe.yaml").write_text(recipe_yaml(t), encoding="utf-8")
     header = (
@@ -1730,7 +2097,7 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
         help="write the recipe even when a key that changes the training (e.g. KL in the reward) cannot be "
         "translated, and exit 0",
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1755,8 +2122,11 @@ def main(argv: list[str] | None = None) -> int:
         print("error: variables the script does not set and the environment does not have:", file=sys.stderr)
         for key, variables in unresolved.items():
             print(f"  {key}: {', '.join(variables)}", file=sys.stderr)
-        print("set them with --env NAME=VALUE (or export them), or pass --allow-unsupported to skip those keys; "
-              f"see {out_dir / 'report.md'}", file=sys.stderr)  # fmt: skip
+        print(
+            "set them with --env NAME=VALUE (or export them), or pass --allow-unsupported to skip those keys; "
+            f"see {out_dir / 'report.md'}",
+            file=sys.stderr,
+        )
         return 2
     blocking = t.blocking
     if blocking and not args.allow_unsupported:

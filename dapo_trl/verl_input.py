@@ -446,7 +446,7 @@ def parse_hydra_value(text: str) -> Any:
         except yaml.YAMLError:
             return text
     lowered = text.lower()
-    if lowered in ("null", "none", "~", ""):
+    if lowered in ("null", "~"):
         return None
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -594,7 +594,7 @@ def read_verl_yaml(text: str, source: str = "config") -> VerlInput:
 def resolve_interpolations(found: VerlInput, defaults: Mapping[str, Any]) -> None:
     """Replace `${key}` / `${oc.select:key,default}` values by the key's value (given, else verl's default)."""
 
-    def lookup(expression: str, depth: int) -> tuple[bool, Any]:
+    def lookup(expression: str, depth: int, key: str) -> tuple[bool, Any]:
         expression = expression.strip()
         fallback: tuple[bool, Any] = (False, None)
         if expression.startswith("oc.select:"):
@@ -602,24 +602,32 @@ def resolve_interpolations(found: VerlInput, defaults: Mapping[str, Any]) -> Non
             expression = target.strip()
             if default_text:
                 fallback = (True, parse_hydra_value(default_text))
+        if expression.startswith("."):  # relative: `.x` is a sibling of `key`, `..x` its parent's sibling, ...
+            dots = len(expression) - len(expression.lstrip("."))
+            parent = key.split(".")[:-dots]
+            expression = ".".join([*parent, expression[dots:]])
         if expression in found.values and expression not in found.unresolved:
-            return True, resolve(found.values[expression], depth + 1)
+            return True, resolve(found.values[expression], depth + 1, expression)
         if expression in defaults:
-            return True, resolve(defaults[expression], depth + 1)
+            return True, resolve(defaults[expression], depth + 1, expression)
         return fallback
 
-    def resolve(value: Any, depth: int = 0) -> Any:
+    def resolve(value: Any, depth: int, key: str) -> Any:
         if not isinstance(value, str) or "${" not in value or depth > 10:
             return value
         whole = _INTERPOLATION.fullmatch(value)
         if whole:
-            known, result = lookup(whole.group(1), depth)
+            known, result = lookup(whole.group(1), depth, key)
             return result if known else value
-        return _INTERPOLATION.sub(lambda m: str(lookup(m.group(1), depth)[1]) if lookup(m.group(1), depth)[0]
-                                  else m.group(0), value)  # fmt: skip
+
+        def substitute(match: re.Match) -> str:
+            known, result = lookup(match.group(1), depth, key)
+            return str(result) if known else match.group(0)
+
+        return _INTERPOLATION.sub(substitute, value)
 
     for key, value in list(found.values.items()):
-        resolved = resolve(value)
+        resolved = resolve(value, 0, key)
         if isinstance(resolved, str) and _INTERPOLATION.search(resolved):
             found.unresolved.setdefault(key, []).append(f"interpolation {resolved}")
         found.values[key] = resolved

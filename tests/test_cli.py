@@ -81,8 +81,9 @@ def test_unknown_reward_is_named(tmp_path):
         ["train_dapo.py"],
         ["-m", "dapo_trl.cli"],
         ["-m", "dapo_trl.evaluate"],
+        ["-m", "dapo_trl.from_verl"],
     ],
-    ids=["train_dapo.py", "dapo_trl.cli", "dapo_trl.evaluate"],
+    ids=["train_dapo.py", "dapo_trl.cli", "dapo_trl.evaluate", "dapo_trl.from_verl"],
 )
 def test_every_entry_point_prints_help(command):
     """argparse %-formats help strings: a bare % in any field's help used to crash --help."""

@@ -1,0 +1,523 @@
+"""`python -m dapo_trl.from_verl`: verl runs (tests/data/verl/, written for these tests from the recipes' documented
+keys) become recipes whose batch and step arithmetic equals verl's, with every key accounted for in the report."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from dapo_trl.from_verl import (
+    APPROXIMATED,
+    KL_IN_REWARD_UNSUPPORTED,
+    NOT_NEEDED,
+    UNSUPPORTED,
+    main,
+    model_size_billions,
+    plan_batches,
+    translate,
+)
+from dapo_trl.verl_input import (
+    VerlInputError,
+    parse_hydra_value,
+    read_shell_script,
+    read_verl_input,
+    read_verl_yaml,
+    resolve_interpolations,
+)
+
+from .helpers import REPO, offline_environment, run_command
+
+DATA = Path(__file__).resolve().parent / "data" / "verl"
+DAPO_SCRIPT = DATA / "dapo_recipe.sh"
+RETOOL_SCRIPT = DATA / "retool_recipe.sh"
+GRPO_SCRIPT = DATA / "grpo_kl.sh"
+TOOL_CONFIG = DATA / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
+ENVIRONMENT = {"HOME": "/home/user", "PWD": "/data"}
+
+
+def translated(script: Path, *extra: str, env: dict | None = None):
+    return translate(read_verl_input(script, env or ENVIRONMENT, list(extra)))
+
+
+def run_translator(script: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """The command line in a subprocess (its exit status and messages are part of the contract)."""
+    env = [f"--env={name}={value}" for name, value in ENVIRONMENT.items()]
+    return subprocess.run(
+        [sys.executable, "-m", "dapo_trl.from_verl", str(script), "--output", str(out), "--ignore-environment",
+         *env, *extra],
+        cwd=REPO, env=offline_environment(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def parse_recipe(path: Path):
+    """The recipe through train_dapo.py's own parser (script, DAPOConfig and ModelConfig fields)."""
+    from trl import ModelConfig, TrlParser
+
+    from dapo_trl import DAPOConfig
+    from dapo_trl.cli import DAPOScriptArguments
+
+    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
+    return parser.parse_args_and_config(args=["--config", str(path)])
+
+
+# ------------------------------------------------------------------------------------------------ reading
+def test_shell_resolution_follows_bash():
+    script = textwrap.dedent(
+        """\
+        #!/bin/bash
+        set -xeuo pipefail
+        export HOST_DIR=/srv   # a comment with key.sub=ignored
+        N=4
+        BASE=${BASE:-"${HOME}/verl"}
+        EMPTY=
+        PICKED=${EMPTY:-fallback} KEEP=${EMPTY-kept}
+        SIZE=$(( (N + 2) * 2 ** 3 / 5 ))
+        NEG=$((-7 / 2))
+        LIST="['$HOST_DIR/a', '$BASE/b']"
+        VLLM_USE_V1=1 python3 -m verl.trainer.main_ppo \\
+            a.int=$SIZE a.neg=$NEG a.float=1e-6 a.bool=True a.null=null \\
+            a.path="$BASE/x y" a.single='$N' a.list="$LIST" a.picked=$PICKED a.keep=$KEEP \\
+            +a.added=$((N*N)) a.quoted='["console","wandb"]' ~a.gone $@
+        """
+    )
+    found = read_shell_script(script, {"HOME": "/home/u"})
+    assert found.command == "python3 -m verl.trainer.main_ppo"
+    assert found.values == {
+        "a.int": 9,
+        "a.neg": -3,
+        "a.float": 1e-6,
+        "a.bool": True,
+        "a.null": None,
+        "a.path": "/home/u/verl/x y",
+        "a.single": "$N",
+        "a.list": ["/srv/a", "/home/u/verl/b"],
+        "a.picked": "fallback",
+        "a.keep": "",
+        "a.added": 16,
+        "a.quoted": ["console", "wandb"],
+    }
+    assert found.deleted == ["a.gone"] and not found.unresolved
+    assert any("$@" in note for note in found.notes)
+
+
+def test_environment_wins_over_a_default_and_the_script_over_the_environment():
+    script = "NNODES=${NNODES:-16}\nMODEL=/m\npython3 -m verl.trainer.main_ppo trainer.nnodes=$NNODES a.m=$MODEL\n"
+    found = read_shell_script(script, {"NNODES": "2", "MODEL": "/env"})
+    assert found.values == {"trainer.nnodes": 2, "a.m": "/m"}
+
+
+def test_unresolvable_variables_are_reported_not_guessed(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=2 \\\n"
+        "  data.train_files=$DATA/train.parquet data.train_batch_size=$((BATCH * 2)) trainer.nnodes=${NODES:?set it}\n"
+    )
+    found = read_verl_input(script, {})
+    assert found.unresolved == {"data.train_files": ["DATA"], "data.train_batch_size": ["BATCH"],
+                                "trainer.nnodes": ["NODES"]}  # fmt: skip
+    result = run_translator(script, tmp_path / "out")
+    assert result.returncode == 2
+    assert "data.train_files: DATA" in result.stderr and "data.train_batch_size: BATCH" in result.stderr
+    assert "unresolved: needs DATA" in (tmp_path / "out" / "report.md").read_text()
+    assert not (tmp_path / "out" / "recipe.yaml").exists()
+    resolved = run_translator(script, tmp_path / "ok", "--env", "DATA=/d", "--env", "BATCH=4", "--env", "NODES=1")
+    assert resolved.returncode == 0, resolved.stderr
+    recipe = yaml.safe_load((tmp_path / "ok" / "recipe.yaml").read_text())
+    assert recipe["dataset_name"] == "/d/train.parquet"
+
+
+def test_hydra_values():
+    assert parse_hydra_value("1e-6") == 1e-6 and parse_hydra_value("-1") == -1 and parse_hydra_value("0.80") == 0.8
+    assert parse_hydra_value("False") is False and parse_hydra_value("null") is None
+    assert parse_hydra_value("['a', \"b,c\", 3]") == ["a", "b,c", 3]
+    assert parse_hydra_value("'quoted: text'") == "quoted: text"
+
+
+def test_yaml_config_is_flattened_and_interpolated(tmp_path):
+    found = read_verl_yaml(
+        "data:\n  train_batch_size: 64\n  gen_batch_size: ${data.train_batch_size}\n"
+        "actor_rollout_ref:\n  actor:\n    optim:\n      lr: 1e-6\n"
+        "algorithm:\n  adv_estimator: grpo\n  filter_groups:\n    enable: true\n    max_num_gen_batches: 0\n"
+        "trainer:\n  logger: [console]\nhydra:\n  searchpath: [file://verl/trainer/config]\n"
+    )
+    t = translate(found)
+    assert found.values["actor_rollout_ref.actor.optim.lr"] == 1e-6  # YAML 1.1 would read a string
+    assert t.recipe["filter_groups_oversample"] == 1 and t.recipe["max_filter_gen_batches"] == 0
+    assert t.recipe["report_to"] == "none"
+    assert set(t.entries) == set(found.values)
+    assert t.entries["hydra.searchpath"].status == NOT_NEEDED
+
+
+def test_not_a_verl_run_is_refused(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text("echo hello\npython3 train.py --lr 1e-6\n")
+    with pytest.raises(VerlInputError, match="no command with verl overrides"):
+        read_verl_input(script, {})
+
+
+# ------------------------------------------------------------------------------------------------ arithmetic
+@pytest.mark.parametrize(
+    "train, n, mini, world, epochs, micro, dynamic",
+    [
+        (512, 16, 32, 128, 1, None, True),  # DAPO
+        (64, 16, 16, 8, 1, None, True),  # ReTool
+        (256, 8, 64, 4, 2, 16, False),
+        (1024, 5, 256, 8, 1, 40, False),  # verl's GRPO example
+        (96, 4, 24, 16, 3, 6, False),
+        (8, 4, 8, 1, 1, 3, False),  # micro-batch 3 does not divide 32: 2
+    ],
+)
+def test_batch_plan_keeps_verls_responses_per_update_and_per_rollout(train, n, mini, world, epochs, micro, dynamic):
+    plan = plan_batches(train_batch_size=train, num_generations=n, ppo_mini_batch_size=mini, world_size=world,
+                        ppo_epochs=epochs, micro_batch_per_gpu=micro, use_dynamic_bsz=dynamic,
+                        max_token_len_per_gpu=4096)  # fmt: skip
+    assert not plan.errors
+    assert plan.responses_per_update == mini * n
+    assert plan.responses_per_rollout == train * n
+    assert plan.updates_per_rollout == train // mini * epochs
+    assert plan.responses_per_rollout % n == 0  # TRL: the generation batch holds whole groups
+    if dynamic:
+        assert plan.gradient_accumulation_steps == 1 and plan.max_tokens_per_microbatch == 4096
+    else:
+        assert plan.per_device_train_batch_size <= micro and plan.max_tokens_per_microbatch is None
+
+
+def test_batch_plan_refuses_what_verl_refuses():
+    plan = plan_batches(train_batch_size=30, num_generations=3, ppo_mini_batch_size=10, world_size=4)
+    assert plan.errors and "not divisible by the world size 4" in plan.errors[0]
+
+
+def test_model_size_from_the_path():
+    assert model_size_billions("/m/Qwen2.5-32B") == 32
+    assert model_size_billions("ckpt/multiturn-sft-qwen-2.5-7b-instruct/global_step_372") == 7
+    assert model_size_billions("Qwen/Qwen3-30B-A3B") == 30
+    assert model_size_billions("HuggingFaceTB/SmolLM-135M") == pytest.approx(0.135)
+    assert model_size_billions("/models/my-policy") is None
+
+
+# ------------------------------------------------------------------------------------------------ the recipes
+def test_dapo_recipe():
+    t = translated(DAPO_SCRIPT)
+    r = t.recipe
+    assert r["model_name_or_path"] == "/home/user/verl/models/Qwen2.5-32B"
+    assert r["dataset_name"] == "dapo-math-17k:/home/user/verl/data/dapo-math-17k.parquet"
+    assert r["eval_dataset_name"] == ["/home/user/verl/data/aime-2024.parquet"]
+    # Batch: 128 processes; 512 x 16 responses per rollout step, 32 x 16 per update, 16 updates per rollout step.
+    plan = t.batch
+    assert plan.world_size == 128
+    assert plan.responses_per_rollout == 512 * 16 and plan.responses_per_update == 32 * 16
+    assert (r["num_generations"], r["per_device_train_batch_size"], r["gradient_accumulation_steps"]) == (16, 4, 1)
+    assert (r["steps_per_generation"], r["num_iterations"], plan.updates_per_rollout) == (16, 1, 16)
+    assert r["max_tokens_per_microbatch"] == 2048 + 20480
+    # The DAPO components.
+    assert (r["loss_type"], r["epsilon"], r["epsilon_high"], r["clip_ratio_c"], r["beta"]) == ("dapo", 0.2, 0.28,
+                                                                                              10.0, 0.0)  # fmt: skip
+    assert (r["max_prompt_length"], r["max_completion_length"], r["overlong_prompt_policy"]) == (2048, 20480, "filter")
+    assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 4096, 1.0)
+    assert (r["filter_groups_enable"], r["max_filter_gen_batches"], r["filter_groups_oversample"]) == (True, 10, 3)
+    assert r["reward_funcs"] == ["dapo_math"]
+    # Steps: verl's rollout steps x 16.
+    assert (r["lr_scheduler_type"], r["warmup_steps"], r["learning_rate"]) == ("constant_with_warmup", 160, 1e-6)
+    assert (r["save_strategy"], r["save_steps"], r["eval_strategy"], r["eval_steps"]) == ("steps", 80, "steps", 80)
+    assert (r["weight_decay"], r["max_grad_norm"], r["num_train_epochs"], r["logging_steps"]) == (0.1, 1.0, 1.0, 16)
+    assert (r["val_before_train"], r["eval_num_samples"], r["eval_temperature"], r["eval_top_p"]) == (True, 1, 1.0,
+                                                                                                     0.7)  # fmt: skip
+    assert (r["temperature"], r["top_p"], r["top_k"], r["padding_free"]) == (1.0, 1.0, 0, True)
+    assert r["output_dir"] == "/home/user/verl/ckpts/DAPO/DAPO-Qwen2.5-32B" and r["run_name"] == "DAPO-Qwen2.5-32B"
+    assert r["report_to"] == "wandb" and r["vllm_importance_sampling_correction"] is False
+    # Launch: 16 x 8 processes, ZeRO-3 with offload because the script offloads.
+    assert t.accelerate["distributed_type"] == "DEEPSPEED"
+    assert t.accelerate["deepspeed_config"]["deepspeed_config_file"] == "configs/deepspeed/zero3_offload.json"
+    assert (t.accelerate["num_machines"], t.accelerate["num_processes"]) == (16, 128)
+    assert "param_offload" in t.accelerate_rule
+    # vLLM: TP 4, 0.8 of the memory, prompt + response.
+    env = t.vllm.environment()
+    assert (env["TP"], env["GPU_MEMORY_UTILIZATION"], env["MAX_MODEL_LEN"]) == ("4", "0.8", "22528")
+    assert t.vllm.extra_args == ["--max-num-batched-tokens", "22528", "--enable-chunked-prefill"]
+    assert not t.blocking
+    assert t.entries["actor_rollout_ref.actor.ulysses_sequence_parallel_size"].status == UNSUPPORTED
+    assert t.entries["trainer.total_epochs"].status == APPROXIMATED
+
+
+def test_retool_recipe():
+    t = translated(RETOOL_SCRIPT)
+    r = t.recipe
+    assert r["dataset_name"] == "dapo-math-17k:/data/dataset/BytedTsinghua-SIA/DAPO-Math-17k"
+    assert r["eval_dataset_name"] == ["aime2025:/data/dataset/yentinglin/aime_2025",
+                                      "aime2024:/data/dataset/Maxwell-Jia/AIME_2024"]  # fmt: skip
+    plan = t.batch
+    assert plan.responses_per_rollout == 64 * 16 and plan.responses_per_update == 16 * 16
+    assert (r["per_device_train_batch_size"], r["steps_per_generation"], plan.updates_per_rollout) == (32, 4, 4)
+    # ReTool does not enable dynamic sampling nor the overlong buffer: both off (dapo-trl's defaults are on).
+    assert r["filter_groups_enable"] is False and r["apply_overlong_penalty"] is False
+    assert r["clip_ratio_c"] == 10.0 and r["epsilon_high"] == 0.28 and r["weight_decay"] == 0.01
+    assert r["reward_funcs"] == ["retool"] and r["chat_template"] == "qwen2_5"
+    assert r["max_tool_calling_iterations"] == 15 and r["tool_max_output_chars"] == 256  # 16 turns; verl's 256
+    assert r["tool_config"] == "tool_config.yaml" and t.files["tool_config.yaml"] == TOOL_CONFIG
+    assert (r["eval_num_samples"], r["eval_top_p"], r["eval_temperature"]) == (30, 0.6, 1.0)
+    assert (r["save_steps"], r["eval_steps"], r["eval_samples_to_log"]) == (80, 40, 20)
+    assert t.accelerate["deepspeed_config"]["deepspeed_config_file"] == "configs/deepspeed/zero3_offload.json"
+    assert t.accelerate["num_processes"] == 8 and t.vllm.environment()["MAX_MODEL_LEN"] == "18432"
+    assert "$@" in " ".join(t.notes)
+    assert not t.blocking
+
+
+def test_grpo_script_with_kl_in_the_reward_is_refused_with_the_reason(tmp_path):
+    result = run_translator(GRPO_SCRIPT, tmp_path / "out")
+    assert result.returncode == 1
+    assert f"algorithm.use_kl_in_reward = True: {KL_IN_REWARD_UNSUPPORTED}" in result.stderr
+    report = (tmp_path / "out" / "report.md").read_text()
+    for key in ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.kl_coef"):
+        assert f"`{key}`" in report
+    assert KL_IN_REWARD_UNSUPPORTED in report and "(blocking)" in report
+    assert not (tmp_path / "out" / "recipe.yaml").exists()
+
+
+def test_grpo_script_mapping():
+    t = translated(GRPO_SCRIPT)
+    r = t.recipe
+    assert {entry.key for entry in t.blocking} == {"algorithm.use_kl_in_reward", "algorithm.kl_penalty",
+                                                   "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef"}  # fmt: skip
+    assert all(entry.how == KL_IN_REWARD_UNSUPPORTED for entry in t.blocking)
+    assert r["beta"] == 0.001 and t.entries["actor_rollout_ref.actor.kl_loss_type"].status == APPROXIMATED
+    assert r["loss_type"] == "grpo" and t.entries["actor_rollout_ref.actor.loss_agg_mode"].status == APPROXIMATED
+    # 4 GPUs, 256 x 8 per rollout step, 64 x 8 per update in micro-batches of 16, 2 PPO epochs: K = 4 x 2.
+    plan = t.batch
+    assert plan.responses_per_rollout == 256 * 8 and plan.responses_per_update == 64 * 8
+    assert (r["per_device_train_batch_size"], r["gradient_accumulation_steps"], r["steps_per_generation"]) == (
+        16,
+        8,
+        32,
+    )
+    assert (r["num_iterations"], plan.updates_per_rollout) == (2, 8)
+    assert (r["save_steps"], r["eval_steps"]) == (20 * 8, 5 * 8)
+    assert (r["lr_scheduler_type"], r["lr_scheduler_kwargs"], r["warmup_steps"]) == (
+        "cosine_with_min_lr",
+        {"min_lr_rate": 0.1},
+        0.05,
+    )
+    assert (r["epsilon"], r["epsilon_high"], r["clip_ratio_c"]) == (0.2, 0.2, 3.0)  # verl's defaults
+    assert r["eval_temperature"] == pytest.approx(1e-6)  # verl validates greedily by default
+    assert r["report_to"] == "tensorboard" and r["dataset_name"] == "/home/user/data/gsm8k/train.parquet"
+    assert t.accelerate["distributed_type"] == "MULTI_GPU" and "1.5B" in t.accelerate_rule
+    assert t.entries["trainer.total_epochs"].target == "num_train_epochs: 15"
+    defaults = {entry.key: entry for entry in t.defaults}
+    assert defaults["actor_rollout_ref.actor.clip_ratio_c"].target == "clip_ratio_c: 3.0"
+    assert defaults["algorithm.filter_groups.enable"].target == "filter_groups_enable: false"
+    assert defaults["reward_model.overlong_buffer.enable"].target == "apply_overlong_penalty: false"
+
+
+@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "full", "k3+", "low_var_kl+"])
+def test_unsupported_kl_loss_types_fail_with_a_reason(tmp_path, kind):
+    t = translated(GRPO_SCRIPT, "algorithm.use_kl_in_reward=False", f"actor_rollout_ref.actor.kl_loss_type={kind}")
+    assert {entry.key for entry in t.blocking} >= {"actor_rollout_ref.actor.kl_loss_type"}
+    why = t.entries["actor_rollout_ref.actor.kl_loss_type"].how
+    assert f"kl_loss_type={kind!r}" in why and "k3 (low_var_kl)" in why
+    if kind == "mse":
+        result = run_translator(GRPO_SCRIPT, tmp_path / "out", "algorithm.use_kl_in_reward=False",
+                                "actor_rollout_ref.actor.kl_loss_type=mse")  # fmt: skip
+        assert result.returncode == 1 and "kl_loss_type='mse'" in result.stderr
+
+
+def test_k3_is_accepted_and_kl_in_reward_off_is_not_blocking():
+    t = translated(GRPO_SCRIPT, "algorithm.use_kl_in_reward=False", "actor_rollout_ref.actor.kl_loss_type=k3")
+    assert not t.blocking and t.recipe["beta"] == 0.001
+    assert t.entries["algorithm.kl_ctrl.kl_coef"].status == NOT_NEEDED
+
+
+@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT], ids=lambda p: p.stem)
+def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
+    result = run_translator(script, tmp_path, "--allow-unsupported")
+    assert result.returncode == 0, result.stderr
+    found = read_verl_input(script, ENVIRONMENT)
+    report = (tmp_path / "report.md").read_text()
+    rows = [line for line in report.splitlines() if line.startswith("| `")]
+    for key in found.values:
+        assert sum(line.startswith(f"| `{key}` |") for line in rows) == 1, key
+    assert "## Mapped" in report and "## Batch and step arithmetic" in report
+    script_args, config, model_args = parse_recipe(tmp_path / "recipe.yaml")
+    t = translate(found)
+    assert config.per_device_train_batch_size * t.batch.world_size * config.steps_per_generation == (
+        t.batch.train_batch_size * t.batch.num_generations
+    )
+    assert config.num_generations == t.batch.num_generations and model_args.dtype == "float32"
+    if script == RETOOL_SCRIPT:
+        assert Path(script_args.tool_config) == tmp_path / "tool_config.yaml"
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    accelerate = load_config_from_file(str(tmp_path / "accelerate.yaml"))
+    assert accelerate.num_processes == t.batch.world_size
+    deepspeed = (accelerate.deepspeed_config or {}).get("deepspeed_config_file")
+    assert deepspeed is None or (REPO / deepspeed).is_file()
+    vllm = (tmp_path / "vllm_server.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(tmp_path / "vllm_server.sh")]).returncode == 0
+    assert f"TP={t.vllm.tensor_parallel_size}" in vllm and "scripts/start_vllm_server.sh" in vllm
+    assert (REPO / "scripts" / "start_vllm_server.sh").is_file()
+
+
+def test_main_returns_usage_errors(tmp_path, capsys):
+    assert main([str(tmp_path / "missing.sh"), "--output", str(tmp_path / "o")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+E2E_OVERRIDES = [
+    "--model_name_or_path", "builtin:tiny", "--dataset_name", "builtin:arithmetic", "--max_steps", "2",
+    "--per_device_train_batch_size", "8", "--num_generations", "4", "--gradient_accumulation_steps", "1",
+    "--steps_per_generation", "2", "--max_completion_length", "32",
+    "--use_vllm", "false", "--eval_dataset_name", "builtin:arithmetic", "--eval_strategy", "no",
+    "--val_before_train", "false", "--report_to", "none",
+    "--save_strategy", "no", "--logging_steps", "1", "--plot", "false", "--disable_tqdm", "true",
+]  # fmt: skip
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT], ids=lambda p: p.stem)
+def test_translated_recipe_trains_two_steps(tmp_path, script):
+    result = run_translator(script, tmp_path / "recipe", "--allow-unsupported")
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
+    overrides = [*E2E_OVERRIDES, "--output_dir", str(tmp_path / "run")]
+    if recipe.get("apply_overlong_penalty"):
+        overrides += ["--overlong_buffer_len", "8"]
+    run = run_command([sys.executable, "train_dapo.py", "--config", str(tmp_path / "recipe" / "recipe.yaml"),
+                       *overrides], timeout=300)  # fmt: skip
+    assert "step 2" in run.stdout, run.stdout[-2000:]
+    assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+# ------------------------------------------------------------------------------------------------ --tool_config
+def tool_config(**config) -> dict:
+    data = yaml.safe_load(TOOL_CONFIG.read_text())
+    data["tools"][0]["config"].update(config)
+    return data
+
+
+def test_verl_tool_config_becomes_the_remote_sandbox():
+    from dapo_trl.tools.verl_config import load_verl_tool_config
+
+    settings = load_verl_tool_config(TOOL_CONFIG, world_size=8)
+    assert settings.sandbox_url == "http://localhost:8080/run_code"
+    assert (settings.timeout_s, settings.memory_mb, settings.max_concurrency) == (30.0, 1024, 16)  # 128 over 8
+    assert settings.tool_name == "code_interpreter" and settings.description == "A tool for executing code."
+    notes = " ".join(settings.notes)
+    assert "CustomSandboxFusionTool" in notes and "cluster-wide" in notes
+    alone = load_verl_tool_config(TOOL_CONFIG, world_size=1)
+    assert alone.max_concurrency == 128
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"default_language": "cpp"}, "runs Python only"),
+        ({"type": "mcp"}, "only 'native' tools"),
+        ({"sandbox_fusion_url": ""}, "sandbox_fusion_url is not set"),
+        ({"memory_limit_mb": 0}, "must be > 0"),
+    ],
+)
+def test_verl_tool_config_fields_that_cannot_be_honoured_are_errors(change, message):
+    from dapo_trl.tools.verl_config import ToolConfigError, parse_verl_tool_config
+
+    with pytest.raises(ToolConfigError, match=message):
+        parse_verl_tool_config(tool_config(**change))
+
+
+def test_verl_tool_config_other_tools_are_errors():
+    from dapo_trl.tools.verl_config import ToolConfigError, parse_verl_tool_config
+
+    data = tool_config()
+    data["tools"][0]["class_name"] = "verl.tools.gsm8k_tool.Gsm8kTool"
+    with pytest.raises(ToolConfigError, match="only verl's SandboxFusionTool"):
+        parse_verl_tool_config(data)
+    data = tool_config()
+    data["tools"][0]["tool_schema"]["function"]["parameters"]["properties"]["timeout"] = {"type": "integer"}
+    with pytest.raises(ToolConfigError, match="exactly one, 'code'"):
+        parse_verl_tool_config(data)
+
+
+def test_tool_config_flag_builds_the_interpreter_the_yaml_describes(tmp_path):
+    from transformers.utils import get_json_schema
+
+    from dapo_trl.cli import DAPOScriptArguments, UserFacingError, build_tools
+    from dapo_trl.tools.code_interpreter import interpreter_of
+    from dapo_trl.tools.remote import RemoteSandbox
+
+    data = tool_config(default_timeout=12, memory_limit_mb=512, unknown_knob=1)
+    data["tools"][0]["tool_schema"]["function"].update(name="python", description="Runs a program.")
+    path = tmp_path / "tools.yaml"
+    path.write_text(yaml.safe_dump(data))
+    args = DAPOScriptArguments(tool_config=str(path))
+    (tool,) = build_tools(args, world_size=4)
+    sandbox = interpreter_of(tool).sandbox
+    assert isinstance(sandbox, RemoteSandbox) and sandbox.url == "http://localhost:8080/run_code"
+    assert (sandbox.limits.timeout_s, sandbox.limits.memory_mb, sandbox.gate.max_concurrency) == (12.0, 512, 32)
+    assert args.tools == ["code_interpreter"] and args.sandbox == "remote"
+    schema = get_json_schema(tool)["function"]
+    assert schema["name"] == "python" and schema["description"] == "Runs a program."
+    assert schema["parameters"]["properties"]["code"]["description"] == "The code to execute."
+    interpreter_of(tool).close()
+    with pytest.raises(UserFacingError, match="--sandbox_timeout 5.0 contradicts --tool_config"):
+        build_tools(DAPOScriptArguments(tool_config=str(path), sandbox_timeout=5.0))
+    with pytest.raises(UserFacingError, match="--tool_config: .*runs Python only"):
+        path.write_text(yaml.safe_dump(tool_config(default_language="go")))
+        build_tools(DAPOScriptArguments(tool_config=str(path)))
+
+
+# ------------------------------------------------------------------------------------------------ reward paths
+def test_reward_import_paths_and_verl_compute_score(tmp_path):
+    from dapo_trl.cli import UserFacingError, resolve_reward_function
+    from dapo_trl.rewards import dapo_math_reward
+
+    assert resolve_reward_function("dapo_trl.rewards:dapo_math_reward") is dapo_math_reward
+    assert resolve_reward_function("dapo_trl.rewards.dapo_math_reward") is dapo_math_reward
+    module = tmp_path / "my_reward.py"
+    module.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):\n"
+        "    ok = solution_str.strip().endswith(str(ground_truth))\n"
+        "    return {'score': 1.0 if ok else -1.0 + 0.1 * (extra_info['num_turns'] - 2), 'acc': ok}\n"
+        "def trl_style(completions, **kwargs):\n"
+        "    return [0.5] * len(completions)\n"
+    )
+    verl_reward = resolve_reward_function(f"{module}:compute_score")
+    assert verl_reward.__name__ == "compute_score"
+    scores = verl_reward(completions=["so 4", [{"role": "assistant", "content": "5"}]], solution=["4", "4"],
+                         data_source=["math_dapo", "math_dapo"])  # fmt: skip
+    assert scores == [1.0, -1.0]
+    assert resolve_reward_function(f"{module}:trl_style")(completions=["a"]) == [0.5]  # TRL signature: as is
+    with pytest.raises(UserFacingError, match="cannot import it"):
+        resolve_reward_function(f"{tmp_path / 'missing.py'}:compute_score")
+
+
+def test_yaml_config_through_the_command_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "algorithm": {"adv_estimator": "grpo"},
+                "data": {"train_batch_size": 32, "max_prompt_length": 256, "max_response_length": 128,
+                         "train_files": "/d/train.parquet"},
+                "actor_rollout_ref": {
+                    "model": {"path": "/m/tiny-0.1B"},
+                    "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4,
+                              "checkpoint": {"save_contents": ["model"], "load_contents": "${.save_contents}"}},
+                    "rollout": {"n": 4, "name": "hf"},
+                },
+                "custom_reward_function": {"path": "/rewards/mine.py", "name": "score"},
+                "trainer": {"n_gpus_per_node": 2, "nnodes": 1, "logger": ["console"]},
+            }
+        )
+    )  # fmt: skip
+    result = run_translator(config, tmp_path / "out")
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
+    assert recipe["reward_funcs"] == ["/rewards/mine.py:score"] and recipe["use_vllm"] is False
+    assert (recipe["per_device_train_batch_size"], recipe["gradient_accumulation_steps"]) == (4, 4)  # 8 x 4 / 2
+    assert recipe["steps_per_generation"] == 4 * 4 and recipe["report_to"] == "none"
+    accelerate = yaml.safe_load((tmp_path / "out" / "accelerate.yaml").read_text())
+    assert accelerate["distributed_type"] == "MULTI_GPU" and accelerate["num_processes"] == 2
+    found = read_verl_input(config, {})
+    resolve_interpolations(found, {})
+    assert found.values["actor_rollout_ref.actor.checkpoint.load_contents"] == ["model"]  # relative ${.key}
