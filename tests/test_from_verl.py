@@ -9,24 +9,16 @@ from pathlib import Path
 import pytest
 import yaml
 
-from dapo_trl.from_verl import (
-    APPROXIMATED,
-    KL_IN_REWARD_UNSUPPORTED,
-    NOT_NEEDED,
-    UNSUPPORTED,
-    main,
-    model_size_billions,
-    plan_batches,
-    translate,
-)
-from dapo_trl.verl_input import (
-    VerlInputError,
-    parse_hydra_value,
-    read_shell_script,
-    read_verl_input,
-    read_verl_yaml,
-    resolve_interpolations,
-)
+from dapo_trl.from_verl import main
+from dapo_trl.verl_import.batches import plan_batches
+from dapo_trl.verl_import.hydra import VerlInputError, parse_hydra_value, resolve_interpolations
+from dapo_trl.verl_import.losses import KL_IN_REWARD_UNSUPPORTED
+from dapo_trl.verl_import.model_data import model_size_billions
+from dapo_trl.verl_import.reader import read_verl_input
+from dapo_trl.verl_import.script import read_shell_script
+from dapo_trl.verl_import.translate import translate
+from dapo_trl.verl_import.translation import APPROXIMATED, NOT_NEEDED, UNSUPPORTED
+from dapo_trl.verl_import.yaml_config import read_verl_yaml
 
 from .helpers import REPO, offline_environment, run_command
 

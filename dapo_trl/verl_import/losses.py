@@ -1,0 +1,168 @@
+"""The policy loss: clipping, loss aggregation, the KL loss, the advantage; and KL in the reward (refused for now)."""
+
+from __future__ import annotations
+
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
+
+# ---------------------------------------------------------------------------------------------- KL in the reward
+# TODO(kl-in-reward): KL in the reward (verl's algorithm.use_kl_in_reward with kl_penalty and kl_ctrl.*) is not
+# implemented in dapo-trl yet. When it is, map these keys in `map_kl_in_reward` (the only place that reads them)
+# to its DAPOConfig fields and drop the refusal.
+KL_IN_REWARD_KEYS = ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.*")
+KL_IN_REWARD_UNSUPPORTED = "not yet implemented: KL in the reward"
+
+
+def map_loss(t: Translation) -> None:
+    actor = "actor_rollout_ref.actor."
+    # Clip-higher: verl's vanilla loss takes clip_ratio_low/high (defaults 0.2, not null), clip_ratio only as
+    # their fallback when one of them is null.
+    ratio = float(t.value(actor + "clip_ratio"))
+    low_value, high_value = t.value(actor + "clip_ratio_low"), t.value(actor + "clip_ratio_high")
+    low = ratio if low_value is None else float(low_value)
+    high = ratio if high_value is None else float(high_value)
+    t.set(epsilon=low, epsilon_high=high)
+    t.record(actor + "clip_ratio_low", MAPPED, _field("epsilon", low), "lower clip 1 - epsilon")
+    t.record(
+        actor + "clip_ratio_high",
+        MAPPED,
+        _field("epsilon_high", high),
+        "upper clip 1 + epsilon_high (clip-higher); verl's default 0.2 differs from dapo-trl's 0.28",
+    )
+    used = low_value is None or high_value is None
+    t.mark(
+        actor + "clip_ratio",
+        MAPPED if used else NOT_NEEDED,
+        "epsilon / epsilon_high" if used else "",
+        "fallback for a null clip_ratio_low/high"
+        if used
+        else "verl reads clip_ratio only when clip_ratio_low or clip_ratio_high is null (their defaults are 0.2)",
+    )
+    c = float(t.value(actor + "clip_ratio_c"))
+    t.set(clip_ratio_c=c)
+    t.record(
+        actor + "clip_ratio_c",
+        MAPPED,
+        _field("clip_ratio_c", c),
+        "dual-clip for negative advantages; verl always applies it (default 3.0)",
+    )
+
+    mode = str(t.value(actor + "loss_agg_mode"))
+    losses = {
+        "token-mean": ("dapo", MAPPED, "token-level loss over the whole optimizer step (exact denominator)"),
+        "seq-mean-token-mean": (
+            "grpo",
+            APPROXIMATED,
+            "TRL's grpo: per-sequence token mean, averaged over "
+            "sequences per micro-batch then over accumulation steps; equal to verl's mean over "
+            "the mini-batch's sequences when micro-batches hold equal row counts, and sequences "
+            "with no loss token are not left out of the mean",
+        ),
+        "seq-mean-token-sum": (
+            "dr_grpo",
+            APPROXIMATED,
+            "TRL's dr_grpo: per-sequence token sum divided by "
+            "max_completion_length, averaged over sequences: verl's seq-mean-token-sum divided "
+            "by the constant max_completion_length (the same direction; gradient clipping and "
+            "the effective learning rate see the smaller scale)",
+        ),
+        "seq-mean-token-sum-norm": (
+            "dr_grpo",
+            APPROXIMATED,
+            "TRL's dr_grpo: token sum / (sequences x "
+            "max_completion_length); verl divides the token sum by loss_scale_factor "
+            "(default the response length) only: the same direction, scaled by a "
+            "constant",
+        ),
+    }
+    if mode in losses:
+        loss_type, status, how = losses[mode]
+        t.set(loss_type=loss_type)
+        t.record(actor + "loss_agg_mode", status, _field("loss_type", loss_type), how)
+    else:
+        t.set(loss_type="dapo")
+        t.mark(actor + "loss_agg_mode", UNSUPPORTED, "", f"unknown aggregation {mode!r}", blocking=True)
+    t.mark(
+        actor + "loss_scale_factor",
+        NOT_NEEDED if mode != "seq-mean-token-sum-norm" else APPROXIMATED,
+        how="used by seq-mean-token-sum-norm only; see loss_agg_mode",
+    )
+
+    loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
+    if loss_mode == "vanilla":
+        t.mark(actor + "policy_loss.loss_mode", MAPPED, "(PPO clip with dual-clip)", "verl's vanilla PPO loss")
+    else:
+        t.record(
+            actor + "policy_loss.loss_mode",
+            UNSUPPORTED,
+            "",
+            f"policy loss {loss_mode!r}: only verl's vanilla clipped loss is translated",
+            blocking=True,
+        )
+
+    # KL loss (in the policy loss): TRL's beta uses the k3 estimator, verl's low_var_kl.
+    use_kl = _boolean(t.value(actor + "use_kl_loss"))
+    coefficient = float(t.value(actor + "kl_loss_coef"))
+    kind = str(t.value(actor + "kl_loss_type"))
+    if not use_kl:
+        t.set(beta=0.0)
+        t.record(actor + "use_kl_loss", MAPPED, "beta: 0.0", "no KL loss")
+        t.mark(actor + "kl_loss_coef", NOT_NEEDED, how="use_kl_loss is off")
+        t.mark(actor + "kl_loss_type", NOT_NEEDED, how="use_kl_loss is off")
+    elif kind in ("low_var_kl", "k3"):
+        t.set(beta=coefficient)
+        t.mark(actor + "use_kl_loss", MAPPED, _field("beta", coefficient), "KL to the reference model in the loss")
+        t.record(actor + "kl_loss_coef", MAPPED, _field("beta", coefficient), "KL coefficient")
+        t.record(
+            actor + "kl_loss_type",
+            APPROXIMATED,
+            "(TRL's k3 estimator)",
+            "k3 = low_var_kl; verl clamps each token's estimate to [-10, 10], TRL does not",
+        )
+    else:
+        t.set(beta=coefficient)
+        why = f"kl_loss_type={kind!r}: TRL's beta uses the k3 (low_var_kl) estimator only; " + (
+            "the '+' variants take the k2 gradient (straight-through)"
+            if kind.endswith("+")
+            else "k1 (kl), abs, k2 (mse) and full have no counterpart"
+        )
+        t.record(actor + "kl_loss_type", UNSUPPORTED, "", why, blocking=True)
+        t.mark(actor + "use_kl_loss", UNSUPPORTED, "", "see kl_loss_type", blocking=True)
+        t.mark(actor + "kl_loss_coef", UNSUPPORTED, "", "see kl_loss_type", blocking=True)
+
+    estimator = str(t.value("algorithm.adv_estimator"))
+    if estimator == "grpo":
+        t.mark("algorithm.adv_estimator", MAPPED, "(TRL's group-relative advantage)", "GRPO advantage")
+    else:
+        t.record(
+            "algorithm.adv_estimator",
+            UNSUPPORTED,
+            "",
+            f"advantage estimator {estimator!r}: only grpo (group-relative, no critic) has a counterpart",
+            blocking=True,
+        )
+    normalise = _boolean(t.value("algorithm.norm_adv_by_std_in_grpo"))
+    t.set(scale_rewards="group" if normalise else "none")
+    t.mark(
+        "algorithm.norm_adv_by_std_in_grpo",
+        MAPPED,
+        _field("scale_rewards", t.recipe["scale_rewards"]),
+        "divide by the group's std (verl's epsilon 1e-6, TRL's 1e-4)" if normalise else "Dr.GRPO: no std",
+    )
+    if _boolean(t.value("algorithm.use_pf_ppo")):
+        t.mark("algorithm.use_pf_ppo", UNSUPPORTED, "", "policy-filtered PPO has no counterpart", blocking=True)
+    else:
+        t.mark("algorithm.use_pf_ppo", NOT_NEEDED, how="off")
+    for key in ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_rs"):
+        if t.value(key) is not None:
+            t.mark(key, UNSUPPORTED, "", "verl's rollout correction is not translated", blocking=True)
+
+
+def map_kl_in_reward(t: Translation) -> None:
+    """KL in the reward: not implemented yet (see KL_IN_REWARD_KEYS' TODO); refused when the input turns it on."""
+    if _boolean(t.value("algorithm.use_kl_in_reward")):
+        for pattern in KL_IN_REWARD_KEYS:
+            t.mark_all(pattern, UNSUPPORTED, "", KL_IN_REWARD_UNSUPPORTED, blocking=True)
+        return
+    t.mark("algorithm.use_kl_in_reward", MAPPED, "(no KL in the reward)", "off, as in dapo-trl")
+    for pattern in KL_IN_REWARD_KEYS[1:]:
+        t.mark_all(pattern, NOT_NEEDED, how=f"read only with use_kl_in_reward=True ({KL_IN_REWARD_UNSUPPORTED})")

@@ -1,0 +1,144 @@
+"""The reward: DAPO's overlong penalty, the reward function, and dynamic sampling (verl's filter_groups)."""
+
+from __future__ import annotations
+
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
+
+
+def map_dynamic_sampling(t: Translation) -> None:
+    enabled = _boolean(t.value("algorithm.filter_groups.enable"))
+    t.set(filter_groups_enable=enabled)
+    t.record(
+        "algorithm.filter_groups.enable",
+        MAPPED,
+        _field("filter_groups_enable", enabled),
+        "dynamic sampling"
+        + ("" if t.given("algorithm.filter_groups.enable") else " (verl's default is off, dapo-trl's on)"),
+    )
+    gen_key = "data.gen_batch_size"
+    oversample = t.batch.filter_groups_oversample
+    if not enabled:
+        for key in ("algorithm.filter_groups.metric", "algorithm.filter_groups.max_num_gen_batches"):
+            t.mark(key, NOT_NEEDED, how="dynamic sampling is off")
+        if t.given(gen_key) and oversample != 1:
+            t.mark(
+                gen_key,
+                APPROXIMATED,
+                "",
+                "without dynamic sampling verl's DAPO trainer trains on the whole "
+                "generation batch; here a rollout step is train_batch_size prompts",
+            )
+        else:
+            t.mark(gen_key, NOT_NEEDED, how="dynamic sampling is off")
+        return
+    rounds = int(t.value("algorithm.filter_groups.max_num_gen_batches") or 0)
+    rounds = max(rounds, 0)
+    t.set(max_filter_gen_batches=rounds, filter_groups_oversample=oversample, filter_groups_on_exhausted="error")
+    t.record(
+        "algorithm.filter_groups.max_num_gen_batches",
+        MAPPED,
+        f"max_filter_gen_batches: {rounds}, filter_groups_on_exhausted: error",
+        "most generation rounds per step (0 = unlimited); when they run out verl stops with an error, and so "
+        "does this recipe (filter_groups_on_exhausted: fill trains on what was kept instead)",
+    )
+    metric = t.value("algorithm.filter_groups.metric")
+    if metric == "acc":
+        t.mark(
+            "algorithm.filter_groups.metric",
+            MAPPED,
+            "accuracy_reward_name: (first reward)",
+            "groups are kept when the accuracy reward has a spread",
+        )
+    else:
+        t.record(
+            "algorithm.filter_groups.metric",
+            APPROXIMATED,
+            "accuracy_reward_name: (first reward)",
+            f"verl filters on {metric!r}; dapo-trl filters on the first reward function's raw value (before "
+            "the overlong penalty)",
+        )
+    if t.given(gen_key):
+        status = APPROXIMATED if any("gen_batch_size" in note for note in t.batch.notes) else MAPPED
+        t.mark(
+            gen_key,
+            status,
+            _field("filter_groups_oversample", oversample),
+            f"each dynamic-sampling round generates gen_batch_size / train_batch_size = {oversample} generation "
+            "batches of prompts",
+        )
+        t.step_rows.append(
+            (
+                "prompts per dynamic-sampling round",
+                f"gen_batch_size = {t.value(gen_key)}",
+                f"filter_groups_oversample x train_batch_size = {oversample} x {t.batch.train_batch_size}",
+            )
+        )
+
+
+def map_reward(t: Translation) -> None:
+    enable_key, enable = t.first(
+        "reward_model.overlong_buffer.enable", "reward.reward_kwargs.overlong_buffer_cfg.enable"
+    )
+    length_key, length = t.first("reward_model.overlong_buffer.len", "reward.reward_kwargs.overlong_buffer_cfg.len")
+    factor_key, factor = t.first(
+        "reward_model.overlong_buffer.penalty_factor", "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"
+    )
+    if _boolean(enable):
+        t.set(apply_overlong_penalty=True, overlong_buffer_len=int(length), overlong_penalty_factor=float(factor))
+        t.mark(enable_key, MAPPED, "apply_overlong_penalty: true", "DAPO's soft overlong punishment (Eq. 13)")
+        t.mark(length_key, MAPPED, _field("overlong_buffer_len", length), "L_cache")
+        t.mark(factor_key, MAPPED, _field("overlong_penalty_factor", factor), "penalty scale")
+    else:
+        t.set(apply_overlong_penalty=False)
+        t.record(
+            enable_key,
+            MAPPED,
+            "apply_overlong_penalty: false",
+            "no overlong penalty (verl's default; dapo-trl's default is on)",
+        )
+        for key in (length_key, factor_key):
+            t.mark(key, NOT_NEEDED, how="the overlong penalty is off")
+    for pattern in ("reward_model.overlong_buffer.log", "reward.reward_kwargs.overlong_buffer_cfg.log"):
+        t.mark(pattern, NOT_NEEDED, how="the penalty is always logged (rewards/overlong_penalty/*)")
+    t.mark("reward.reward_kwargs.max_resp_len", NOT_NEEDED, how="L_max is max_completion_length")
+    for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
+        t.mark(key, NOT_NEEDED, how="verl's reward manager; the DAPO manager's overlong penalty is mapped above")
+    if _boolean(t.value("reward_model.enable")):
+        t.mark(
+            "reward_model.enable",
+            UNSUPPORTED,
+            "",
+            "model-based rewards are not translated: pass the reward as --reward_funcs",
+            blocking=True,
+        )
+
+    path, name = t.value("custom_reward_function.path"), t.value("custom_reward_function.name")
+    if path and str(path).endswith("retool/retool.py") and name == "compute_score":
+        t.set(reward_funcs=["retool"])
+        how = (
+            "ReTool's compute_score (DAPO's strict-box scorer with the tool-turn rule for wrong answers) is "
+            "dapo-trl's retool reward; it scores the model's own text only, verl's the whole response including "
+            "tool output"
+        )
+        t.mark("custom_reward_function.path", APPROXIMATED, "reward_funcs: [retool]", how)
+        t.mark("custom_reward_function.name", APPROXIMATED, "reward_funcs: [retool]", how)
+    elif path:
+        reference = f"{path}:{name}"
+        t.set(reward_funcs=[reference])
+        how = (
+            "imported by train_dapo.py from that file (relative to where it runs) and called once per response "
+            "with verl's arguments; if the file imports verl, verl must be installed"
+        )
+        t.mark("custom_reward_function.path", MAPPED, _field("reward_funcs", [reference]), how)
+        t.mark("custom_reward_function.name", MAPPED, _field("reward_funcs", [reference]), how)
+    else:
+        t.set(reward_funcs=["dapo_math"])
+        t.record(
+            "custom_reward_function.path",
+            APPROXIMATED,
+            "reward_funcs: [dapo_math]",
+            "verl picks its scorer by data_source: math_dapo and aime* use DAPO's 'Answer:' scorer, which "
+            "is dapo_math here; other data sources (gsm8k, MATH, code) have other scorers in verl",
+        )
+        t.mark("custom_reward_function.name", NOT_NEEDED, how="no custom reward file")
+    t.mark_all("custom_reward_function.reward_kwargs.*", UNSUPPORTED, "", "extra reward arguments are not passed")

@@ -1,0 +1,128 @@
+"""The learning-rate schedule and the run's length: verl counts them in rollout steps, TRL in optimizer steps (x K)."""
+
+from __future__ import annotations
+
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _field
+
+
+def _to_updates(t: Translation, rollout_steps: int) -> int:
+    return rollout_steps * t.batch.updates_per_rollout
+
+
+def map_schedule(t: Translation) -> None:
+    """Learning-rate schedule and run length; verl counts them in rollout steps, TRL in optimizer steps (x K)."""
+    optim = "actor_rollout_ref.actor.optim."
+    per_rollout = t.batch.updates_per_rollout
+    style_key, style = t.first(optim + "warmup_style")
+    scheduler = style if style is not None else t.value(optim + "lr_scheduler_type")
+    scheduler_key = style_key if style is not None else optim + "lr_scheduler_type"
+    warmup_steps = int(t.value(optim + "lr_warmup_steps"))
+    ratio = float(t.value(optim + "lr_warmup_steps_ratio") or 0.0)
+    if warmup_steps >= 0:
+        warmup: float = warmup_steps * per_rollout
+        t.record(
+            optim + "lr_warmup_steps",
+            APPROXIMATED,
+            _field("warmup_steps", warmup),
+            f"{warmup_steps} rollout steps x K={per_rollout} optimizer steps; verl raises the LR once per "
+            "rollout step (a staircase), TRL every optimizer step (a ramp over the same span)",
+        )
+        t.mark(optim + "lr_warmup_steps_ratio", NOT_NEEDED, how="lr_warmup_steps is set and wins, as in verl")
+        if warmup_steps:
+            t.step_rows.append(
+                (
+                    "LR warm-up",
+                    f"lr_warmup_steps = {warmup_steps} rollout steps",
+                    f"warmup_steps = {warmup_steps} x {per_rollout} = {int(warmup)}",
+                )
+            )
+    else:
+        warmup = ratio
+        t.mark(optim + "lr_warmup_steps", NOT_NEEDED, how="-1: the ratio applies")
+        t.mark(
+            optim + "lr_warmup_steps_ratio",
+            MAPPED if ratio == 0 else APPROXIMATED,
+            _field("warmup_steps", ratio),
+            "a warmup_steps below 1 is a share of the run's steps, so the same share of the run",
+        )
+    if scheduler == "constant":
+        t.set(lr_scheduler_type="constant_with_warmup" if warmup else "constant")
+        t.record(
+            scheduler_key,
+            MAPPED,
+            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            "constant after the warm-up",
+        )
+        t.mark(optim + "min_lr_ratio", NOT_NEEDED, how="cosine schedule only")
+        t.mark(optim + "num_cycles", NOT_NEEDED, how="cosine schedule only")
+    elif scheduler == "cosine":
+        minimum = float(t.value(optim + "min_lr_ratio") or 0.0)
+        cycles = float(t.value(optim + "num_cycles"))
+        kwargs: dict[str, float] = {} if cycles == 0.5 else {"num_cycles": cycles}
+        if minimum > 0:
+            t.set(lr_scheduler_type="cosine_with_min_lr")
+            kwargs["min_lr_rate"] = minimum
+        else:
+            t.set(lr_scheduler_type="cosine")
+        if kwargs:
+            t.set(lr_scheduler_kwargs=kwargs)
+        t.record(
+            scheduler_key,
+            APPROXIMATED,
+            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            "the same cosine over the run, decayed per optimizer step instead of per rollout step",
+        )
+        t.mark(optim + "min_lr_ratio", MAPPED, _field("lr_scheduler_kwargs.min_lr_rate", minimum), "LR floor")
+        t.mark(optim + "num_cycles", MAPPED, _field("lr_scheduler_kwargs.num_cycles", cycles), "cosine waves")
+    else:
+        t.record(
+            scheduler_key,
+            UNSUPPORTED,
+            "",
+            f"LR schedule {scheduler!r}: verl's FSDP actor has constant and cosine only",
+            blocking=True,
+        )
+    if warmup:
+        t.set(warmup_steps=warmup)
+    if style is None:
+        t.mark(style_key, NOT_NEEDED, how="null: lr_scheduler_type applies")
+    betas = t.value(optim + "betas")
+    if t.given(optim + "betas") and isinstance(betas, list) and len(betas) == 2:
+        t.set(adam_beta1=float(betas[0]), adam_beta2=float(betas[1]))
+        t.mark(optim + "betas", MAPPED, f"adam_beta1: {betas[0]}, adam_beta2: {betas[1]}", "AdamW betas")
+
+    total = t.value("trainer.total_training_steps")
+    epochs = t.value("trainer.total_epochs")
+    if total is not None and int(total) > 0:
+        t.set(max_steps=_to_updates(t, int(total)))
+        t.mark(
+            "trainer.total_training_steps",
+            MAPPED,
+            _field("max_steps", t.recipe["max_steps"]),
+            f"{total} rollout steps x K={per_rollout}",
+        )
+        t.mark("trainer.total_epochs", NOT_NEEDED, how="total_training_steps is set and wins, as in verl")
+        t.step_rows.append(
+            (
+                "run length",
+                f"total_training_steps = {total} rollout steps",
+                f"max_steps = {total} x {per_rollout} = {t.recipe['max_steps']}",
+            )
+        )
+    else:
+        t.set(num_train_epochs=float(epochs))
+        dedup = ""
+        if str(t.recipe.get("dataset_name", "")).startswith("dapo-math-17k"):
+            dedup = (
+                " verl reads the data file as it is (the hub copy of DAPO-Math-17k repeats every problem about 100 "
+                "times), dapo-trl drops repeated prompts, so one verl epoch there is about 100 epochs here."
+            )
+        t.record(
+            "trainer.total_epochs",
+            APPROXIMATED,
+            _field("num_train_epochs", epochs),
+            "passes over the training prompts, counted by the Trainer in optimizer steps; with dynamic "
+            "sampling verl's epoch also counts the prompts drawn for extra rounds, which here come from a "
+            "separate stream." + dedup + " Set --max_steps (rollout steps x K) for the length you want.",
+        )
+        t.mark("trainer.total_training_steps", NOT_NEEDED, how="unset: total_epochs sets the length")
