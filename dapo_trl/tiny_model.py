@@ -230,6 +230,33 @@ def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
     _save_weights(model, out)
 
 
+def _warm_start_in_own_process(out: Path, seed: int, settings: WarmStart) -> None:
+    """Run the supervised pass as a plain one-process job, whatever launched us.
+
+    Under `accelerate launch` every rank sees RANK / WORLD_SIZE / MASTER_ADDR: a Trainer built in-process would join
+    that process group, while the other ranks wait on the build lock, and the whole run would hang.
+    """
+    import subprocess
+    import sys
+
+    env = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in _DISTRIBUTED_ENV and not name.startswith(("ACCELERATE_", "TORCHELASTIC_"))
+    }
+    command = [sys.executable, "-m", "dapo_trl.tiny_model", "--warm-start-into", str(out), "--seed", str(seed)]
+    command += ["--settings", json.dumps(asdict(settings))]
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"the built-in model's warm start failed:\n{result.stderr[-4000:]}")
+
+
+_DISTRIBUTED_ENV = {
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+}  # fmt: skip
+
+
 def _save_weights(model, out: Path) -> None:
     """Not model.save_pretrained: under torch.distributed it silently writes nothing on ranks other than 0, and
     every rank of `accelerate launch` may be the one that builds."""
@@ -273,7 +300,7 @@ def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None) -> No
     model.generation_config.save_pretrained(out)
     _save_weights(model, out)
     if warm_start is not None:
-        _warm_start(out, seed, warm_start)
+        _warm_start_in_own_process(out, seed, warm_start)
     marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
     marker["warm_start"] = asdict(warm_start) if warm_start is not None else None
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
@@ -372,3 +399,25 @@ def build_tiny_model(
             raise RuntimeError(f"could not move tiny model build into {target}")
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m dapo_trl.tiny_model [--output DIR] [--warm]`: build the tiny model (warm-started with --warm)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m dapo_trl.tiny_model", description=main.__doc__)
+    parser.add_argument("--output", help="folder to build into (default: the cache, as builtin:tiny uses)")
+    parser.add_argument("--warm", action="store_true", help="add the supervised warm start (what builtin:tiny is)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overwrite", action="store_true", help="rebuild even if a finished build is there")
+    parser.add_argument("--warm-start-into", help=argparse.SUPPRESS)  # the build's own one-process warm start
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.warm_start_into:
+        _warm_start(Path(args.warm_start_into), args.seed, WarmStart(**json.loads(args.settings)))
+        return
+    print(build_tiny_model(args.output, seed=args.seed, overwrite=args.overwrite, warm_start=args.warm))
+
+
+if __name__ == "__main__":
+    main()

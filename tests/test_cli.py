@@ -36,7 +36,10 @@ def test_smoke_script_trains_two_steps_and_prints_metrics(tmp_path):
 
 
 def test_smoke_script_with_two_processes(tmp_path):
-    result = run_command(["./test_dapo.sh"], env={"OUTPUT_DIR": str(tmp_path), "NUM_PROCESSES": "2"})
+    """On a fresh cache: both ranks want the warm-started model; one builds it alone, the other waits and reuses it
+    (the build's supervised pass once joined the launch's process group and hung)."""
+    env = {"OUTPUT_DIR": str(tmp_path / "out"), "NUM_PROCESSES": "2", "DAPO_TRL_CACHE": str(tmp_path / "cache")}
+    result = run_command(["./test_dapo.sh"], env=env, timeout=400)
     assert "DAPO metrics per logged step" in result.stdout
 
 
@@ -82,8 +85,9 @@ def test_unknown_reward_is_named(tmp_path):
         ["-m", "dapo_trl.cli"],
         ["-m", "dapo_trl.evaluate"],
         ["-m", "dapo_trl.from_verl"],
+        ["-m", "dapo_trl.tiny_model"],
     ],
-    ids=["train_dapo.py", "dapo_trl.cli", "dapo_trl.evaluate", "dapo_trl.from_verl"],
+    ids=["train_dapo.py", "dapo_trl.cli", "dapo_trl.evaluate", "dapo_trl.from_verl", "dapo_trl.tiny_model"],
 )
 def test_every_entry_point_prints_help(command):
     """argparse %-formats help strings: a bare % in any field's help used to crash --help."""
