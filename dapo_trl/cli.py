@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import importlib.util
 import itertools
@@ -195,7 +196,8 @@ def _import_reward_module(module_name: str) -> Any:
     path = Path(module_name).expanduser().resolve()
     if not path.is_file():
         raise ImportError(f"no file {str(path)!r}")
-    spec = importlib.util.spec_from_file_location(f"dapo_trl_reward_{abs(hash(str(path)))}", path)
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]  # the same name in every process
+    spec = importlib.util.spec_from_file_location(f"dapo_trl_reward_{digest}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
     spec.loader.exec_module(module)
