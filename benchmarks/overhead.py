@@ -29,8 +29,10 @@ The table gives the median, min and max over all kept steps and `ratio DAPO/GRPO
 - the ratio of run medians for each GRPO/DAPO pair, and a noise-robust ratio that sums, over step indices, the
   fastest time of that step over the runs (robust to bursts of load, not to jitter; valid because step i is
   the same work in every run);
-- DAPO's extra bookkeeping in isolation (timeit): `soft_overlong_penalty` + `optimizer_window_token_counts` on a
-  batch of the same size, and the whole per-step path around them, as a share of DAPO's median step.
+- DAPO's extra bookkeeping in isolation (timeit), on a batch of the same size, as a share of DAPO's median step:
+  `soft_overlong_penalty` + `steps.OptimizerSteps` summing each optimizer step's micro-batch token counts (the
+  exact denominator's count), and the whole per-step path around them: the reward column, `StepPlanner.plan`'s
+  loss-token counts, and `OptimizerSteps` handing out the micro-batches with their `num_items_in_batch`.
 
 A step takes ~0.13 s here, so other processes on the machine move the medians a lot; the script measures how
 many cores other processes used during each timed run (/proc/stat), warns when the machine was busy, and then
@@ -53,6 +55,7 @@ import tempfile
 import time
 import timeit
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,15 +69,13 @@ from transformers import PrinterCallback, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
-from dapo_trl.algorithm import (  # noqa: E402
-    optimizer_window_token_counts,
-    soft_overlong_penalty,
-    trl_items_for_exact_normalizer,
-)
+from dapo_trl.algorithm import soft_overlong_penalty  # noqa: E402
+from dapo_trl.batching import StepPlanner, loss_mask  # noqa: E402
 from dapo_trl.data import make_arithmetic_dataset  # noqa: E402
 from dapo_trl.rewards import dapo_math_reward  # noqa: E402
+from dapo_trl.rewards.overlong import SoftOverlongPenalty  # noqa: E402
+from dapo_trl.steps import OptimizerSteps  # noqa: E402
 from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
-from dapo_trl.trainer import SoftOverlongPenalty  # noqa: E402
 
 SEED = 42
 GOAL_RATIO = 1.03
@@ -195,32 +196,52 @@ def run_once(kind: str, model_path: str, dataset: Any, args: argparse.Namespace)
 
 
 def bookkeeping_microbenchmark(args: argparse.Namespace) -> dict[str, float]:
-    """Seconds per call of DAPO's per-step extras, on a batch of the benchmark's size (best of 5 timeit rounds)."""
+    """Seconds per call of DAPO's per-step extras, on a batch of the benchmark's size (best of 5 timeit rounds).
+
+    Each call covers one generation batch: its S micro-batches handed out by `OptimizerSteps` as DAPOTrainer's
+    `_prepare_inputs` does, one optimizer step (K micro-steps) at a time.
+    """
     with tempfile.TemporaryDirectory() as output_dir:
         config = make_config("DAPO", args, output_dir)
     n, max_len, buffer_len = args.batch_size, config.max_completion_length, config.overlong_buffer_len
     steps_per_generation, accumulation = config.steps_per_generation, config.gradient_accumulation_steps
     generator = torch.Generator().manual_seed(SEED)
     lengths = torch.randint(1, max_len + 1, (n,), generator=generator)
-    chunk_counts = torch.randint(n, n * max_len, (steps_per_generation,), generator=generator).float()
     completion_ids = [list(range(int(length))) for length in lengths]
     mask = (torch.arange(max_len).expand(n, max_len) < lengths[:, None]).long()
     micro_batches = [{"completion_mask": chunk} for chunk in mask.chunk(steps_per_generation)]
+    counted = [{**batch, "loss_tokens": loss_mask(batch).sum().item()} for batch in micro_batches]
     penalty_column = SoftOverlongPenalty(max_len, buffer_len)
+    # StepPlanner.plan's loss-token counts alone (no padding-free re-dealing of rows, no token budget: other work
+    # than the denominator's); on one process accelerator.reduce returns its input.
+    planner_args = SimpleNamespace(
+        gradient_accumulation_steps=accumulation,
+        steps_per_generation=steps_per_generation,
+        padding_free=False,
+        max_tokens_per_microbatch=None,
+    )
+    one_process = SimpleNamespace(device=torch.device("cpu"), reduce=lambda tensor, reduction: tensor)
+    planner = StepPlanner(planner_args, one_process, config.loss_type)
+    window_sums = OptimizerSteps(config, "cpu", exact_denominator=False)
+    exact_denominator = OptimizerSteps(config, "cpu", exact_denominator=planner.exact_denominator)
+
+    def one_generation_batch(steps: OptimizerSteps, generate: Any) -> None:
+        # The Trainer loop: each optimizer step announces its K dataloader batches, then runs its micro-steps.
+        for start in range(0, steps_per_generation, accumulation):
+            window = range(start, min(start + accumulation, steps_per_generation))
+            steps.begin(start, [None] * len(window))
+            for step in window:
+                steps.micro_batch(step, generate)
 
     def core() -> None:
         soft_overlong_penalty(lengths, max_len, buffer_len)
-        optimizer_window_token_counts(chunk_counts, accumulation)
+        one_generation_batch(window_sums, lambda step, prompts: counted)
 
     def full_path() -> None:
         # What DAPOTrainer adds per step: the reward column (list -> tensor -> list, one metric) and the exact
-        # denominator (mask sums per micro-batch, window counts, num_items); accelerator.reduce is a no-op here.
+        # denominator (loss-mask sums per micro-batch, summed per optimizer step, num_items_in_batch).
         penalty_column(completion_ids=completion_ids, log_metric=lambda name, value: None)
-        counts = torch.stack([DAPOTrainer._loss_mask(batch).sum() for batch in micro_batches]).float()
-        windows = optimizer_window_token_counts(counts, accumulation)
-        items = trl_items_for_exact_normalizer(windows, steps_per_generation, accumulation)
-        for batch, item in zip(micro_batches, items, strict=True):
-            batch["num_items_in_batch"] = item
+        one_generation_batch(exact_denominator, lambda step, prompts: planner.plan(micro_batches))
 
     timings = {}
     for name, fn in (("core", core), ("full", full_path)):
@@ -379,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| work | time per step (us) | share of median DAPO step |")
     print("|---|---|---|")
     print(
-        f"| soft_overlong_penalty + optimizer_window_token_counts | {extra['core'] * 1e6:.1f} "
+        f"| soft_overlong_penalty + OptimizerSteps token sums | {extra['core'] * 1e6:.1f} "
         f"| {extra['core'] / step:.3%} |"
     )
     print(

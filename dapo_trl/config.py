@@ -102,6 +102,38 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # KL in the reward (verl's algorithm.use_kl_in_reward, kl_penalty, kl_ctrl.*); not in DAPO.
+    kl_in_reward: bool = field(
+        default=False,
+        metadata={
+            "help": "Subtract kl_in_reward_coef x the response's summed per-token KL to the reference model from its "
+            "reward, before the group advantage (verl's use_kl_in_reward). Costs a policy and a reference forward "
+            "per generation batch and keeps a reference model (as beta > 0 does). Independent of beta (KL loss)."
+        },
+    )
+    kl_in_reward_coef: float = field(
+        default=0.001, metadata={"help": "KL coefficient beta, or its start value when adaptive (verl's kl_coef)."}
+    )
+    kl_in_reward_estimator: str = field(
+        default="kl",
+        metadata={
+            "help": "Per-token KL estimate (verl's kl_penalty): 'kl' (k1), 'abs', 'mse' (k2) or 'low_var_kl' (k3)."
+        },
+    )
+    kl_in_reward_controller: str = field(
+        default="fixed",
+        metadata={
+            "help": "'fixed', or 'adaptive': after each generation batch, beta *= 1 + clip(KL / kl_in_reward_target "
+            "- 1, -0.2, 0.2) x responses / kl_in_reward_horizon (verl's kl_ctrl.type)."
+        },
+    )
+    kl_in_reward_target: float = field(
+        default=0.1, metadata={"help": "Adaptive controller's target KL (mean per-token KL per response)."}
+    )
+    kl_in_reward_horizon: int = field(
+        default=10000, metadata={"help": "Adaptive controller's horizon in responses (verl's kl_ctrl.horizon)."}
+    )
+
     # Dynamic sampling.
     filter_groups_enable: bool = field(
         default=True,
@@ -240,6 +272,7 @@ class DAPOConfig(GRPOConfig):
         self._validate_lengths()
         self._validate_overlong_penalty()
         self._validate_clipping()
+        self._validate_kl_in_reward()
         self._validate_padding_free()
         self._validate_dynamic_sampling()
         self._validate_validation()
@@ -339,6 +372,26 @@ class DAPOConfig(GRPOConfig):
             raise ValueError(
                 f"clip_ratio_c={self.clip_ratio_c} must be > 1 + epsilon_high = {upper} "
                 "(verl default 3.0, its DAPO and ReTool recipes 10.0)."
+            )
+
+    def _validate_kl_in_reward(self) -> None:
+        if not self.kl_in_reward:
+            return
+        from .algorithm import KL_ESTIMATORS
+
+        if self.kl_in_reward_estimator.rstrip("+") not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_in_reward_estimator={self.kl_in_reward_estimator!r} must be one of {sorted(KL_ESTIMATORS)} "
+                "(verl's 'full' needs every vocabulary log-prob, which verl does not implement either)."
+            )
+        if self.kl_in_reward_coef < 0:
+            raise ValueError(f"kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0 (verl's default 0.001).")
+        if self.kl_in_reward_controller not in ("fixed", "adaptive"):
+            raise ValueError(f"kl_in_reward_controller={self.kl_in_reward_controller!r} must be 'fixed' or 'adaptive'.")
+        if self.kl_in_reward_target <= 0 or self.kl_in_reward_horizon < 1:
+            raise ValueError(
+                f"kl_in_reward_target={self.kl_in_reward_target} must be > 0 and kl_in_reward_horizon="
+                f"{self.kl_in_reward_horizon} >= 1 (verl's defaults 0.1 and 10000)."
             )
 
     def _validate_padding_free(self) -> None:

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
-from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from . import steps, streams
+from . import steps, streams, trainer_validation
 from .algorithm import log_ratio_clamped
 from .batching import (
     StepPlanner,
@@ -38,7 +37,8 @@ from .batching import (
 from .config import DAPOConfig
 from .packing import packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
-from .rewards.overlong import ShapingColumns, SoftOverlongPenalty
+from .rewards.kl_in_reward import reference_model_built
+from .rewards.shaping import ShapingColumns
 from .sampling import ROW_TENSORS, DynamicSampler, Process, ScoredRound, gather_rows, row_padding
 from .tools.runtime import ToolRuntime
 from .vllm_backends import backend_for
@@ -46,17 +46,6 @@ from .vllm_backends import backend_for
 logger = logging.getLogger(__name__)
 
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
-
-
-class ValidateBeforeTraining(TrainerCallback):
-    """verl's `val_before_train`: one validation pass once the model is prepared, before the first step."""
-
-    def __init__(self, trainer: DAPOTrainer):
-        self.trainer = trainer
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step == 0 and not args.eval_on_start:  # with eval_on_start, TRL evaluates right after this
-            self.trainer.evaluate()
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -85,7 +74,7 @@ class DAPOTrainer(GRPOTrainer):
                 "DAPOConfig(**same_arguments) (DAPOConfig accepts every GRPOConfig field)."
             )
         env_factory = kwargs.get("environment_factory")
-        with backend_for(args):
+        with backend_for(args), reference_model_built(args):
             super().__init__(
                 model=model,
                 reward_funcs=[dapo_math_reward] if reward_funcs is None and not env_factory else reward_funcs,
@@ -95,9 +84,10 @@ class DAPOTrainer(GRPOTrainer):
                 processing_class=processing_class,
                 **kwargs,
             )
+        self.beta = args.beta  # a reference model built for KL in the reward only adds no KL loss
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
-        penalty = SoftOverlongPenalty(args.max_completion_length, args.overlong_buffer_len)
-        self._shaping = ShapingColumns([(penalty, args.overlong_penalty_factor)] if args.apply_overlong_penalty else [])
+        self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
+        self._generation: tuple | None = None  # the batch `_calculate_rewards` scores, as `_generate` returned it
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
@@ -108,7 +98,7 @@ class DAPOTrainer(GRPOTrainer):
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
-            self.add_callback(ValidateBeforeTraining(self))
+            self.add_callback(trainer_validation.ValidateBeforeTraining(self))
         if args.max_prompt_length is not None and self.train_dataset is not None:
             from .data import filter_overlong_prompts
 
@@ -125,7 +115,7 @@ class DAPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather)
+        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, self._generation)
         if self._captured_rewards is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._captured_rewards.append(rewards_per_func)
         return rewards_per_func
@@ -211,7 +201,7 @@ class DAPOTrainer(GRPOTrainer):
         """TRL's generation (and tool loop); then tool metrics, and prefetched executions nobody used are dropped."""
         self._tool_runtime.begin_generation()
         try:
-            output = super()._generate(prompts)
+            output = self._generation = super()._generate(prompts)
         finally:
             self._tool_runtime.end_generation()
         if self.tools:
@@ -280,21 +270,24 @@ class DAPOTrainer(GRPOTrainer):
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
         TRL's metrics: `dapo_trl.trainer_validation.evaluate_with_validation`."""
-        from .trainer_validation import evaluate_with_validation
-
-        return evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
+        return trainer_validation.evaluate_with_validation(
+            self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix
+        )
 
     # ----------------------------------------------------------------------------------------- checkpointing
+    def _checkpointed_state(self) -> dict[str, Any]:
+        """{file: part} for the run state beyond TRL's: the prompt stream and carried groups, the KL coefficient."""
+        return {**({SAMPLING_STATE_FILE: self._sampler} if self.args.filter_groups_enable else {}),
+                **self._shaping.checkpoint_files()}  # fmt: skip
+
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        if self.args.filter_groups_enable and self.args.should_save:
-            folder = os.path.join(
-                self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            )
-            torch.save(self._sampler.state_dict(), os.path.join(folder, SAMPLING_STATE_FILE))
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        for file, part in self._checkpointed_state().items() if self.args.should_save else ():
+            torch.save(part.state_dict(), os.path.join(folder, file))
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = None if checkpoint is None else os.path.join(checkpoint, SAMPLING_STATE_FILE)
-        if self.args.filter_groups_enable and path is not None and os.path.exists(path):
-            self._sampler.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
+        for file, part in self._checkpointed_state().items() if checkpoint is not None else ():
+            if os.path.exists(path := os.path.join(checkpoint, file)):
+                part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)

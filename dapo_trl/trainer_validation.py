@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import TrainerCallback
 
 from .validation import (
     PromptResult,
@@ -36,6 +37,17 @@ if TYPE_CHECKING:
     from .trainer import DAPOTrainer
 
 logger = logging.getLogger(__name__)
+
+
+class ValidateBeforeTraining(TrainerCallback):
+    """verl's `val_before_train`: one validation pass once the model is prepared, before the first step."""
+
+    def __init__(self, trainer: DAPOTrainer):
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step == 0 and not args.eval_on_start:  # with eval_on_start, TRL evaluates right after this
+            self.trainer.evaluate()
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:

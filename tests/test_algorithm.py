@@ -9,7 +9,6 @@ from dapo_trl.algorithm import (
     LOG_RATIO_BOUND,
     clamp_log_ratio,
     log_ratio_clamped,
-    optimizer_window_token_counts,
     soft_overlong_penalty,
     trl_items_for_exact_normalizer,
 )
@@ -49,20 +48,6 @@ def test_soft_overlong_penalty_rejects_bad_buffer():
         soft_overlong_penalty(torch.tensor([1]), 10, 11)
     with pytest.raises(ValueError, match="overlong_buffer_len"):
         soft_overlong_penalty(torch.tensor([1]), 10, 0)
-
-
-@pytest.mark.parametrize("num_chunks,accumulation", [(4, 4), (4, 2), (6, 3), (8, 1)])
-def test_window_token_counts_match_plain_loop(num_chunks, accumulation):
-    counts = torch.randint(0, 100, (num_chunks,))
-    got = optimizer_window_token_counts(counts, accumulation).tolist()
-    for chunk in range(num_chunks):
-        window = chunk // accumulation
-        assert got[chunk] == sum(counts[window * accumulation : (window + 1) * accumulation].tolist())
-
-
-def test_window_token_counts_reject_misaligned_steps():
-    with pytest.raises(ValueError, match="multiple of gradient_accumulation_steps"):
-        optimizer_window_token_counts(torch.ones(3), 2)
 
 
 @pytest.mark.parametrize("processes,accumulation,steps_per_generation", [(1, 4, 4), (2, 2, 2), (2, 2, 4), (4, 1, 3)])

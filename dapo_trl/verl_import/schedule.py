@@ -1,43 +1,71 @@
-"""The learning-rate schedule and the run's length: verl counts them in rollout steps, TRL in optimizer steps (x K)."""
+"""The learning-rate schedule and the run's length: verl counts them in rollout steps, TRL in optimizer steps (x K).
+`map_rollout_steps_to_optimizer_steps` maps any such count (also the checkpoint and validation frequencies).
+"""
 
 from __future__ import annotations
 
 from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _field
 
 
-def _to_updates(t: Translation, rollout_steps: int) -> int:
-    return rollout_steps * t.batch.updates_per_rollout
+def map_rollout_steps_to_optimizer_steps(
+    t: Translation,
+    key: str,
+    status: str,
+    field: str,
+    rollout_steps: int,
+    *,
+    row: str,
+    how: str,
+    strategy: str | None = None,
+) -> int:
+    """verl's `key`, a count of N rollout steps, becomes the DAPOConfig `field` in optimizer steps, N x K (K optimizer
+    steps per rollout step): set `field` (and `<strategy>_strategy: steps`), record the key, with `how` where its
+    "{span}" reads "N rollout steps x K=K", and add the step row `row`. N = 0 leaves `field` at its default and adds
+    no row. Returns N x K."""
+    per_rollout = t.batch.updates_per_rollout
+    steps = rollout_steps * per_rollout
+    target = _field(field, steps)
+    if strategy is not None:
+        target = f"{strategy}_strategy: steps, {target}"
+    t.record(key, status, target, how.format(span=f"{rollout_steps} rollout steps x K={per_rollout}"))
+    if steps:
+        if strategy is not None:
+            t.set(**{f"{strategy}_strategy": "steps"})
+        t.set(**{field: steps})
+        t.step_rows.append(
+            (
+                row,
+                f"{key.rsplit('.', 1)[-1]} = {rollout_steps} rollout steps",
+                f"{field} = {rollout_steps} x {per_rollout} = {steps}",
+            )
+        )
+    return steps
 
 
 def map_schedule(t: Translation) -> None:
     """Learning-rate schedule and run length; verl counts them in rollout steps, TRL in optimizer steps (x K)."""
     optim = "actor_rollout_ref.actor.optim."
-    per_rollout = t.batch.updates_per_rollout
     style_key, style = t.first(optim + "warmup_style")
     scheduler = style if style is not None else t.value(optim + "lr_scheduler_type")
     scheduler_key = style_key if style is not None else optim + "lr_scheduler_type"
     warmup_steps = int(t.value(optim + "lr_warmup_steps"))
     ratio = float(t.value(optim + "lr_warmup_steps_ratio") or 0.0)
     if warmup_steps >= 0:
-        warmup: float = warmup_steps * per_rollout
-        t.record(
+        warmup: float = map_rollout_steps_to_optimizer_steps(
+            t,
             optim + "lr_warmup_steps",
             APPROXIMATED,
-            _field("warmup_steps", warmup),
-            f"{warmup_steps} rollout steps x K={per_rollout} optimizer steps; verl raises the LR once per "
-            "rollout step (a staircase), TRL every optimizer step (a ramp over the same span)",
+            "warmup_steps",
+            warmup_steps,
+            row="LR warm-up",
+            how="{span} optimizer steps; verl raises the LR once per rollout step (a staircase), TRL every "
+            "optimizer step (a ramp over the same span)",
         )
         t.mark(optim + "lr_warmup_steps_ratio", NOT_NEEDED, how="lr_warmup_steps is set and wins, as in verl")
-        if warmup_steps:
-            t.step_rows.append(
-                (
-                    "LR warm-up",
-                    f"lr_warmup_steps = {warmup_steps} rollout steps",
-                    f"warmup_steps = {warmup_steps} x {per_rollout} = {int(warmup)}",
-                )
-            )
     else:
         warmup = ratio
+        if ratio:
+            t.set(warmup_steps=ratio)
         t.mark(optim + "lr_warmup_steps", NOT_NEEDED, how="-1: the ratio applies")
         t.mark(
             optim + "lr_warmup_steps_ratio",
@@ -82,8 +110,6 @@ def map_schedule(t: Translation) -> None:
             f"LR schedule {scheduler!r}: verl's FSDP actor has constant and cosine only",
             blocking=True,
         )
-    if warmup:
-        t.set(warmup_steps=warmup)
     if style is None:
         t.mark(style_key, NOT_NEEDED, how="null: lr_scheduler_type applies")
     betas = t.value(optim + "betas")
@@ -94,21 +120,10 @@ def map_schedule(t: Translation) -> None:
     total = t.value("trainer.total_training_steps")
     epochs = t.value("trainer.total_epochs")
     if total is not None and int(total) > 0:
-        t.set(max_steps=_to_updates(t, int(total)))
-        t.mark(
-            "trainer.total_training_steps",
-            MAPPED,
-            _field("max_steps", t.recipe["max_steps"]),
-            f"{total} rollout steps x K={per_rollout}",
+        map_rollout_steps_to_optimizer_steps(
+            t, "trainer.total_training_steps", MAPPED, "max_steps", int(total), row="run length", how="{span}"
         )
         t.mark("trainer.total_epochs", NOT_NEEDED, how="total_training_steps is set and wins, as in verl")
-        t.step_rows.append(
-            (
-                "run length",
-                f"total_training_steps = {total} rollout steps",
-                f"max_steps = {total} x {per_rollout} = {t.recipe['max_steps']}",
-            )
-        )
     else:
         t.set(num_train_epochs=float(epochs))
         dedup = ""

@@ -10,6 +10,7 @@ from pathlib import Path
 import yaml
 
 from .model_data import model_size_billions
+from .schedule import map_rollout_steps_to_optimizer_steps
 from .translation import APPROXIMATED, MAPPED, UNSUPPORTED, Translation, _as_list, _boolean, _field
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -58,19 +59,15 @@ def map_trainer(t: Translation) -> None:
 
     save = int(t.value("trainer.save_freq") or -1)
     if save > 0:
-        t.set(save_strategy="steps", save_steps=save * per_rollout)
-        t.mark(
+        map_rollout_steps_to_optimizer_steps(
+            t,
             "trainer.save_freq",
             MAPPED,
-            f"save_strategy: steps, save_steps: {save * per_rollout}",
-            f"every {save} rollout steps x K={per_rollout} optimizer steps",
-        )
-        t.step_rows.append(
-            (
-                "checkpoint every",
-                f"save_freq = {save} rollout steps",
-                f"save_steps = {save} x {per_rollout} = {save * per_rollout}",
-            )
+            "save_steps",
+            save,
+            row="checkpoint every",
+            how="every {span} optimizer steps",
+            strategy="save",
         )
     else:
         t.set(save_strategy="no")
@@ -83,20 +80,15 @@ def map_trainer(t: Translation) -> None:
     has_eval = "eval_dataset_name" in t.recipe
     test = int(t.value("trainer.test_freq") or -1)
     if test > 0 and has_eval:
-        t.set(eval_strategy="steps", eval_steps=test * per_rollout)
-        t.mark(
+        map_rollout_steps_to_optimizer_steps(
+            t,
             "trainer.test_freq",
             APPROXIMATED,
-            f"eval_strategy: steps, eval_steps: {test * per_rollout}",
-            f"every {test} rollout steps x K={per_rollout}; verl also validates after the last step, the "
-            "Trainer only on multiples of eval_steps",
-        )
-        t.step_rows.append(
-            (
-                "validation every",
-                f"test_freq = {test} rollout steps",
-                f"eval_steps = {test} x {per_rollout} = {test * per_rollout}",
-            )
+            "eval_steps",
+            test,
+            row="validation every",
+            how="every {span}; verl also validates after the last step, the Trainer only on multiples of eval_steps",
+            strategy="eval",
         )
     else:
         t.set(eval_strategy="no")

@@ -1,0 +1,136 @@
+"""verl's KL in the reward (`algorithm.use_kl_in_reward`): R = score - beta * sum_t KL_t, before the group advantage.
+
+A built-in shaping column (see `overlong.ShapingColumns`) named `kl_in_reward`. Its value is the response's summed
+per-token KL estimate between the policy that sampled it and the reference model, over the model's own tokens (tool
+outputs excluded, as by verl's response mask); its weight is -beta, read before the controller moves. TRL adds it to
+the user's weighted rewards, so the group advantage, `scale_rewards` and dynamic sampling see the penalised reward
+exactly as verl's `apply_kl_penalty` + GRPO advantage do; TRL logs the column as `rewards/kl_in_reward/*` (the summed
+KL), and `kl/in_reward` (the batch mean of each response's mean per-token KL, verl's `actor/reward_kl_penalty`) and
+`kl/coef` (the beta used) are logged per generation batch. Training only: validation rewards are the plain scores.
+
+beta comes from a `KLController`: fixed, or verl's adaptive controller, stepped after every generation batch (with
+dynamic sampling, every round, as in verl's DAPO recipe) with that batch's KL and response count. Its value is saved
+in checkpoints. The log-probs come from two no-grad forwards of the batch (policy, reference) that the trainer makes;
+verl makes the same two (old_log_prob and ref_log_prob).
+The math is `dapo_trl.algorithm.kl_penalty_per_token` and `adaptive_kl_coef`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ..algorithm import adaptive_kl_coef, kl_penalty_per_token
+
+KL_IN_REWARD_NAME = "kl_in_reward"
+KL_CONTROLLER_STATE_FILE = "dapo_kl_controller.pt"
+
+# (policy log-probs, reference log-probs, mask of the model's own tokens), each (N, T), for one generation batch.
+LogProbs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class KLController:
+    """The KL coefficient beta: fixed, or adapted towards `target` over `horizon` responses (verl's kl_ctrl)."""
+
+    def __init__(self, coef: float, kind: str = "fixed", target: float = 0.1, horizon: int = 10000) -> None:
+        if kind not in ("fixed", "adaptive"):
+            raise ValueError(f"kl_in_reward_controller={kind!r} must be 'fixed' or 'adaptive'.")
+        self.value, self.kind, self.target, self.horizon = float(coef), kind, target, horizon
+
+    def update(self, current_kl: float, num_responses: int) -> None:
+        if self.kind == "adaptive":
+            self.value = adaptive_kl_coef(self.value, current_kl, self.target, self.horizon, num_responses)
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float], device: Any = None) -> None:
+        self.value = float(state["value"])
+
+
+class KLInReward:
+    """The `kl_in_reward` shaping column: each response's summed per-token KL to the reference (weight -beta)."""
+
+    __name__ = KL_IN_REWARD_NAME
+    train_only = True  # verl's validation scores carry no KL
+
+    def __init__(self, controller: KLController, estimator: str, log_probs: Callable[[Any], LogProbs]) -> None:
+        self.controller, self.estimator, self.log_probs = controller, estimator.rstrip("+"), log_probs
+        kl_penalty_per_token(torch.zeros(1), torch.zeros(1), self.estimator)  # an unknown estimator fails here
+
+    @property
+    def weight(self) -> float:
+        return -self.controller.value
+
+    def __call__(
+        self, completion_ids: list[list[int]], generation: Any, gather: Callable, log_metric: Callable, **kwargs: Any
+    ) -> list[float]:
+        policy, reference, mask = self.log_probs(generation)
+        per_token = kl_penalty_per_token(policy.float(), reference.float(), self.estimator) * mask
+        summed = per_token.sum(dim=1)
+        mean_per_response = gather(summed / mask.sum(dim=1).clamp(min=1))  # every process's responses
+        current_kl = mean_per_response.mean().item() if mean_per_response.numel() else 0.0
+        log_metric("kl/in_reward", current_kl)
+        log_metric("kl/coef", self.controller.value)
+        self.controller.update(current_kl, mean_per_response.numel())
+        return summed.tolist()
+
+
+def policy_and_reference_log_probs(trainer: Any, generation: tuple) -> LogProbs:
+    """No-grad log-probs of one generation batch (TRL `_generate`'s output) under the policy and the reference.
+
+    The reference is TRL's own: `trainer.ref_model`, or for a PEFT model the base (or the "ref" adapter TRL copied
+    from a pre-trained one), as GRPOTrainer computes its KL loss's reference.
+    """
+    from trl.trainer.utils import pad, use_adapter
+
+    prompt_ids, completion_ids, tool_mask, images = generation[0], generation[1], generation[2], generation[6]
+    if images is not None:
+        raise ValueError("kl_in_reward does not support image inputs yet: turn it off for multimodal training.")
+    device, pad_id = trainer.accelerator.device, trainer._tokenizer.pad_token_id
+
+    def padded(rows: list[list[int]], value: int, side: str) -> torch.Tensor:
+        return pad([torch.tensor(row, device=device) for row in rows], padding_value=value, padding_side=side)
+
+    prompts, completions = padded(prompt_ids, pad_id, "left"), padded(completion_ids, pad_id, "right")
+    prompt_mask = padded([[1] * len(row) for row in prompt_ids], 0, "left")
+    completion_mask = padded([[1] * len(row) for row in completion_ids], 0, "right")
+    input_ids, attention_mask = torch.cat([prompts, completions], 1), torch.cat([prompt_mask, completion_mask], 1)
+    # The KL is summed over the model's own tokens: tool outputs (in the context, so attended) are left out.
+    mask = completion_mask if tool_mask is None else completion_mask * padded(tool_mask, 0, "right")
+
+    def forward(model: Any) -> torch.Tensor:
+        log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completions.size(1), batch_size=trainer.args.per_device_train_batch_size
+        )
+        return log_probs
+
+    with torch.no_grad():
+        policy = forward(trainer.model)
+        if trainer.ref_model is not None:
+            reference = forward(trainer.ref_model)
+        else:
+            unwrapped = trainer.accelerator.unwrap_model(trainer.model)
+            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+                reference = forward(trainer.model)
+    return policy, reference, mask.float()
+
+
+@contextmanager
+def reference_model_built(args: Any) -> Iterator[None]:
+    """Within the block, `args.beta` is non-zero when only KL in the reward needs the reference model.
+
+    GRPOTrainer builds (and prepares, under DeepSpeed too) a reference model only for a KL loss (beta != 0). The
+    trainer's own `beta` must be set back to `args.beta` after its `__init__`, so the loss carries no KL term.
+    """
+    needed = getattr(args, "kl_in_reward", False) and args.beta == 0.0
+    if needed:
+        args.beta = 1.0
+    try:
+        yield
+    finally:
+        if needed:
+            args.beta = 0.0

@@ -1,0 +1,207 @@
+"""KL in the reward (verl's use_kl_in_reward): the estimators, the adaptive controller, and the trainer's rewards,
+advantages, metrics and checkpoints against references computed here from the formulas, with models of our own."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset
+from transformers import AutoModelForCausalLM
+
+from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
+from dapo_trl.rewards.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController
+from dapo_trl.rewards.shaping import ShapingColumns
+from dapo_trl.tiny_model import build_tiny_model
+
+from .helpers import tiny_config
+
+
+# ------------------------------------------------------------------------------------------------ estimators
+def reference_estimate(logp: float, ref_logp: float, estimator: str) -> float:
+    """Schulman's estimators of KL(pi || pi_ref) from one sample, with verl's k3 clamps, written out per token."""
+    log_ratio = ref_logp - logp  # log r, r = pi_ref / pi
+    if estimator in ("kl", "k1"):
+        return logp - ref_logp
+    if estimator == "abs":
+        return abs(logp - ref_logp)
+    if estimator in ("mse", "k2"):
+        return 0.5 * (logp - ref_logp) ** 2
+    log_ratio = min(max(log_ratio, -20.0), 20.0)
+    return min(max(math.exp(log_ratio) - log_ratio - 1.0, -10.0), 10.0)
+
+
+@pytest.mark.parametrize("estimator", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"])
+def test_kl_estimators_match_the_formulas(estimator):
+    rng = np.random.default_rng(0)
+    logps = rng.uniform(-30, 0, size=(6, 9))
+    ref = np.concatenate([rng.uniform(-30, 0, size=(3, 9)), logps[3:] + rng.normal(0, 0.1, size=(3, 9))])
+    got = kl_penalty_per_token(torch.tensor(logps), torch.tensor(ref), estimator)
+    rows = zip(logps, ref, strict=True)
+    expected = [[reference_estimate(a, b, estimator) for a, b in zip(r, q, strict=True)] for r, q in rows]
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+    if estimator in ("low_var_kl", "k3"):  # the clamps are hit: far-apart log-probs give 10 exactly
+        assert got.max().item() == 10.0 and got.min().item() >= 0.0
+
+
+def test_unknown_estimator_is_refused_by_name():
+    with pytest.raises(ValueError, match="kl_in_reward_estimator='full'"):
+        DAPOConfig(output_dir="/tmp/x", kl_in_reward=True, kl_in_reward_estimator="full")
+    with pytest.raises(ValueError, match="unknown KL estimator 'k4'"):
+        kl_penalty_per_token(torch.zeros(1), torch.zeros(1), "k4")
+
+
+# ------------------------------------------------------------------------------------------------ controller
+def test_adaptive_controller_follows_verl_update():
+    coef, target, horizon = 0.05, 0.1, 1000
+    values = [coef]
+    for kl, n in [(0.3, 64), (0.1, 64), (0.09, 128), (0.0, 64), (0.2, 10)]:
+        error = float(np.clip(kl / target - 1, -0.2, 0.2))  # verl: proportional_error, then value *= mult
+        values.append(values[-1] * (1 + error * n / horizon))
+    controller = KLController(coef, "adaptive", target, horizon)
+    got = [controller.value]
+    for kl, n in [(0.3, 64), (0.1, 64), (0.09, 128), (0.0, 64), (0.2, 10)]:
+        controller.update(kl, n)
+        got.append(controller.value)
+    assert got == pytest.approx(values, rel=1e-12)
+    assert adaptive_kl_coef(1.0, 5.0, 0.1, 10, 10) == pytest.approx(1.2)  # clipped at +20% per horizon
+    fixed = KLController(0.05, "fixed")
+    fixed.update(10.0, 1000)
+    assert fixed.value == 0.05
+    restored = KLController(0.05, "adaptive")
+    restored.load_state_dict(controller.state_dict())
+    assert restored.value == controller.value
+
+
+def test_kl_column_is_training_only():
+    class Column:
+        def __init__(self, train_only):
+            self.train_only = train_only
+
+    columns = ShapingColumns([Column(False), Column(True)])
+    assert len(columns.active(training=True)) == 2 and len(columns.active(training=False)) == 1
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"kl_in_reward_coef": -0.1}, "kl_in_reward_coef=-0.1"),
+        ({"kl_in_reward_controller": "pid"}, "kl_in_reward_controller='pid'"),
+        ({"kl_in_reward_target": 0.0}, "kl_in_reward_target=0.0"),
+    ],
+)
+def test_bad_kl_settings_name_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DAPOConfig(output_dir="/tmp/x", kl_in_reward=True, **overrides)
+
+
+# ------------------------------------------------------------------------------------------------- end to end
+def token_reward(completion_ids, **kwargs):
+    """Deterministic and spread within a group (0..6), so the group std is not the KL penalty's alone."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+class RecordingTrainer(DAPOTrainer):
+    """Keeps every scored generation batch (rows as generated, unpadded, and TRL's advantages) with the reference
+    KL of each row, computed right there by `reference_kl_rewards` from a copy of the sampling policy and the test's
+    own reference model (CPU kernels can change after a backward pass: compare numbers computed alike)."""
+
+    def _generate_and_score_completions(self, inputs):
+        policy = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+        output = super()._generate_and_score_completions(inputs)
+        prompt_ids, completion_ids = self._generation[:2]
+        kl = reference_kl_rewards(policy, self.reference, prompt_ids, completion_ids, self.args.kl_in_reward_estimator)
+        self.batches.append((completion_ids, output["advantages"], *kl))
+        return output
+
+
+def kl_trainer(tmp_path, **overrides) -> RecordingTrainer:
+    settings = {
+        "kl_in_reward": True,
+        "filter_groups_enable": False,
+        "apply_overlong_penalty": False,
+        "max_completion_length": 10,
+        "temperature": 1.0,
+        **overrides,
+    }
+    prompts = [{"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}]} for i in range(8)]
+    trainer = RecordingTrainer(
+        model=str(build_tiny_model()),
+        reward_funcs=token_reward,
+        args=tiny_config(tmp_path / "out", **settings),
+        train_dataset=Dataset.from_list(prompts),
+    )
+    trainer.batches, trainer.reference = [], AutoModelForCausalLM.from_pretrained(str(build_tiny_model())).eval()
+    with torch.no_grad():  # the policy leaves the reference (the model on disk), so the KL is not zero
+        generator = torch.Generator().manual_seed(1)
+        for parameter in trainer.model.parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return trainer
+
+
+def completion_log_probs(model, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """log pi(completion token | its prefix), one unpadded sequence at a time."""
+    ids = torch.cat([prompt, completion]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, prompt.numel() - 1 : -1].float()
+    return torch.log_softmax(logits, dim=-1).gather(1, completion.unsqueeze(1)).squeeze(1)
+
+
+def reference_kl_rewards(policy, reference, prompts, completions, estimator: str) -> tuple[list[float], list[float]]:
+    """Per response: the summed KL estimate over its tokens, and its mean per token (verl's masked_mean)."""
+    sums, means = [], []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        prompt, completion = torch.tensor(prompt), torch.tensor(completion)
+        logp = completion_log_probs(policy, prompt, completion).tolist()
+        ref = completion_log_probs(reference, prompt, completion).tolist()
+        per_token = [reference_estimate(a, b, estimator) for a, b in zip(logp, ref, strict=True)]
+        sums.append(sum(per_token))
+        means.append(sum(per_token) / max(len(per_token), 1))
+    return sums, means
+
+
+def group_advantages(rewards: list[float], group: int) -> list[float]:
+    """TRL's scale_rewards='group': (r - group mean) / (group std, Bessel-corrected, + 1e-4)."""
+    out = []
+    for start in range(0, len(rewards), group):
+        chunk = np.array(rewards[start : start + group])
+        out.extend((chunk - chunk.mean()) / (chunk.std(ddof=1) + 1e-4))
+    return out
+
+
+def test_fixed_kl_in_reward_matches_a_reference_computation(tmp_path):
+    beta, estimator = 0.5, "low_var_kl"
+    trainer = kl_trainer(tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4)
+    assert trainer.ref_model is not None and trainer.beta == 0.0 and trainer.args.beta == 0.0  # no KL loss
+    trainer.train()
+    ((completions, advantages, sums, means),) = trainer.batches
+    assert min(sums) > 0.05  # the perturbation moved the policy: the test is not comparing zeros
+    penalised = [score - beta * kl for score, kl in zip(token_reward(completions), sums, strict=True)]
+    expected = torch.tensor(group_advantages(penalised, 4), dtype=torch.float32)
+    torch.testing.assert_close(advantages.float(), expected, atol=1e-4, rtol=0)
+    logged = trainer.state.log_history[0]
+    assert logged["kl/in_reward"] == pytest.approx(float(np.mean(means)), rel=1e-4)
+    assert logged["kl/coef"] == beta and "kl" not in logged  # TRL's own "kl" is the KL loss's, off here
+    assert logged["rewards/kl_in_reward/mean"] == pytest.approx(float(np.mean(sums)), rel=1e-4)
+    assert trainer.reward_func_names == ["token_reward"]  # the user's list, unchanged
+
+
+def test_adaptive_coefficient_steps_per_generation_batch_and_resumes(tmp_path):
+    coef, horizon, responses = 0.2, 10, 4
+    common = {"kl_in_reward_coef": coef, "kl_in_reward_controller": "adaptive", "kl_in_reward_horizon": horizon}
+    # A target far below the measured KL: each update multiplies beta by 1 + 0.2 * 4 / 10.
+    common.update(kl_in_reward_target=1e-9, save_strategy="steps", save_steps=1, max_steps=2)
+    trainer = kl_trainer(tmp_path, **common)
+    trainer.train()
+    coefs = [entry["kl/coef"] for entry in trainer.state.log_history if "kl/coef" in entry]
+    growth = 1 + 0.2 * responses / horizon
+    assert coefs == pytest.approx([coef, coef * growth])
+    saved = torch.load(tmp_path / "out" / "checkpoint-1" / KL_CONTROLLER_STATE_FILE)
+    assert saved["value"] == pytest.approx(coef * growth)
+
+    resumed = kl_trainer(tmp_path, **common)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
+    resumed_coefs = [entry["kl/coef"] for entry in resumed.state.log_history if "kl/coef" in entry]
+    assert resumed_coefs[-1] == pytest.approx(coef * growth)  # step 2 uses the saved beta, not the start value
