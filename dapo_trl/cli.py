@@ -1,12 +1,11 @@
-"""`train_dapo.py` / `dapo-train`: TRL's parser over (script, DAPOConfig, ModelConfig) flags or a YAML `--config`."""
+"""`train_dapo.py` / `dapo-train`: TRL's parser over (script, DAPOConfig, ModelConfig) flags or a YAML `--config`.
+
+The entry point: the script flags, model loading and `main`. Reward and tool resolution live in `cli_components`, the
+end-of-run table and charts in `run_summary`; their public names are re-exported here, where callers import them.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import importlib
-import importlib.util
-import itertools
 import logging
 import os
 import sys
@@ -17,39 +16,43 @@ from typing import Any
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
+from .cli_components import (
+    TOOL_CONFIG_FIELDS,
+    TOOL_NAMES,
+    UserFacingError,
+    apply_tool_config,
+    build_tools,
+    resolve_reward_function,
+)
 from .config import DAPOConfig
 from .data import BUILTIN_ARITHMETIC, DatasetLoadError, load_prompt_dataset
-from .rewards import REWARD_BUILDERS, REWARD_FUNCTIONS, MissingRewardOptions, build_reward
-from .rewards.verl_compat import from_verl_compute_score, is_verl_compute_score
+from .rewards import REWARD_FUNCTIONS
+from .run_summary import LEADING_SUMMARY_METRICS, SUMMARY_METRICS, print_summary, summary_columns, write_charts
+
+__all__ = [
+    "BUILTIN_TINY_MODEL",
+    "LEADING_SUMMARY_METRICS",
+    "SUMMARY_METRICS",
+    "TOOL_CONFIG_FIELDS",
+    "TOOL_NAMES",
+    "TRL_DEPRECATED_CALLS",
+    "DAPOScriptArguments",
+    "UserFacingError",
+    "apply_tool_config",
+    "build_tools",
+    "load_model_and_tokenizer",
+    "main",
+    "print_summary",
+    "resolve_chat_template",
+    "resolve_reward_function",
+    "summary_columns",
+    "write_charts",
+]
 
 logger = logging.getLogger("dapo_trl")
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
-# Metrics printed in the end-of-run summary, in this order, when they were logged: the leading ones, then every
-# reward function's mean (rewards/<name>/mean), then the rest.
-LEADING_SUMMARY_METRICS = ("loss", "reward", "reward_std")
-SUMMARY_METRICS = (
-    "overlong/penalized_frac",
-    "completions/mean_length",
-    "completions/clipped_ratio",
-    "frac_reward_zero_std",
-    "dynamic_sampling/rounds",
-    "dynamic_sampling/groups_generated",
-    "dynamic_sampling/groups_kept",
-    "dynamic_sampling/keep_rate",
-    "dynamic_sampling/filler_groups",
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "entropy",
-)
-
-
-TOOL_NAMES = ("code_interpreter",)
 TRL_DEPRECATED_CALLS = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is"
-
-
-class UserFacingError(RuntimeError):
-    """An error whose message is the whole story: printed without a traceback."""
 
 
 @dataclass
@@ -162,117 +165,6 @@ class DAPOScriptArguments(ScriptArguments):
     )
 
 
-def resolve_reward_function(name: str, script_args: DAPOScriptArguments | None = None) -> Any:
-    """A registered reward by name (built with the options it reads from `script_args`, e.g. the judge's endpoint),
-    or any importable callable by dotted path."""
-    if name in REWARD_BUILDERS:
-        try:
-            return build_reward(name, script_args)
-        except MissingRewardOptions as error:
-            needed = " and ".join(f"--{option}" for option in error.required)
-            raise UserFacingError(f"--reward_funcs {name} needs {needed}.") from None
-    if ":" in name:  # module:function or path/to/file.py:function (verl's custom_reward_function.path / .name)
-        module_name, _, attribute = name.rpartition(":")
-    else:
-        module_name, _, attribute = name.rpartition(".")
-    if not module_name or not attribute:
-        raise UserFacingError(
-            f"--reward_funcs {name!r}: unknown reward; use one of {sorted(REWARD_FUNCTIONS)}, a dotted path "
-            "(my_pkg.rewards.fn), module:function or path/to/file.py:function."
-        )
-    try:
-        function = getattr(_import_reward_module(module_name), attribute)
-    except (ImportError, AttributeError, OSError, SyntaxError) as error:
-        raise UserFacingError(f"--reward_funcs {name!r}: cannot import it ({error}).") from None
-    if is_verl_compute_score(function):  # verl's per-response signature: adapt it to TRL's batched one
-        return from_verl_compute_score(function)
-    return function
-
-
-def _import_reward_module(module_name: str) -> Any:
-    """A module by dotted name, or a Python file by path (imported under a name derived from the path)."""
-    if not module_name.endswith(".py"):
-        return importlib.import_module(module_name)
-    path = Path(module_name).expanduser().resolve()
-    if not path.is_file():
-        raise ImportError(f"no file {str(path)!r}")
-    digest = hashlib.sha256(str(path).encode()).hexdigest()[:16]  # the same name in every process
-    spec = importlib.util.spec_from_file_location(f"dapo_trl_reward_{digest}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses and pickling look modules up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-# --tool_config sets these script fields; the same flag given with another non-default value is a conflict.
-TOOL_CONFIG_FIELDS = {
-    "sandbox": lambda settings: "remote",
-    "sandbox_url": lambda settings: settings.sandbox_url,
-    "sandbox_timeout": lambda settings: settings.timeout_s,
-    "sandbox_memory_mb": lambda settings: settings.memory_mb,
-    "sandbox_max_concurrency": lambda settings: settings.max_concurrency,
-}
-
-
-def apply_tool_config(script_args: DAPOScriptArguments, world_size: int = 1) -> Any:
-    """Read --tool_config (verl's tool YAML) into the --sandbox_* fields; returns its settings (None without it)."""
-    if not script_args.tool_config:
-        return None
-    from .tools.verl_config import ToolConfigError, load_verl_tool_config
-
-    try:
-        settings = load_verl_tool_config(script_args.tool_config, world_size=world_size)
-    except ToolConfigError as error:
-        raise UserFacingError(f"--tool_config: {error}") from None
-    defaults = {f.name: f.default for f in dataclasses.fields(DAPOScriptArguments)}
-    for name, value_of in TOOL_CONFIG_FIELDS.items():
-        given, value = getattr(script_args, name), value_of(settings)
-        if given not in (defaults[name], value):
-            raise UserFacingError(
-                f"--{name} {given} contradicts --tool_config {script_args.tool_config}, which sets it to {value}: "
-                "drop one of them."
-            )
-        setattr(script_args, name, value)
-    if script_args.tools and script_args.tools != [TOOL_NAMES[0]]:
-        raise UserFacingError(f"--tool_config describes the {TOOL_NAMES[0]} tool only; drop --tools from the call.")
-    script_args.tools = [TOOL_NAMES[0]]
-    for note in settings.notes:
-        logger.warning("--tool_config %s: %s", script_args.tool_config, note)
-    return settings
-
-
-def build_tools(script_args: DAPOScriptArguments, world_size: int = 1) -> list[Any]:
-    """The tool functions named by --tools (or --tool_config), each over the sandbox the --sandbox_* flags describe."""
-    settings = apply_tool_config(script_args, world_size)
-    unknown = [name for name in script_args.tools if name not in TOOL_NAMES]
-    if unknown:
-        raise UserFacingError(f"--tools {' '.join(unknown)}: unknown tool; available: {', '.join(TOOL_NAMES)}.")
-    if not script_args.tools:
-        return []
-    from .tools.code_interpreter import build_code_interpreter
-
-    try:
-        interpreter = build_code_interpreter(
-            script_args.sandbox,
-            url=script_args.sandbox_url,
-            timeout_s=script_args.sandbox_timeout,
-            memory_mb=script_args.sandbox_memory_mb,
-            max_concurrency=script_args.sandbox_max_concurrency,
-            rate_limit=script_args.sandbox_rate_limit,
-            require_isolation=script_args.sandbox_require_isolation,
-            max_output_chars=script_args.tool_max_output_chars,
-        )
-    except ValueError as error:
-        raise UserFacingError(f"--tools code_interpreter: {error}") from None
-    if script_args.sandbox == "local" and script_args.sandbox_require_isolation:
-        interpreter.sandbox.isolation()  # fail now, not at the first tool call
-    if settings is not None:
-        from .tools.verl_config import apply_tool_schema
-
-        apply_tool_schema(interpreter.tool, settings)
-    return [interpreter.tool]
-
-
 def resolve_chat_template(value: str) -> str:
     """A TRL chat template by name (trl/chat_templates/NAME.jinja) or the text of a .jinja file."""
     import trl
@@ -320,52 +212,6 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
-
-
-def summary_columns(steps: list[dict[str, Any]], max_columns: int = 8) -> list[tuple[str, list[dict[str, Any]]]]:
-    """One column per logged step, or, for longer runs, `max_columns` consecutive windows (shown as their mean)."""
-    if len(steps) <= max_columns:
-        return [(f"step {entry.get('step', '?')}", [entry]) for entry in steps]
-    bounds = [round(i * len(steps) / max_columns) for i in range(max_columns + 1)]
-    windows = [steps[start:end] for start, end in itertools.pairwise(bounds)]
-    return [(f"{window[0].get('step', '?')}-{window[-1].get('step', '?')}", window) for window in windows]
-
-
-def print_summary(log_history: list[dict[str, Any]]) -> None:
-    """Print the DAPO metrics of every logged step (or of 8 windows of steps, averaged) as a small table."""
-    steps = [entry for entry in log_history if "loss" in entry or "reward" in entry]
-    if not steps:
-        return
-    reward_means = sorted(
-        {key for entry in steps for key in entry if key.startswith("rewards/") and key.endswith("/mean")}
-    )
-    ordered = (*LEADING_SUMMARY_METRICS, *reward_means, *SUMMARY_METRICS)
-    names = [name for name in ordered if any(name in entry for entry in steps)]
-    columns = summary_columns(steps)
-    averaged = any(len(window) > 1 for _, window in columns)
-    print("\nDAPO metrics per logged step" + (" (mean over each window of steps)" if averaged else ""))
-    print(f"{'metric':<34}" + "".join(f"{title:>12}" for title, _ in columns))
-    for name in names:
-        cells = ""
-        for _, window in columns:
-            values = [entry[name] for entry in window if isinstance(entry.get(name), int | float)]
-            cells += f"{sum(values) / len(values):>12.4f}" if values else f"{'-':>12}"
-        print(f"{name:<34}{cells}")
-
-
-def write_charts(output_dir: str, log_history: list[dict[str, Any]]) -> None:
-    """--plot: the finished run's charts in OUTPUT_DIR/plots; a failure only warns (the model is already saved)."""
-    try:
-        from .plot import plot_run
-
-        charts = plot_run(output_dir, log_history=log_history)
-    except Exception as error:  # charts are a convenience: never fail a finished run over them
-        logger.warning("could not write the charts: %s: %s", type(error).__name__, error)
-        return
-    if charts:
-        print(f"charts: {Path(output_dir) / 'plots'}")
-    else:
-        logger.warning("no charts: none of the charted metrics was logged")
 
 
 def main(argv: list[str] | None = None) -> int:

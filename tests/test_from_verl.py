@@ -12,7 +12,6 @@ import yaml
 from dapo_trl.from_verl import main
 from dapo_trl.verl_import.batches import plan_batches
 from dapo_trl.verl_import.hydra import VerlInputError, parse_hydra_value, resolve_interpolations
-from dapo_trl.verl_import.losses import KL_IN_REWARD_UNSUPPORTED
 from dapo_trl.verl_import.model_data import model_size_billions
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.script import read_shell_script
@@ -257,23 +256,45 @@ def test_retool_recipe():
     assert not t.blocking
 
 
-def test_grpo_script_with_kl_in_the_reward_is_refused_with_the_reason(tmp_path):
+def test_grpo_script_kl_in_the_reward_is_mapped(tmp_path):
     result = run_translator(GRPO_SCRIPT, tmp_path / "out")
-    assert result.returncode == 1
-    assert f"algorithm.use_kl_in_reward = True: {KL_IN_REWARD_UNSUPPORTED}" in result.stderr
+    assert result.returncode == 0, result.stderr
+    recipe = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
+    kl = (recipe["kl_in_reward"], recipe["kl_in_reward_estimator"], recipe["kl_in_reward_coef"])
+    assert kl == (True, "kl", 0.001)
+    assert recipe["kl_in_reward_controller"] == "fixed" and recipe["beta"] == 0.001  # and the KL loss, both as verl
     report = (tmp_path / "out" / "report.md").read_text()
-    for key in ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.kl_coef"):
-        assert f"`{key}`" in report
-    assert KL_IN_REWARD_UNSUPPORTED in report and "(blocking)" in report
-    assert not (tmp_path / "out" / "recipe.yaml").exists()
+    assert "| `algorithm.use_kl_in_reward` | `True` | kl_in_reward: true |" in report
+    assert "| `algorithm.kl_ctrl.kl_coef` | `0.001` | kl_in_reward_coef: 0.001 |" in report
+
+
+@pytest.mark.parametrize(
+    "overrides,fields,blocking",
+    [
+        (["algorithm.kl_penalty=k3+"], {"kl_in_reward_estimator": "k3"}, set()),
+        (["algorithm.kl_penalty=abs"], {"kl_in_reward_estimator": "abs"}, set()),
+        (["algorithm.kl_penalty=full"], {}, {"algorithm.kl_penalty"}),
+        (["algorithm.kl_ctrl.type=pid"], {}, {"algorithm.kl_ctrl.type"}),
+        (
+            ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.target_kl=0.05", "+algorithm.kl_ctrl.horizon=500"],
+            {"kl_in_reward_controller": "adaptive", "kl_in_reward_target": 0.05, "kl_in_reward_horizon": 500},
+            set(),
+        ),
+        (["algorithm.kl_ctrl.type=adaptive"], {"kl_in_reward_target": 0.1, "kl_in_reward_horizon": 10000}, set()),
+    ],
+)
+def test_kl_in_the_reward_settings(overrides, fields, blocking):
+    t = translated(GRPO_SCRIPT, *overrides)
+    assert {entry.key for entry in t.blocking} == blocking
+    assert {name: t.recipe[name] for name in fields} == fields
+    if blocking == {"algorithm.kl_penalty"}:
+        assert "verl raises NotImplementedError too" in t.entries["algorithm.kl_penalty"].how
 
 
 def test_grpo_script_mapping():
     t = translated(GRPO_SCRIPT)
     r = t.recipe
-    assert {entry.key for entry in t.blocking} == {"algorithm.use_kl_in_reward", "algorithm.kl_penalty",
-                                                   "algorithm.kl_ctrl.type", "algorithm.kl_ctrl.kl_coef"}  # fmt: skip
-    assert all(entry.how == KL_IN_REWARD_UNSUPPORTED for entry in t.blocking)
+    assert not t.blocking and t.recipe["kl_in_reward"] is True
     assert r["beta"] == 0.001 and t.entries["actor_rollout_ref.actor.kl_loss_type"].status == APPROXIMATED
     assert r["loss_type"] == "grpo" and t.entries["actor_rollout_ref.actor.loss_agg_mode"].status == APPROXIMATED
     # 4 GPUs, 256 x 8 per rollout step, 64 x 8 per update in micro-batches of 16, 2 PPO epochs: K = 4 x 2.
@@ -369,7 +390,7 @@ E2E_OVERRIDES = [
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT], ids=lambda p: p.stem)
 def test_translated_recipe_trains_two_steps(tmp_path, script):
-    result = run_translator(script, tmp_path / "recipe", "--allow-unsupported")
+    result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the three
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
     overrides = [*E2E_OVERRIDES, "--output_dir", str(tmp_path / "run")]
@@ -379,6 +400,7 @@ def test_translated_recipe_trains_two_steps(tmp_path, script):
                        *overrides], timeout=300)  # fmt: skip
     assert "step 2" in run.stdout, run.stdout[-2000:]
     assert (tmp_path / "run" / "model.safetensors").exists()
+    assert ("'kl/in_reward'" in run.stdout) == (script == GRPO_SCRIPT)  # the GRPO script's KL in the reward ran
 
 
 # ------------------------------------------------------------------------------------------------ --tool_config

@@ -1,15 +1,12 @@
-"""The policy loss: clipping, loss aggregation, the KL loss, the advantage; and KL in the reward (refused for now)."""
+"""The policy loss: clipping, loss aggregation, the KL loss, the advantage; and KL in the reward."""
 
 from __future__ import annotations
 
 from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
 
-# ---------------------------------------------------------------------------------------------- KL in the reward
-# TODO(kl-in-reward): KL in the reward (verl's algorithm.use_kl_in_reward with kl_penalty and kl_ctrl.*) is not
-# implemented in dapo-trl yet. When it is, map these keys in `map_kl_in_reward` (the only place that reads them)
-# to its DAPOConfig fields and drop the refusal.
 KL_IN_REWARD_KEYS = ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.*")
-KL_IN_REWARD_UNSUPPORTED = "not yet implemented: KL in the reward"
+# verl's kl_penalty names dapo-trl's kl_in_reward_estimator accepts ('+' variants differ in gradient only).
+KL_IN_REWARD_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 def map_loss(t: Translation) -> None:
@@ -158,11 +155,51 @@ def map_loss(t: Translation) -> None:
 
 
 def map_kl_in_reward(t: Translation) -> None:
-    """KL in the reward: not implemented yet (see KL_IN_REWARD_KEYS' TODO); refused when the input turns it on."""
-    if _boolean(t.value("algorithm.use_kl_in_reward")):
-        for pattern in KL_IN_REWARD_KEYS:
-            t.mark_all(pattern, UNSUPPORTED, "", KL_IN_REWARD_UNSUPPORTED, blocking=True)
+    """KL in the reward: verl's use_kl_in_reward, kl_penalty and kl_ctrl.* -> DAPOConfig's kl_in_reward_* fields.
+
+    The adaptive controller steps once per generation batch with its response count, as verl's steps once per
+    rollout batch (train_batch_size x n responses; with dynamic sampling, once per gen_batch_size x n round); the batch
+    translation keeps those sizes, so horizon and target carry over unchanged.
+    """
+    if not _boolean(t.value("algorithm.use_kl_in_reward")):
+        t.set(kl_in_reward=False)
+        t.mark("algorithm.use_kl_in_reward", MAPPED, "kl_in_reward: false", "no KL in the reward")
+        for pattern in KL_IN_REWARD_KEYS[1:]:
+            t.mark_all(pattern, NOT_NEEDED, how="read only with use_kl_in_reward=True")
         return
-    t.mark("algorithm.use_kl_in_reward", MAPPED, "(no KL in the reward)", "off, as in dapo-trl")
-    for pattern in KL_IN_REWARD_KEYS[1:]:
-        t.mark_all(pattern, NOT_NEEDED, how=f"read only with use_kl_in_reward=True ({KL_IN_REWARD_UNSUPPORTED})")
+    t.set(kl_in_reward=True)
+    t.mark("algorithm.use_kl_in_reward", MAPPED, "kl_in_reward: true", "reward - beta x summed KL to the reference")
+    estimator = str(t.value("algorithm.kl_penalty"))
+    if estimator.rstrip("+") in KL_IN_REWARD_ESTIMATORS:
+        t.set(kl_in_reward_estimator=estimator.rstrip("+"))
+        how = "per-token KL estimate" + (
+            "; the '+' (straight-through) variant differs in its gradient only, and the reward carries none"
+            if estimator.endswith("+")
+            else ""
+        )
+        t.record("algorithm.kl_penalty", MAPPED, _field("kl_in_reward_estimator", estimator.rstrip("+")), how)
+    else:
+        why = f"kl_penalty={estimator!r}: " + (
+            "'full' needs every vocabulary log-prob (verl raises NotImplementedError too)"
+            if estimator == "full"
+            else f"unknown estimator; choose one of {', '.join(KL_IN_REWARD_ESTIMATORS)}"
+        )
+        t.record("algorithm.kl_penalty", UNSUPPORTED, "", why, blocking=True)
+    coefficient = float(t.value("algorithm.kl_ctrl.kl_coef"))
+    t.set(kl_in_reward_coef=coefficient)
+    t.record("algorithm.kl_ctrl.kl_coef", MAPPED, _field("kl_in_reward_coef", coefficient), "beta (start value)")
+    kind = str(t.value("algorithm.kl_ctrl.type"))
+    adaptive_keys = ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon")
+    if kind not in ("fixed", "adaptive"):
+        t.record("algorithm.kl_ctrl.type", UNSUPPORTED, "", f"unknown KL controller {kind!r}", blocking=True)
+        return
+    t.set(kl_in_reward_controller=kind)
+    t.record("algorithm.kl_ctrl.type", MAPPED, _field("kl_in_reward_controller", kind), f"{kind} beta")
+    if kind == "fixed":
+        for key in adaptive_keys:
+            t.record(key, NOT_NEEDED, "", "read by the adaptive controller only")
+        return
+    target, horizon = float(t.value(adaptive_keys[0])), int(t.value(adaptive_keys[1]))
+    t.set(kl_in_reward_target=target, kl_in_reward_horizon=horizon)
+    t.record(adaptive_keys[0], MAPPED, _field("kl_in_reward_target", target), "target mean per-token KL")
+    t.record(adaptive_keys[1], MAPPED, _field("kl_in_reward_horizon", horizon), "horizon in responses")
