@@ -2,13 +2,12 @@
 
 Shapes use N = number of completions, G = completions per prompt (a group), S = micro-batches per generation
 batch (`steps_per_generation`), K = micro-batches per optimizer step (`gradient_accumulation_steps`), T = completion
-tokens. The one piece of glue is `log_ratio_clamped`, which applies `clamp_log_ratio` to a trainer's loss forward.
+tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -174,27 +173,11 @@ def adaptive_kl_coef(coef: float, current_kl: float, target_kl: float, horizon: 
     return coef * (1.0 + error * num_responses / horizon)
 
 
-@contextmanager
-def log_ratio_clamped(trainer: Any, inputs: Mapping[str, Any], bound: float = LOG_RATIO_BOUND) -> Iterator[None]:
-    """Within the block, `trainer`'s loss forward returns log-probs clamped against `inputs["old_per_token_logps"]`.
+def ratio_anchor(loss_type: str, inputs: Mapping[str, Any]) -> torch.Tensor | None:
+    """The old log-probs a loss forward's log-probs are clamped against (`clamp_log_ratio`), or None.
 
-    TRL's GRPOTrainer computes `exp(per_token_logps - old_per_token_logps)` unclamped inside `_compute_loss`; its one
-    forward there, `_get_per_token_logps_and_entropies`, is wrapped for the duration of the block so the log-probs it
-    returns pass through `clamp_log_ratio`. Nothing changes without old log-probs (the ratio is then 1) or for loss
-    types outside RATIO_LOSS_TYPES.
+    TRL's GRPOTrainer computes `exp(per_token_logps - old_per_token_logps)` unclamped inside `_compute_loss`; the
+    trainer clamps what its one forward there returns. Nothing to clamp without old log-probs (the ratio is then 1)
+    or for loss types outside RATIO_LOSS_TYPES.
     """
-    old = inputs.get("old_per_token_logps")
-    if old is None or trainer.loss_type not in RATIO_LOSS_TYPES:
-        yield
-        return
-    forward = trainer._get_per_token_logps_and_entropies
-
-    def clamped_forward(*args: Any, **kwargs: Any) -> tuple:
-        per_token_logps, *rest = forward(*args, **kwargs)
-        return (clamp_log_ratio(per_token_logps, old, bound), *rest)
-
-    trainer._get_per_token_logps_and_entropies = clamped_forward
-    try:
-        yield
-    finally:
-        del trainer._get_per_token_logps_and_entropies
+    return inputs.get("old_per_token_logps") if loss_type in RATIO_LOSS_TYPES else None

@@ -252,6 +252,12 @@ def row_padding(pad_token_id: int) -> dict[str, tuple[float, bool]]:
 
 def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> dict[str, torch.Tensor]:
     """A round's rows from every process on every process, in process order (TRL's global row order)."""
+    unsupported = sorted(set(local) - set(ROW_TENSORS) - {"num_items_in_batch"})
+    if unsupported:
+        raise ValueError(
+            f"dynamic sampling cannot regroup these batch fields yet: {unsupported} (multimodal inputs); "
+            "disable filter_groups_enable for this model."
+        )
     padding = row_padding(pad_token_id)
     rows = {}
     for key, value in local.items():

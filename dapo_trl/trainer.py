@@ -24,7 +24,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from . import steps, streams, trainer_validation
-from .algorithm import log_ratio_clamped
+from .algorithm import clamp_log_ratio, ratio_anchor
 from .batching import (
     StepPlanner,
     TokenWeightedMetrics,
@@ -39,7 +39,7 @@ from .packing import packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
 from .rewards.kl_in_reward import reference_model_built
 from .rewards.shaping import ShapingColumns
-from .sampling import ROW_TENSORS, DynamicSampler, Process, ScoredRound, gather_rows, row_padding
+from .sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
 from .tools.runtime import ToolRuntime
 from .vllm_backends import backend_for
 
@@ -88,6 +88,7 @@ class DAPOTrainer(GRPOTrainer):
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
         self._generation: tuple | None = None  # the batch `_calculate_rewards` scores, as `_generate` returned it
+        self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
@@ -155,9 +156,13 @@ class DAPOTrainer(GRPOTrainer):
         return self._weighted_loss(model, last, return_outputs, num_items_in_batch) + earlier
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
-        """TRL's loss, recording the forward's token count so its metrics are averaged per token at log time."""
-        with log_ratio_clamped(self, inputs):  # verl's clamp of log(pi / pi_old) to [-20, 20] before exp
+        """TRL's loss, with verl's clamp of log(pi / pi_old) to [-20, 20] before exp on its forward's log-probs; records
+        the forward's token count so its metrics are averaged per token at log time."""
+        self._ratio_anchor = ratio_anchor(self.loss_type, inputs)
+        try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            self._ratio_anchor = None
         tokens = self.accelerator.reduce(loss_mask(inputs).sum().float(), reduction="sum")
         self._token_metrics.record("train" if self.model.training else "eval", tokens.item())
         return loss
@@ -172,8 +177,16 @@ class DAPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
-        """Every training-phase forward goes through here: fed real tokens only when `padding_free` is on."""
+        """Every training-phase forward goes through here; the loss's log-probs are clamped (`_weighted_loss`)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
+        logps, *rest = self._real_token_forward(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
+        )
+        return (logps if self._ratio_anchor is None else clamp_log_ratio(logps, self._ratio_anchor), *rest)
+
+    def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
+        """TRL's forward, fed real tokens only when `padding_free` is on."""
+        compute_entropy, compute_aux_loss = flags["compute_entropy"], flags["compute_aux_loss"]
         if not self.args.padding_free or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
@@ -245,12 +258,6 @@ class DAPOTrainer(GRPOTrainer):
             (rewards_per_func,) = self._captured_rewards  # TRL's gathered rewards of this round, (rows, funcs)
         finally:
             self._captured_rewards = None
-        unsupported = sorted(set(output) - set(ROW_TENSORS) - {"num_items_in_batch"})
-        if unsupported:
-            raise ValueError(
-                f"dynamic sampling cannot regroup these batch fields yet: {unsupported} (multimodal inputs); "
-                "disable filter_groups_enable for this model."
-            )
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)

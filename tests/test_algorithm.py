@@ -8,7 +8,7 @@ import torch
 from dapo_trl.algorithm import (
     LOG_RATIO_BOUND,
     clamp_log_ratio,
-    log_ratio_clamped,
+    ratio_anchor,
     soft_overlong_penalty,
     trl_items_for_exact_normalizer,
 )
@@ -111,25 +111,8 @@ def test_extreme_log_ratios_give_a_finite_loss_equal_to_the_clamped_one(clip_rat
         assert not torch.isfinite(unclamped).all()
 
 
-class ForwardOwner:
-    """Stands in for the trainer: a loss type and the per-token forward TRL's loss calls."""
-
-    def __init__(self, loss_type, logps):
-        self.loss_type, self.logps = loss_type, logps
-
-    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
-        return self.logps, "entropies", None
-
-
 @pytest.mark.parametrize("loss_type,clamped", [("dapo", True), ("grpo", True), ("sapo", True), ("cispo", False)])
-def test_the_context_clamps_the_loss_forward_only_inside_the_block(loss_type, clamped):
+def test_the_loss_forward_is_clamped_against_the_old_log_probs_of_ratio_losses(loss_type, clamped):
     old = torch.zeros(1, 3) - 1.0
-    owner = ForwardOwner(loss_type, old + torch.tensor([[-1000.0, 0.5, 1000.0]]))
-    with log_ratio_clamped(owner, {"old_per_token_logps": old}):
-        logps, entropies, aux = owner._get_per_token_logps_and_entropies("model", input_ids=None)
-    assert (entropies, aux) == ("entropies", None)
-    expected = old + torch.tensor([[-20.0, 0.5, 20.0]]) if clamped else owner.logps
-    torch.testing.assert_close(logps, expected)
-    assert owner._get_per_token_logps_and_entropies()[0] is owner.logps  # restored after the block
-    with log_ratio_clamped(owner, {}):  # no old log-probs: the ratio is 1, nothing to clamp
-        assert owner._get_per_token_logps_and_entropies()[0] is owner.logps
+    assert (ratio_anchor(loss_type, {"old_per_token_logps": old}) is old) == clamped
+    assert ratio_anchor(loss_type, {}) is None  # no old log-probs: the ratio is 1, nothing to clamp
