@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
-from dapo_trl.rewards.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController
+from dapo_trl.rewards.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, policy_and_reference_log_probs
 from dapo_trl.rewards.shaping import ShapingColumns
 from dapo_trl.tiny_model import build_tiny_model
 
@@ -205,3 +205,31 @@ def test_adaptive_coefficient_steps_per_generation_batch_and_resumes(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-1"))
     resumed_coefs = [entry["kl/coef"] for entry in resumed.state.log_history if "kl/coef" in entry]
     assert resumed_coefs[-1] == pytest.approx(coef * growth)  # step 2 uses the saved beta, not the start value
+
+
+class ForwardRecorder:
+    """Stands in for the trainer: records the padded batch each forward sees and which model it ran."""
+
+    def __init__(self):
+        self.accelerator = type("Accelerator", (), {"device": torch.device("cpu")})()
+        self._tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
+        self.args = type("Args", (), {"per_device_train_batch_size": 2})()
+        self.model, self.ref_model, self.calls = "policy", "reference", []
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
+        self.calls.append((model, input_ids, attention_mask, logits_to_keep))
+        return torch.full((input_ids.size(0), logits_to_keep), -1.0 if model == "policy" else -2.0), None, None
+
+
+def test_the_kl_covers_the_models_own_tokens_and_attends_to_tool_outputs():
+    trainer = ForwardRecorder()
+    generation = ([[5, 6, 7], [8]], [[9, 9, 9, 9], [3, 4]], [[1, 0, 0, 1], [1, 1]], None, None, None, None)
+    policy, reference, mask = policy_and_reference_log_probs(trainer, generation)
+    assert [call[0] for call in trainer.calls] == ["policy", "reference"]
+    assert (policy[0, 0], reference[0, 0]) == (-1, -2)
+    _, input_ids, attention_mask, keep = trainer.calls[0]
+    assert input_ids.tolist() == [[5, 6, 7, 9, 9, 9, 9], [0, 0, 8, 3, 4, 0, 0]] and keep == 4  # TRL's layout
+    assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0]]  # tool outputs are context
+    assert mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]  # but not the model's tokens: no KL on them
+    with pytest.raises(ValueError, match="kl_in_reward does not support image inputs"):
+        policy_and_reference_log_probs(trainer, (*generation[:6], [["image"]]))
