@@ -302,6 +302,11 @@ def filter_overlong_prompts(
             f"{len(too_long)} prompts exceed max_prompt_length={max_prompt_length} tokens (first: row {too_long[0]} "
             f"with {lengths[too_long[0]]}); raise max_prompt_length or use overlong_prompt_policy='filter'."
         )
+    if len(too_long) == len(dataset):
+        raise ValueError(
+            f"all {len(dataset)} prompts exceed max_prompt_length={max_prompt_length} tokens (the shortest has "
+            f"{min(lengths)}): nothing is left to train on; raise max_prompt_length."
+        )
     logger.warning("filtered %d of %d prompts longer than %d tokens", len(too_long), len(dataset), max_prompt_length)
     drop = set(too_long)
     return dataset.select([i for i in range(len(dataset)) if i not in drop])

@@ -232,6 +232,15 @@ class DynamicSampler:
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.stream.load_state_dict(state["prompt_stream"])
         carried = state["carried_groups"]
+        if carried is not None and (BATCH_REWARDS in carried) != (self.normalisation is not None):
+            # Saved under another scale_rewards / multi_objective_aggregation: the batch-level statistics need each
+            # row's reward, which only a run normalising by the batch stores. Their prompts are not replayed.
+            logger.warning(
+                "dropping %d carried groups from the checkpoint: they were saved with other reward-normalisation "
+                "settings (scale_rewards / multi_objective_aggregation) than this run's",
+                carried["advantages"].numel() // self.group_size,
+            )
+            carried = None
         self.carried = None if carried is None else {key: value.to(device) for key, value in carried.items()}
 
 

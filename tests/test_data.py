@@ -124,6 +124,8 @@ def test_overlong_prompts_filtered_or_rejected(tmp_path):
     long = {"prompt": [{"role": "user", "content": "word " * 200}], "solution": "1"}
     dataset = Dataset.from_list([short, long, short])
     assert len(filter_overlong_prompts(dataset, tokenizer, 50)) == 2
+    with pytest.raises(ValueError, match="all 2 prompts exceed max_prompt_length=50.*nothing is left to train on"):
+        filter_overlong_prompts(Dataset.from_list([long, long]), tokenizer, 50)  # not a run of 0 steps that exits 0
     with pytest.raises(ValueError, match="row 1"):
         filter_overlong_prompts(dataset, tokenizer, 50, policy="error")
     streamed = dataset.to_iterable_dataset()

@@ -127,3 +127,25 @@ def test_iterable_stream_refuses_a_foreign_checkpoint():
 
     with pytest.raises(ValueError, match="non-empty"):
         IterablePromptStream(IterableDataset.from_generator(lambda: iter(())), seed=1).draw(1)
+
+
+@pytest.mark.parametrize("saved_with,resumed_with", [("group", "batch"), ("batch", "group")])
+def test_carried_groups_saved_under_other_reward_normalisation_are_dropped(saved_with, resumed_with, caplog):
+    from types import SimpleNamespace
+
+    from dapo_trl.sampling import BATCH_REWARDS, DynamicSampler
+
+    def sampler(scale_rewards):
+        args = SimpleNamespace(scale_rewards=scale_rewards, multi_objective_aggregation="sum_then_normalize", seed=0)
+        return DynamicSampler(args, [{"prompt": "p"}] * 4, group_size=2, padding={})
+
+    saving = sampler(saved_with)
+    saving.carried = {"advantages": torch.ones(4)}
+    if saved_with == "batch":
+        saving.carried[BATCH_REWARDS] = torch.ones(4)
+    resumed = sampler(resumed_with)
+    resumed.load_state_dict(saving.state_dict())  # was a KeyError at the next step
+    assert resumed.carried is None and "dropping 2 carried groups" in caplog.text
+    same = sampler(saved_with)
+    same.load_state_dict(saving.state_dict())
+    assert same.carried is not None and same.carried.keys() == saving.carried.keys()
