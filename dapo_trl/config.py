@@ -8,6 +8,8 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
+from .algorithm import KL_ESTIMATORS
+
 # Loss types whose clipped surrogate TRL computes with `epsilon`/`epsilon_high`; the first four are the ones
 # the original dapo_trl command line offered, the rest are TRL's own and pass through unchanged.
 SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
@@ -377,12 +379,16 @@ class DAPOConfig(GRPOConfig):
     def _validate_kl_in_reward(self) -> None:
         if not self.kl_in_reward:
             return
-        from .algorithm import KL_ESTIMATORS
-
         if self.kl_in_reward_estimator.rstrip("+") not in KL_ESTIMATORS:
             raise ValueError(
                 f"kl_in_reward_estimator={self.kl_in_reward_estimator!r} must be one of {sorted(KL_ESTIMATORS)} "
                 "(verl's 'full' needs every vocabulary log-prob, which verl does not implement either)."
+            )
+        if self.multi_objective_aggregation == "normalize_then_sum":
+            raise ValueError(
+                "kl_in_reward with multi_objective_aggregation='normalize_then_sum' would standardise the KL column "
+                "within each group, so kl_in_reward_coef (and the adaptive target) would lose their meaning: use "
+                "'sum_then_normalize' (TRL's default; verl subtracts the KL before its group normalisation)."
             )
         if self.kl_in_reward_coef < 0:
             raise ValueError(f"kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0 (verl's default 0.001).")

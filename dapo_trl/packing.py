@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -156,6 +157,7 @@ def padding_free_per_token(
     max_rows: int | None,
     one_sequence: bool = False,
     pad_token_id: int = 0,
+    agree_count: Callable[[int], int] | None = None,
 ) -> PerTokenOutput:
     """Per-token log-probs (and entropies) of padded rows, computed by forwards that feed real tokens only.
 
@@ -165,8 +167,15 @@ def padding_free_per_token(
     long as its longest row (dense-mask attention); otherwise it holds rows of similar length, trimmed to its own
     widest row and run padded. Results come back in the rows' original order and (rows, logits_to_keep) shape,
     zero where nothing is scored, exactly as the padded forward returns them.
+
+    With sharded weights (ZeRO-3, FSDP) every forward gathers parameters collectively, so every process must run as
+    many: `agree_count` (the max over processes) says how many, and a process with fewer chunks runs its first row
+    alone for the missing ones, results dropped but kept in the autograd graph at zero weight (the backward passes
+    gather too).
     """
     if input_ids.size(0) == 0:
+        for _ in range(agree_count(1) - 1 if agree_count else 0):
+            padded_forward(input_ids, attention_mask, logits_to_keep)
         return padded_forward(input_ids, attention_mask, logits_to_keep)
     lengths = attention_mask.sum(dim=1).tolist()  # real tokens per row: what a padding-free forward feeds
     if max_tokens is None and max_rows is not None:  # TRL's row chunks bound memory by rows x widest: keep that
@@ -177,6 +186,8 @@ def padding_free_per_token(
         units = [(chunk, None) for chunk in balanced_chunks(lengths, max_tokens)]
     else:
         units = [unit for chunk in balanced_chunks(lengths, max_tokens) for unit in bin_forwards(chunk, lengths)]
+    lockstep = agree_count(len(units)) - len(units) if agree_count else 0
+    units += [([units[0][0][0]], None)] * lockstep  # one row each, their results dropped below
     logps, entropies, aux_losses = [], [], []
     for chunk, capacity in units:
         index = torch.tensor(chunk, device=input_ids.device)
@@ -201,6 +212,10 @@ def padding_free_per_token(
         logps.append(chunk_logps)
         entropies.append(chunk_entropies)
         aux_losses.append(aux)
+    if lockstep:
+        dropped, logps = logps[len(logps) - lockstep :], logps[: len(logps) - lockstep]
+        entropies, aux_losses, units = entropies[:-lockstep], aux_losses[:-lockstep], units[:-lockstep]
+        logps[0] = logps[0] + sum(torch.nan_to_num(extra).sum() for extra in dropped) * 0.0
     inverse = torch.empty(len(lengths), dtype=torch.long, device=input_ids.device)
     inverse[torch.tensor([i for chunk, _ in units for i in chunk], device=input_ids.device)] = torch.arange(
         len(lengths), device=input_ids.device
@@ -226,3 +241,17 @@ def packing_mode(model: torch.nn.Module) -> str | None:
         return None
     logger.info("padding-free training: rows packed into %s (%s attention)", mode, attention)
     return mode
+
+
+def forward_count_agreement(accelerator: Any) -> Callable[[int], int] | None:
+    """For `padding_free_per_token`: the max of a count over processes when weights are sharded (ZeRO-3, FSDP), whose
+    forwards must then run in lockstep; None otherwise (DDP and one process need no agreement)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    sharded = (plugin is not None and plugin.zero_stage == 3) or str(accelerator.distributed_type).endswith("FSDP")
+    if not sharded or accelerator.num_processes == 1:
+        return None
+
+    def agree(count: int) -> int:
+        return int(accelerator.reduce(torch.tensor(count, device=accelerator.device), reduction="max").item())
+
+    return agree

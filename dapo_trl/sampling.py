@@ -47,6 +47,7 @@ STAT_NAMES = (
 )
 # The per-row reward that batch-level advantages are recomputed from (`dapo_trl.advantages`); NaN for filler rows.
 BATCH_REWARDS = "dapo_batch_rewards"
+SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 
 
 @dataclass
@@ -227,14 +228,28 @@ class DynamicSampler:
 
     def state_dict(self) -> dict[str, Any]:
         carried = None if self.carried is None else {key: value.cpu() for key, value in self.carried.items()}
-        return {"prompt_stream": self.stream.state_dict(), "carried_groups": carried}
+        settings = self._reward_settings()
+        return {"prompt_stream": self.stream.state_dict(), "carried_groups": carried, "rewards": settings}
+
+    def checkpoint_files(self) -> dict[str, DynamicSampler]:
+        """{file: self} when dynamic sampling is on: its prompt stream and carried groups are run state to save."""
+        return {SAMPLING_STATE_FILE: self} if self.args.filter_groups_enable else {}
+
+    def _reward_settings(self) -> list[str]:
+        """What a carried group's advantage (or stored reward) was computed under."""
+        return [str(self.args.scale_rewards), str(getattr(self.args, "multi_objective_aggregation", None))]
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.stream.load_state_dict(state["prompt_stream"])
         carried = state["carried_groups"]
-        if carried is not None and (BATCH_REWARDS in carried) != (self.normalisation is not None):
-            # Saved under another scale_rewards / multi_objective_aggregation: the batch-level statistics need each
-            # row's reward, which only a run normalising by the batch stores. Their prompts are not replayed.
+        saved_settings = state.get("rewards")  # absent before dapo-trl 0.1: whether rows carry their reward then
+        if carried is not None and (
+            saved_settings != self._reward_settings()
+            if saved_settings is not None
+            else (BATCH_REWARDS in carried) != (self.normalisation is not None)
+        ):
+            # Their advantages (or stored rewards) follow other scale_rewards / multi_objective_aggregation settings:
+            # training on them would mix two normalisations in one batch. Their prompts are not replayed.
             logger.warning(
                 "dropping %d carried groups from the checkpoint: they were saved with other reward-normalisation "
                 "settings (scale_rewards / multi_objective_aggregation) than this run's",
@@ -259,14 +274,19 @@ def row_padding(pad_token_id: int) -> dict[str, tuple[float, bool]]:
     return {**ROW_TENSORS, "prompt_ids": (pad_token_id, True), "completion_ids": (pad_token_id, False)}
 
 
-def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """A round's rows from every process on every process, in process order (TRL's global row order)."""
-    unsupported = sorted(set(local) - set(ROW_TENSORS) - {"num_items_in_batch"})
+def check_regroupable(output: dict[str, Any]) -> None:
+    """Dynamic sampling regroups rows by the fields it knows (ROW_TENSORS); anything else (images) is refused."""
+    unsupported = sorted(set(output) - set(ROW_TENSORS) - {"num_items_in_batch"})
     if unsupported:
         raise ValueError(
             f"dynamic sampling cannot regroup these batch fields yet: {unsupported} (multimodal inputs); "
             "disable filter_groups_enable for this model."
         )
+
+
+def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """A round's rows from every process on every process, in process order (TRL's global row order)."""
+    check_regroupable(local)
     padding = row_padding(pad_token_id)
     rows = {}
     for key, value in local.items():

@@ -35,17 +35,15 @@ from .batching import (
     select_rows,
 )
 from .config import DAPOConfig
-from .packing import packing_mode, padding_free_per_token
+from .packing import forward_count_agreement, packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
 from .rewards.kl_in_reward import reference_model_built
 from .rewards.shaping import ShapingColumns
-from .sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
+from .sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .tools.runtime import ToolRuntime
 from .vllm_backends import backend_for
 
 logger = logging.getLogger(__name__)
-
-SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 
 
 class DAPOTrainer(GRPOTrainer):
@@ -87,11 +85,12 @@ class DAPOTrainer(GRPOTrainer):
         self.beta = args.beta  # a reference model built for KL in the reward only adds no KL loss
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
-        self._generation: tuple | None = None  # the batch `_calculate_rewards` scores, as `_generate` returned it
+        self._generation: tuple = (False, None)  # (training?, TRL `_generate`'s output) of the batch being scored
         self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
+        self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
         self._token_metrics = TokenWeightedMetrics()
         self._planner = StepPlanner(args, self.accelerator, self.loss_type)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
@@ -116,7 +115,7 @@ class DAPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, self._generation)
+        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, *self._generation)
         if self._captured_rewards is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._captured_rewards.append(rewards_per_func)
         return rewards_per_func
@@ -156,8 +155,7 @@ class DAPOTrainer(GRPOTrainer):
         return self._weighted_loss(model, last, return_outputs, num_items_in_batch) + earlier
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
-        """TRL's loss, with verl's clamp of log(pi / pi_old) to [-20, 20] before exp on its forward's log-probs; records
-        the forward's token count so its metrics are averaged per token at log time."""
+        """TRL's loss, its log-ratio clamped to [-20, 20] as verl's; its token count recorded for per-token metrics."""
         self._ratio_anchor = ratio_anchor(self.loss_type, inputs)
         try:
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -186,7 +184,6 @@ class DAPOTrainer(GRPOTrainer):
 
     def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
         """TRL's forward, fed real tokens only when `padding_free` is on."""
-        compute_entropy, compute_aux_loss = flags["compute_entropy"], flags["compute_aux_loss"]
         if not self.args.padding_free or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
@@ -196,29 +193,32 @@ class DAPOTrainer(GRPOTrainer):
             return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
 
         def packed_forward(packed):
-            extra = {"output_router_logits": True} if compute_aux_loss else {}
+            entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
+            extra = {"output_router_logits": True} if aux else {}
             with self.accelerator.autocast():
                 out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, labels=packed.labels,
                             fused_lm_head=True, **extra)  # fmt: skip
-            return out.log_probs, out.entropy if compute_entropy else None, out.aux_loss if compute_aux_loss else None
+            return out.log_probs, out.entropy if entropy else None, out.aux_loss if aux else None
 
         return padding_free_per_token(
             input_ids, attention_mask, logits_to_keep,
             packed_forward=packed_forward if self._packing else None, padded_forward=padded_forward,
             max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
             one_sequence=self._packing == "sequence", pad_token_id=self._tokenizer.pad_token_id,
+            agree_count=self._agree_forwards,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ tool use
     def _generate(self, prompts: list):
         """TRL's generation (and tool loop); then tool metrics, and prefetched executions nobody used are dropped."""
+        training = self.model.training  # read first: TRL's paged generation leaves the model in train mode
         self._tool_runtime.begin_generation()
         try:
-            output = self._generation = super()._generate(prompts)
+            self._generation = (training, output := super()._generate(prompts))
         finally:
             self._tool_runtime.end_generation()
         if self.tools:
-            mode = "train" if self.model.training else "eval"
+            mode = "train" if training else "eval"
             for name, value in self._tool_runtime.metrics(output[3], self.accelerator).items():
                 self._metrics[mode][name].append(value)
         return output
@@ -258,6 +258,7 @@ class DAPOTrainer(GRPOTrainer):
             (rewards_per_func,) = self._captured_rewards  # TRL's gathered rewards of this round, (rows, funcs)
         finally:
             self._captured_rewards = None
+        check_regroupable(output)  # before any forward of the rows
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
@@ -284,8 +285,7 @@ class DAPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------------------------------- checkpointing
     def _checkpointed_state(self) -> dict[str, Any]:
         """{file: part} for the run state beyond TRL's: the prompt stream and carried groups, the KL coefficient."""
-        return {**({SAMPLING_STATE_FILE: self._sampler} if self.args.filter_groups_enable else {}),
-                **self._shaping.checkpoint_files()}  # fmt: skip
+        return {**self._sampler.checkpoint_files(), **self._shaping.checkpoint_files()}
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -121,41 +121,93 @@ def test_process_rows_balanced_or_contiguous():
     assert sorted(sum(([10, 1, 9, 2][i] for i in part), 0) for part in parts) == [11, 11]
 
 
-@pytest.mark.parametrize("budget", [None, 16, 5])
-def test_padding_free_per_token_matches_a_padded_reference(budget):
-    """A fake model whose per-token value depends on the row's own earlier tokens only, padded vs packed/trimmed."""
+def row_values(row_ids):
+    """A fake model's per-token value: the cumulative sum of the row's own real ids up to t, times 1e-3."""
+    return torch.cumsum(row_ids.float(), dim=0) * 1e-3
+
+
+def fake_padded_forward(ids_, mask_, keep_):
+    out = torch.zeros(ids_.shape)
+    for r in range(ids_.size(0)):
+        real = mask_[r].bool()
+        out[r, real] = row_values(ids_[r, real])
+    out = out * mask_
+    return out[:, -keep_:], out[:, -keep_:] * 2, None
+
+
+def fake_packed_forward(packed):  # every bin: blocks start where the position ids restart at 0
+    out = []
+    for ids, positions, labels in zip(packed.input_ids, packed.position_ids, packed.labels, strict=True):
+        bounds = (positions == 0).nonzero().flatten().tolist() + [ids.size(0)]
+        values = torch.cat([row_values(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+        out.append(values.masked_fill(labels == -100, 0)[1:])
+    values = torch.stack(out)
+    return values, values * 2, None
+
+
+def fake_rows():
     batch = padded_rows([3, 1, 4, 2, 5], [4, 6, 0, 2, 3])
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    keep = batch["completion_ids"].size(1)
+    return ids, mask, batch["completion_ids"].size(1)
 
-    def row_values(row_ids):  # value of token t = cumulative sum of the row's real ids up to t, times 1e-3
-        return torch.cumsum(row_ids.float(), dim=0) * 1e-3
 
-    def padded_forward(ids_, mask_, keep_):
-        out = torch.zeros(ids_.shape)
-        for r in range(ids_.size(0)):
-            real = mask_[r].bool()
-            out[r, real] = row_values(ids_[r, real])
-        out = out * mask_
-        return out[:, -keep_:], out[:, -keep_:] * 2, None
-
-    def packed_forward(packed):  # every bin: blocks start where the position ids restart at 0
-        out = []
-        for ids, positions, labels in zip(packed.input_ids, packed.position_ids, packed.labels, strict=True):
-            bounds = (positions == 0).nonzero().flatten().tolist() + [ids.size(0)]
-            values = torch.cat([row_values(ids[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
-            out.append(values.masked_fill(labels == -100, 0)[1:])
-        values = torch.stack(out)
-        return values, values * 2, None
-
-    reference, reference_entropy, _ = padded_forward(ids, mask, keep)
-    for packed, one_sequence in ((packed_forward, True), (packed_forward, False), (None, False)):
+@pytest.mark.parametrize("budget", [None, 16, 5])
+def test_padding_free_per_token_matches_a_padded_reference(budget):
+    """A fake model whose per-token value depends on the row's own earlier tokens only, padded vs packed/trimmed."""
+    ids, mask, keep = fake_rows()
+    reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
+    for packed, one_sequence in ((fake_packed_forward, True), (fake_packed_forward, False), (None, False)):
         logps, entropy, _ = padding_free_per_token(
-            ids, mask, keep, packed_forward=packed, padded_forward=padded_forward, max_tokens=budget, max_rows=2,
-            one_sequence=one_sequence,
+            ids, mask, keep, packed_forward=packed, padded_forward=fake_padded_forward, max_tokens=budget,
+            max_rows=2, one_sequence=one_sequence,
         )  # fmt: skip
         assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
+
+
+class CountedForwards:
+    """The fake forwards, counting calls, with a weight the padded one multiplies by (to follow the autograd graph)."""
+
+    def __init__(self):
+        self.calls, self.agreed, self.weight = 0, [], torch.ones((), requires_grad=True)
+
+    def padded(self, ids_, mask_, keep_):
+        self.calls += 1
+        logps, entropy, aux = fake_padded_forward(ids_, mask_, keep_)
+        return logps * self.weight, entropy, aux
+
+    def packed(self, packed):
+        self.calls += 1
+        logps, entropy, aux = fake_packed_forward(packed)
+        return logps * self.weight, entropy, aux
+
+    def agree(self, count):  # as if another process had two more chunks
+        self.agreed.append(count)
+        return count + 2
+
+
+@pytest.mark.parametrize("budget", [None, 16, 5])
+@pytest.mark.parametrize("mode", ["sequence", "bins", "trimmed"])
+def test_sharded_weights_run_forwards_in_lockstep_with_exact_results(budget, mode):
+    """ZeRO-3 / FSDP gather weights in every forward (and backward): a process with fewer chunks than another runs
+    one-row forwards up to the agreed count. Its results do not change, and the extra forwards are in the graph."""
+    ids, mask, keep = fake_rows()
+    reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
+    forwards = CountedForwards()
+    logps, entropy, _ = padding_free_per_token(
+        ids, mask, keep, packed_forward=None if mode == "trimmed" else forwards.packed, padded_forward=forwards.padded,
+        max_tokens=budget, max_rows=2, one_sequence=mode == "sequence", agree_count=forwards.agree,
+    )  # fmt: skip
+    assert len(forwards.agreed) == 1 and forwards.calls == forwards.agreed[0] + 2
+    assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
+    logps.sum().backward()  # reaches the weight through every forward, the lockstep ones at zero weight
+    assert forwards.weight.grad is not None and torch.isfinite(forwards.weight.grad)
+    empty = CountedForwards()
+    none, _, _ = padding_free_per_token(
+        ids[:0], mask[:0], keep, packed_forward=None, padded_forward=empty.padded, max_tokens=budget, max_rows=2,
+        agree_count=lambda count: 3,
+    )  # fmt: skip
+    assert none.shape == (0, keep) and empty.calls == 3  # a process without rows still runs the agreed forwards
 
 
 def test_pack_rows_into_bins_of_the_longest_row():

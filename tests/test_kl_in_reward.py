@@ -73,6 +73,9 @@ def test_adaptive_controller_follows_verl_update():
     restored = KLController(0.05, "adaptive")
     restored.load_state_dict(controller.state_dict())
     assert restored.value == controller.value
+    refixed = KLController(0.3, "fixed")  # a resumed run with a new fixed beta uses the new one
+    refixed.load_state_dict(controller.state_dict())
+    assert refixed.value == 0.3
 
 
 def test_kl_column_is_training_only():
@@ -90,6 +93,7 @@ def test_kl_column_is_training_only():
         ({"kl_in_reward_coef": -0.1}, "kl_in_reward_coef=-0.1"),
         ({"kl_in_reward_controller": "pid"}, "kl_in_reward_controller='pid'"),
         ({"kl_in_reward_target": 0.0}, "kl_in_reward_target=0.0"),
+        ({"multi_objective_aggregation": "normalize_then_sum"}, "kl_in_reward with multi_objective_aggregation"),
     ],
 )
 def test_bad_kl_settings_name_the_field(overrides, message):
@@ -111,7 +115,7 @@ class RecordingTrainer(DAPOTrainer):
     def _generate_and_score_completions(self, inputs):
         policy = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
         output = super()._generate_and_score_completions(inputs)
-        prompt_ids, completion_ids = self._generation[:2]
+        prompt_ids, completion_ids = self._generation[1][:2]  # (training?, TRL `_generate`'s output)
         kl = reference_kl_rewards(policy, self.reference, prompt_ids, completion_ids, self.args.kl_in_reward_estimator)
         self.batches.append((completion_ids, output["advantages"], *kl))
         return output

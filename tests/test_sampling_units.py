@@ -129,7 +129,7 @@ def test_iterable_stream_refuses_a_foreign_checkpoint():
         IterablePromptStream(IterableDataset.from_generator(lambda: iter(())), seed=1).draw(1)
 
 
-@pytest.mark.parametrize("saved_with,resumed_with", [("group", "batch"), ("batch", "group")])
+@pytest.mark.parametrize("saved_with,resumed_with", [("group", "batch"), ("batch", "group"), ("group", "none")])
 def test_carried_groups_saved_under_other_reward_normalisation_are_dropped(saved_with, resumed_with, caplog):
     from types import SimpleNamespace
 
@@ -146,6 +146,10 @@ def test_carried_groups_saved_under_other_reward_normalisation_are_dropped(saved
     resumed = sampler(resumed_with)
     resumed.load_state_dict(saving.state_dict())  # was a KeyError at the next step
     assert resumed.carried is None and "dropping 2 carried groups" in caplog.text
+    legacy = {key: value for key, value in saving.state_dict().items() if key != "rewards"}  # older checkpoints
+    resumed = sampler(resumed_with)
+    resumed.load_state_dict(legacy)
+    assert (resumed.carried is None) == ("batch" in (saved_with, resumed_with))  # group/none: cannot tell, kept
     same = sampler(saved_with)
     same.load_state_dict(saving.state_dict())
     assert same.carried is not None and same.carried.keys() == saving.carried.keys()

@@ -1,6 +1,6 @@
 """verl's KL in the reward (`algorithm.use_kl_in_reward`): R = score - beta * sum_t KL_t, before the group advantage.
 
-A built-in shaping column (see `overlong.ShapingColumns`) named `kl_in_reward`. Its value is the response's summed
+A built-in shaping column (see `shaping.ShapingColumns`) named `kl_in_reward`. Its value is the response's summed
 per-token KL estimate between the policy that sampled it and the reference model, over the model's own tokens (tool
 outputs excluded, as by verl's response mask); its weight is -beta, read before the controller moves. TRL adds it to
 the user's weighted rewards, so the group advantage, `scale_rewards` and dynamic sampling see the penalised reward
@@ -9,9 +9,9 @@ KL), and `kl/in_reward` (the batch mean of each response's mean per-token KL, ve
 `kl/coef` (the beta used) are logged per generation batch. Training only: validation rewards are the plain scores.
 
 beta comes from a `KLController`: fixed, or verl's adaptive controller, stepped after every generation batch (with
-dynamic sampling, every round, as in verl's DAPO recipe) with that batch's KL and response count. Its value is saved
-in checkpoints. The log-probs come from two no-grad forwards of the batch (policy, reference) that the trainer makes;
-verl makes the same two (old_log_prob and ref_log_prob).
+dynamic sampling, every round, as in verl's DAPO recipe) with that batch's KL and response count. An adaptive beta
+is saved in checkpoints and continues on resume. The log-probs come from two no-grad forwards of the batch (policy,
+reference); verl makes the same two (old_log_prob and ref_log_prob).
 The math is `dapo_trl.algorithm.kl_penalty_per_token` and `adaptive_kl_coef`.
 """
 
@@ -44,11 +44,13 @@ class KLController:
         if self.kind == "adaptive":
             self.value = adaptive_kl_coef(self.value, current_kl, self.target, self.horizon, num_responses)
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    def state_dict(self) -> dict[str, Any]:
+        return {"value": self.value, "kind": self.kind}
 
-    def load_state_dict(self, state: dict[str, float], device: Any = None) -> None:
-        self.value = float(state["value"])
+    def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
+        """An adaptive beta continues from the saved one; a fixed beta is the one configured now (it may be new)."""
+        if self.kind == "adaptive" and state.get("kind", "adaptive") == "adaptive":
+            self.value = float(state["value"])
 
 
 class KLInReward:

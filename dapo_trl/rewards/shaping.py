@@ -57,6 +57,7 @@ class ShapingColumns:
         rewards_per_func: torch.Tensor,
         completion_ids: list[list[int]],
         gather: Callable[[torch.Tensor], torch.Tensor],
+        training: bool,
         generation: Any = None,
     ) -> torch.Tensor:
         """The gathered user columns followed by the shaping columns; shows their names and weights on `trainer`.
@@ -65,7 +66,7 @@ class ShapingColumns:
         user's columns. A row no user function could score stays unscorable (NaN in every column), so TRL still
         excludes it from the group baseline and zeroes its advantage.
         """
-        columns = self.active(trainer.model.training)
+        columns = self.active(training)  # as when the batch was generated (`trainer.model` may be flipped since)
         if not columns:
             return rewards_per_func
         weights = [column.weight for column in columns]  # before a controller moves (verl: beta, then update)

@@ -172,12 +172,13 @@ def map_kl_in_reward(t: Translation) -> None:
     estimator = str(t.value("algorithm.kl_penalty"))
     if estimator.rstrip("+") in KL_IN_REWARD_ESTIMATORS:
         t.set(kl_in_reward_estimator=estimator.rstrip("+"))
-        how = "per-token KL estimate" + (
-            "; the '+' (straight-through) variant differs in its gradient only, and the reward carries none"
-            if estimator.endswith("+")
-            else ""
-        )
-        t.record("algorithm.kl_penalty", MAPPED, _field("kl_in_reward_estimator", estimator.rstrip("+")), how)
+        status, how = MAPPED, "per-token KL estimate"
+        if estimator.endswith("+"):  # verl's kl_penalty_forward does not know the '+' names: its run would stop
+            status, how = APPROXIMATED, (
+                "the '+' (straight-through) variant differs from its base in the gradient only, and the reward "
+                "carries none; verl itself raises NotImplementedError for it in the reward"
+            )
+        t.record("algorithm.kl_penalty", status, _field("kl_in_reward_estimator", estimator.rstrip("+")), how)
     else:
         why = f"kl_penalty={estimator!r}: " + (
             "'full' needs every vocabulary log-prob (verl raises NotImplementedError too)"
