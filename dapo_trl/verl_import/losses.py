@@ -174,9 +174,12 @@ def map_kl_in_reward(t: Translation) -> None:
         t.set(kl_in_reward_estimator=estimator.rstrip("+"))
         status, how = MAPPED, "per-token KL estimate"
         if estimator.endswith("+"):  # verl's kl_penalty_forward does not know the '+' names: its run would stop
-            status, how = APPROXIMATED, (
-                "the '+' (straight-through) variant differs from its base in the gradient only, and the reward "
-                "carries none; verl itself raises NotImplementedError for it in the reward"
+            status, how = (
+                APPROXIMATED,
+                (
+                    "the '+' (straight-through) variant differs from its base in the gradient only, and the reward "
+                    "carries none; verl itself raises NotImplementedError for it in the reward"
+                ),
             )
         t.record("algorithm.kl_penalty", status, _field("kl_in_reward_estimator", estimator.rstrip("+")), how)
     else:
