@@ -255,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             **data_options,
         )
         eval_dataset = None
-        if script_args.eval_dataset_name:
+        evaluates = training_args.eval_strategy != "no" or training_args.val_before_train or training_args.eval_on_start
+        if script_args.eval_dataset_name and not evaluates:
+            logger.info("--eval_dataset_name not loaded: --eval_strategy is 'no' and nothing validates before training")
+        elif script_args.eval_dataset_name:
             from datasets import concatenate_datasets
 
             eval_dataset = concatenate_datasets(

@@ -50,7 +50,10 @@ def test_yaml_recipe(tmp_path):
         "max_completion_length: 16\noverlong_buffer_len: 4\nreport_to: none\nsave_strategy: 'no'\n"
         "clip_ratio_c: 3.0\nlogging_steps: 1\n"
     )
-    result = run_command([sys.executable, "train_dapo.py", "--config", str(recipe), "--loss_type", "dapo"])
+    # An eval set is loaded only when something evaluates: with eval_strategy 'no' (the default) an unreachable one
+    # does not stop the run.
+    args = ["--loss_type", "dapo", "--eval_dataset_name", "no-such/dataset"]
+    result = run_command([sys.executable, "train_dapo.py", "--config", str(recipe), *args])
     assert "step 1" in result.stdout
 
 
