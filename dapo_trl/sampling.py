@@ -242,7 +242,7 @@ class DynamicSampler:
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.stream.load_state_dict(state["prompt_stream"])
         carried = state["carried_groups"]
-        saved_settings = state.get("rewards")  # absent before dapo-trl 0.1: whether rows carry their reward then
+        saved_settings = state.get("rewards")  # absent in older checkpoints: then, whether rows carry their reward
         if carried is not None and (
             saved_settings != self._reward_settings()
             if saved_settings is not None
