@@ -38,7 +38,7 @@ from .config import DAPOConfig
 from .packing import forward_count_agreement, packing_mode, padding_free_per_token
 from .rewards import dapo_math_reward
 from .rewards.kl_in_reward import reference_model_built
-from .rewards.shaping import ShapingColumns
+from .rewards.shaping import GenerationRecord, ShapingColumns
 from .sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .tools.runtime import ToolRuntime
 from .vllm_backends import backend_for
@@ -85,7 +85,7 @@ class DAPOTrainer(GRPOTrainer):
         self.beta = args.beta  # a reference model built for KL in the reward only adds no KL loss
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
-        self._generation: tuple = (False, None)  # (training?, TRL `_generate`'s output) of the batch being scored
+        self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
         self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
         self._captured_rewards: list[torch.Tensor] | None = None
@@ -115,7 +115,7 @@ class DAPOTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, *self._generation)
+        rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, self._generation)
         if self._captured_rewards is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._captured_rewards.append(rewards_per_func)
         return rewards_per_func
@@ -180,6 +180,8 @@ class DAPOTrainer(GRPOTrainer):
         logps, *rest = self._real_token_forward(
             model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
         )
+        if model is self.model and not torch.is_grad_enabled() and self._generation.policy_forward is None:
+            self._generation.policy_forward = (input_ids, attention_mask, logps)  # TRL's old log-probs: KL reuses them
         return (logps if self._ratio_anchor is None else clamp_log_ratio(logps, self._ratio_anchor), *rest)
 
     def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
@@ -214,7 +216,7 @@ class DAPOTrainer(GRPOTrainer):
         training = self.model.training  # read first: TRL's paged generation leaves the model in train mode
         self._tool_runtime.begin_generation()
         try:
-            self._generation = (training, output := super()._generate(prompts))
+            self._generation = GenerationRecord(training, output := super()._generate(prompts))
         finally:
             self._tool_runtime.end_generation()
         if self.tools:
@@ -247,11 +249,9 @@ class DAPOTrainer(GRPOTrainer):
             self._shaping.hide(self)  # the user's reward lists again, once the batch is scored
 
     def _score_round(self, round_inputs: list[dict[str, Any]]) -> ScoredRound:
-        """One TRL generation + scoring pass, gathered from every process, with the raw accuracy of each row.
-
-        With carried surplus on, behaviour-policy log-probs are stored too: a carried group trains one step later,
-        so its ratio must be against the policy that sampled it.
-        """
+        """One TRL generation + scoring pass, gathered from every process, with the raw accuracy of each row. With
+        carried surplus on, behaviour-policy log-probs are stored too: a carried group trains one step later, so its
+        ratio must be against the policy that sampled it."""
         self._captured_rewards = []
         try:
             output = super()._generate_and_score_completions(round_inputs)

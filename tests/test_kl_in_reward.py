@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
 from dapo_trl.rewards.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, policy_and_reference_log_probs
-from dapo_trl.rewards.shaping import ShapingColumns
+from dapo_trl.rewards.shaping import GenerationRecord, ShapingColumns
 from dapo_trl.tiny_model import build_tiny_model
 
 from .helpers import tiny_config
@@ -114,11 +114,16 @@ class RecordingTrainer(DAPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         policy = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+        self.policy_forwards = 0
         output = super()._generate_and_score_completions(inputs)
-        prompt_ids, completion_ids = self._generation[1][:2]  # (training?, TRL `_generate`'s output)
+        prompt_ids, completion_ids = self._generation.output[:2]  # TRL `_generate`'s output
         kl = reference_kl_rewards(policy, self.reference, prompt_ids, completion_ids, self.args.kl_in_reward_estimator)
         self.batches.append((completion_ids, output["advantages"], *kl))
         return output
+
+    def _real_token_forward(self, model, *args):
+        self.policy_forwards += model is self.model and not torch.is_grad_enabled()
+        return super()._real_token_forward(model, *args)
 
 
 def kl_trainer(tmp_path, **overrides) -> RecordingTrainer:
@@ -175,11 +180,18 @@ def group_advantages(rewards: list[float], group: int) -> list[float]:
     return out
 
 
-def test_fixed_kl_in_reward_matches_a_reference_computation(tmp_path):
+@pytest.mark.parametrize("steps_per_generation", [1, 2])
+def test_fixed_kl_in_reward_matches_a_reference_computation(tmp_path, steps_per_generation):
+    """With steps_per_generation=2 TRL computes the old log-probs itself before scoring: the KL reuses them (one
+    policy forward per batch, not two) and the result is the same."""
     beta, estimator = 0.5, "low_var_kl"
-    trainer = kl_trainer(tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4)
+    trainer = kl_trainer(
+        tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4,
+        steps_per_generation=steps_per_generation,
+    )  # fmt: skip
     assert trainer.ref_model is not None and trainer.beta == 0.0 and trainer.args.beta == 0.0  # no KL loss
     trainer.train()
+    assert trainer.policy_forwards == 1
     ((completions, advantages, sums, means),) = trainer.batches
     assert min(sums) > 0.05  # the perturbation moved the policy: the test is not comparing zeros
     penalised = [score - beta * kl for score, kl in zip(token_reward(completions), sums, strict=True)]
@@ -218,7 +230,7 @@ class ForwardRecorder:
         self.accelerator = type("Accelerator", (), {"device": torch.device("cpu")})()
         self._tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
         self.args = type("Args", (), {"per_device_train_batch_size": 2})()
-        self.model, self.ref_model, self.calls = "policy", "reference", []
+        self.model, self.ref_model, self.beta, self.calls = "policy", "reference", 0.0, []
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size):
         self.calls.append((model, input_ids, attention_mask, logits_to_keep))
@@ -227,13 +239,22 @@ class ForwardRecorder:
 
 def test_the_kl_covers_the_models_own_tokens_and_attends_to_tool_outputs():
     trainer = ForwardRecorder()
-    generation = ([[5, 6, 7], [8]], [[9, 9, 9, 9], [3, 4]], [[1, 0, 0, 1], [1, 1]], None, None, None, None)
-    policy, reference, mask = policy_and_reference_log_probs(trainer, generation)
+    output = ([[5, 6, 7], [8]], [[9, 9, 9, 9], [3, 4]], [[1, 0, 0, 1], [1, 1]], None, None, None, None)
+    policy, reference, mask = policy_and_reference_log_probs(trainer, GenerationRecord(True, output))
     assert [call[0] for call in trainer.calls] == ["policy", "reference"]
     assert (policy[0, 0], reference[0, 0]) == (-1, -2)
     _, input_ids, attention_mask, keep = trainer.calls[0]
     assert input_ids.tolist() == [[5, 6, 7, 9, 9, 9, 9], [0, 0, 8, 3, 4, 0, 0]] and keep == 4  # TRL's layout
     assert attention_mask.tolist() == [[1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0]]  # tool outputs are context
     assert mask.tolist() == [[1, 0, 0, 1], [1, 1, 0, 0]]  # but not the model's tokens: no KL on them
+    # TRL's own old log-probs of this very batch (same ids and mask) are reused: only the reference forward runs.
+    recorded = (input_ids, attention_mask, torch.full((2, 4), -3.0))
+    trainer.calls.clear()
+    policy, _, _ = policy_and_reference_log_probs(trainer, GenerationRecord(True, output, recorded))
+    assert [call[0] for call in trainer.calls] == ["reference"] and policy[0, 0] == -3.0
+    other = (input_ids.flip(0), attention_mask.flip(0), torch.full((2, 4), -3.0))  # another batch: not reused
+    trainer.calls.clear()
+    policy_and_reference_log_probs(trainer, GenerationRecord(True, output, other))
+    assert [call[0] for call in trainer.calls] == ["policy", "reference"]
     with pytest.raises(ValueError, match="kl_in_reward does not support image inputs"):
-        policy_and_reference_log_probs(trainer, (*generation[:6], [["image"]]))
+        policy_and_reference_log_probs(trainer, GenerationRecord(True, (*output[:6], [["image"]])))

@@ -81,15 +81,17 @@ class KLInReward:
         return summed.tolist()
 
 
-def policy_and_reference_log_probs(trainer: Any, generation: tuple) -> LogProbs:
-    """No-grad log-probs of one generation batch (TRL `_generate`'s output) under the policy and the reference.
+def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
+    """No-grad log-probs of one generation batch (a `shaping.GenerationRecord`) under the policy and the reference.
 
     The reference is TRL's own: `trainer.ref_model`, or for a PEFT model the base (or the "ref" adapter TRL copied
-    from a pre-trained one), as GRPOTrainer computes its KL loss's reference.
+    from a pre-trained one), as GRPOTrainer computes its KL loss's reference. The policy's are TRL's old log-probs
+    when it computed them for this very batch before scoring (same rows, same layout), else a forward of its own.
     """
     from trl.trainer.utils import pad, use_adapter
 
-    prompt_ids, completion_ids, tool_mask, images = generation[0], generation[1], generation[2], generation[6]
+    output = generation.output
+    prompt_ids, completion_ids, tool_mask, images = output[0], output[1], output[2], output[6]
     if images is not None:
         raise ValueError("kl_in_reward does not support image inputs yet: turn it off for multimodal training.")
     device, pad_id = trainer.accelerator.device, trainer._tokenizer.pad_token_id
@@ -110,8 +112,13 @@ def policy_and_reference_log_probs(trainer: Any, generation: tuple) -> LogProbs:
         )
         return log_probs
 
+    # With a PEFT reference and a KL loss, TRL's reference forward also runs on `trainer.model`: no reuse then.
+    recorded = generation.policy_forward if trainer.ref_model is not None or trainer.beta == 0.0 else None
     with torch.no_grad():
-        policy = forward(trainer.model)
+        if recorded is not None and same_tensor(recorded[0], input_ids) and same_tensor(recorded[1], attention_mask):
+            policy = recorded[2]
+        else:
+            policy = forward(trainer.model)
         if trainer.ref_model is not None:
             reference = forward(trainer.ref_model)
         else:
@@ -136,3 +143,7 @@ def reference_model_built(args: Any) -> Iterator[None]:
     finally:
         if needed:
             args.beta = 0.0
+
+
+def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))

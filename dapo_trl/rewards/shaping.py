@@ -8,13 +8,14 @@ generation batch is scored: outside `_generate_and_score_completions`, `reward_f
 TRL's "All reward functions returned None" check runs on the user's columns alone.
 
 A column is a callable with a `__name__`, a `weight` (read once per batch, before the column runs) and `train_only`;
-it is called with the batch's `completion_ids`, `generation` (TRL `_generate`'s output), `gather` and `log_metric`,
-and returns one value per local completion.
+it is called with the batch's `completion_ids`, `generation` (a `GenerationRecord`), `gather` and `log_metric`, and
+returns one value per local completion.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -24,6 +25,18 @@ from .kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, KLInReward, po
 from .overlong import SoftOverlongPenalty
 
 _SHOWN_LISTS = ("reward_funcs", "reward_func_names", "reward_processing_classes")
+
+
+@dataclass
+class GenerationRecord:
+    """The generation batch being scored, as the trainer saw it: whether it was generated in training (TRL's paged
+    generation leaves the model in train mode even in evaluation), TRL `_generate`'s output, and the first no-grad
+    forward of the policy since (TRL's old log-probs, when it computes them before scoring): (input_ids,
+    attention_mask, log-probs)."""
+
+    training: bool = False
+    output: tuple | None = None
+    policy_forward: tuple | None = None
 
 
 class ShapingColumns:
@@ -57,8 +70,7 @@ class ShapingColumns:
         rewards_per_func: torch.Tensor,
         completion_ids: list[list[int]],
         gather: Callable[[torch.Tensor], torch.Tensor],
-        training: bool,
-        generation: Any = None,
+        generation: GenerationRecord,
     ) -> torch.Tensor:
         """The gathered user columns followed by the shaping columns; shows their names and weights on `trainer`.
 
@@ -66,7 +78,7 @@ class ShapingColumns:
         user's columns. A row no user function could score stays unscorable (NaN in every column), so TRL still
         excludes it from the group baseline and zeroes its advantage.
         """
-        columns = self.active(training)  # as when the batch was generated (`trainer.model` may be flipped since)
+        columns = self.active(generation.training)  # as when generated (`trainer.model` may be flipped since)
         if not columns:
             return rewards_per_func
         weights = [column.weight for column in columns]  # before a controller moves (verl: beta, then update)
