@@ -285,8 +285,8 @@ def check_regroupable(output: dict[str, Any]) -> None:
 
 
 def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """A round's rows from every process on every process, in process order (TRL's global row order)."""
-    check_regroupable(local)
+    """A round's rows from every process on every process, in process order (TRL's global row order). The caller
+    has checked `local` with `check_regroupable` (before any forward of its rows)."""
     padding = row_padding(pad_token_id)
     rows = {}
     for key, value in local.items():
