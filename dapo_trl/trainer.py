@@ -1,15 +1,15 @@
 """DAPOTrainer: TRL's GRPOTrainer with DAPO's reward shaping, exact token-level loss and dynamic sampling.
 
 The trainer only orchestrates; every override calls `super()`. The math is in `dapo_trl.algorithm`, dynamic sampling
-in `dapo_trl.sampling`, rewards in `dapo_trl.rewards`, tool calls in `dapo_trl.tools.runtime`, validation in
-`dapo_trl.validation`, vLLM backends in `dapo_trl.vllm_backends`.
+in `dapo_trl.training.sampling`, rewards in `dapo_trl.rewards`, tool calls in `dapo_trl.tools.runtime`, validation in
+`dapo_trl.validation`, vLLM backends in `dapo_trl.training.vllm_backends`.
 - clip-higher and the token-level loss are TRL's `epsilon_high` and `loss_type="dapo"`; dual-clip is TRL's `delta`
   (equal to verl's `clip_ratio_c` when it exceeds 1 + epsilon_high, which DAPOConfig enforces);
 - overlong filtering is TRL's `mask_truncated_completions`;
 - the soft overlong punishment is a built-in shaping column (weight `overlong_penalty_factor`), added to the
   correctness reward before the group advantage and logged as `rewards/overlong_penalty/*`, but never shown in the
-  user's `reward_funcs` and its parallel lists (`dapo_trl.rewards.overlong.ShapingColumns`);
-- the token denominator is exact per optimizer step, and a step without a loss token is skipped (`dapo_trl.steps`).
+  user's `reward_funcs` and its parallel lists (`dapo_trl.training.overlong.ShapingColumns`);
+- the token denominator is exact per optimizer step, and a step without a loss token is skipped (`dapo_trl.training.steps`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,12 @@ from accelerate.utils import gather, gather_object
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from . import steps, streams, trainer_validation
 from .algorithm import clamp_log_ratio, ratio_anchor
-from .batching import (
+from .config import DAPOConfig
+from .rewards import dapo_math_reward
+from .tools.runtime import ToolRuntime
+from .training import evaluation, steps, streams
+from .training.batching import (
     StepPlanner,
     TokenWeightedMetrics,
     backward_without_sync,
@@ -34,14 +37,11 @@ from .batching import (
     process_rows,
     select_rows,
 )
-from .config import DAPOConfig
-from .packing import forward_count_agreement, packing_mode, padding_free_per_token
-from .rewards import dapo_math_reward
-from .rewards.kl_in_reward import reference_model_built
-from .rewards.shaping import GenerationRecord, ShapingColumns
-from .sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
-from .tools.runtime import ToolRuntime
-from .vllm_backends import backend_for
+from .training.kl_in_reward import reference_model_built
+from .training.packing import forward_count_agreement, packing_mode, padding_free_per_token
+from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
+from .training.shaping import GenerationRecord, ShapingColumns
+from .training.vllm_backends import backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class DAPOTrainer(GRPOTrainer):
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
-            self.add_callback(trainer_validation.ValidateBeforeTraining(self))
+            self.add_callback(evaluation.ValidateBeforeTraining(self))
         if args.max_prompt_length is not None and self.train_dataset is not None:
             from .data import filter_overlong_prompts
 
@@ -277,10 +277,8 @@ class DAPOTrainer(GRPOTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
-        TRL's metrics: `dapo_trl.trainer_validation.evaluate_with_validation`."""
-        return trainer_validation.evaluate_with_validation(
-            self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix
-        )
+        TRL's metrics: `dapo_trl.training.evaluation.evaluate_with_validation`."""
+        return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing
     def _checkpointed_state(self) -> dict[str, Any]:

@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from dapo_trl import killable_pool as scoring
-from dapo_trl.killable_pool import CallResult, default_num_workers
-from dapo_trl.killable_pool import KillableProcessPool as ScoringPool
+from dapo_trl.utils import killable_pool as scoring
+from dapo_trl.utils.killable_pool import CallResult, default_num_workers
+from dapo_trl.utils.killable_pool import KillableProcessPool as ScoringPool
 
 
 # Calls run in the workers: module-level so that they pickle by name (the workers import this module first).

@@ -1,7 +1,6 @@
 """Turn the script's reward and tool flags into what the trainer takes: reward callables and tool functions.
 
-Split from `cli.py` (the flags dataclass, model loading, `main`), which imports this module and re-exports its public
-names; hence `DAPOScriptArguments` is imported here for type hints only.
+`dapo_trl.cli.train` (model loading, `main`) calls these; the flags themselves are `dapo_trl.cli.arguments`.
 """
 
 from __future__ import annotations
@@ -13,17 +12,13 @@ import importlib.util
 import logging
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .rewards import REWARD_BUILDERS, REWARD_FUNCTIONS, MissingRewardOptions, build_reward
-from .rewards.verl_compat import from_verl_compute_score, is_verl_compute_score
-
-if TYPE_CHECKING:
-    from .cli import DAPOScriptArguments
+from ..rewards import REWARD_BUILDERS, REWARD_FUNCTIONS, MissingRewardOptions, build_reward
+from ..rewards.verl_compat import from_verl_compute_score, is_verl_compute_score
+from .arguments import TOOL_NAMES, DAPOScriptArguments
 
 logger = logging.getLogger("dapo_trl")
-
-TOOL_NAMES = ("code_interpreter",)
 
 
 class UserFacingError(RuntimeError):
@@ -86,7 +81,7 @@ def apply_tool_config(script_args: DAPOScriptArguments, world_size: int = 1) -> 
     """Read --tool_config (verl's tool YAML) into the --sandbox_* fields; returns its settings (None without it)."""
     if not script_args.tool_config:
         return None
-    from .tools.verl_config import ToolConfigError, load_verl_tool_config
+    from ..tools.verl_config import ToolConfigError, load_verl_tool_config
 
     try:
         settings = load_verl_tool_config(script_args.tool_config, world_size=world_size)
@@ -117,7 +112,7 @@ def build_tools(script_args: DAPOScriptArguments, world_size: int = 1) -> list[A
         raise UserFacingError(f"--tools {' '.join(unknown)}: unknown tool; available: {', '.join(TOOL_NAMES)}.")
     if not script_args.tools:
         return []
-    from .tools.code_interpreter import build_code_interpreter
+    from ..tools.code_interpreter import build_code_interpreter
 
     try:
         interpreter = build_code_interpreter(
@@ -135,7 +130,7 @@ def build_tools(script_args: DAPOScriptArguments, world_size: int = 1) -> list[A
     if script_args.sandbox == "local" and script_args.sandbox_require_isolation:
         interpreter.sandbox.isolation()  # fail now, not at the first tool call
     if settings is not None:
-        from .tools.verl_config import apply_tool_schema
+        from ..tools.verl_config import apply_tool_schema
 
         apply_tool_schema(interpreter.tool, settings)
     return [interpreter.tool]

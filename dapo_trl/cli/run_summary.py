@@ -65,7 +65,7 @@ def print_summary(log_history: list[dict[str, Any]]) -> None:
 def write_charts(output_dir: str, log_history: list[dict[str, Any]]) -> None:
     """--plot: the finished run's charts in OUTPUT_DIR/plots; a failure only warns (the model is already saved)."""
     try:
-        from .plot import plot_run
+        from ..plot import plot_run
 
         charts = plot_run(output_dir, log_history=log_history)
     except Exception as error:  # charts are a convenience: never fail a finished run over them

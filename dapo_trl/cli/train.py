@@ -1,7 +1,8 @@
-"""`train_dapo.py` / `dapo-train`: TRL's parser over (script, DAPOConfig, ModelConfig) flags or a YAML `--config`.
+"""`train_dapo.py` / `dapo-train` / `python -m dapo_trl.cli`: TRL's parser over (script, DAPOConfig, ModelConfig)
+flags or a YAML `--config`, model loading, and `main`.
 
-The entry point: the script flags, model loading and `main`. Reward and tool resolution live in `cli_components`, the
-end-of-run table and charts in `run_summary`; their public names are re-exported here, where callers import them.
+The script's flags are `arguments`, reward and tool resolution `components`, the end-of-run table and charts
+`run_summary`.
 """
 
 from __future__ import annotations
@@ -10,159 +11,21 @@ import logging
 import os
 import sys
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
+from trl import ModelConfig, TrlParser, get_peft_config
 
-from .cli_components import (
-    TOOL_CONFIG_FIELDS,
-    TOOL_NAMES,
-    UserFacingError,
-    apply_tool_config,
-    build_tools,
-    resolve_reward_function,
-)
-from .config import DAPOConfig
-from .data import BUILTIN_ARITHMETIC, DatasetLoadError, load_prompt_dataset
-from .rewards import REWARD_FUNCTIONS
-from .run_summary import LEADING_SUMMARY_METRICS, SUMMARY_METRICS, print_summary, summary_columns, write_charts
-
-__all__ = [
-    "BUILTIN_TINY_MODEL",
-    "LEADING_SUMMARY_METRICS",
-    "SUMMARY_METRICS",
-    "TOOL_CONFIG_FIELDS",
-    "TOOL_NAMES",
-    "TRL_DEPRECATED_CALLS",
-    "DAPOScriptArguments",
-    "UserFacingError",
-    "apply_tool_config",
-    "build_tools",
-    "load_model_and_tokenizer",
-    "main",
-    "print_summary",
-    "resolve_chat_template",
-    "resolve_reward_function",
-    "summary_columns",
-    "write_charts",
-]
+from ..config import DAPOConfig
+from ..data import DatasetLoadError, load_prompt_dataset
+from .arguments import DAPOScriptArguments
+from .components import UserFacingError, build_tools, resolve_reward_function
+from .run_summary import print_summary, write_charts
 
 logger = logging.getLogger("dapo_trl")
 
 BUILTIN_TINY_MODEL = "builtin:tiny"
 TRL_DEPRECATED_CALLS = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is"
-
-
-@dataclass
-class DAPOScriptArguments(ScriptArguments):
-    """Data and reward choices of the command line (model flags come from ModelConfig, training from DAPOConfig)."""
-
-    dataset_name: str | None = field(
-        default=BUILTIN_ARITHMETIC,
-        metadata={
-            "help": f"Hub dataset id (e.g. BytedTsinghua-SIA/DAPO-Math-17k), a local .jsonl/.json/.parquet/.csv "
-            f"file, or '{BUILTIN_ARITHMETIC}' (generated problems, offline)."
-        },
-    )
-    prompt_column: str | None = field(
-        default=None,
-        metadata={
-            "help": "Column holding the problem text or chat messages (default: the preset's, or auto-detected)."
-        },
-    )
-    answer_column: str | None = field(
-        default=None,
-        metadata={"help": "Column holding the answer; dotted names reach nested fields (reward_model.ground_truth)."},
-    )
-    prompt_template: str = field(
-        default="dapo",
-        metadata={
-            "help": "Template for text problems: 'dapo' (DAPO's \"Answer:\" template), 'none', or a string "
-            "with {problem}. Ignored for chat-message prompts."
-        },
-    )
-    skip_malformed_rows: bool = field(
-        default=False,
-        metadata={
-            "help": "Skip (and count) rows with a missing answer, empty prompt or wrong types instead of failing."
-        },
-    )
-    eval_dataset_name: list[str] | None = field(
-        default=None,
-        metadata={
-            "help": "Validation sets (presets aime2024, aime2025, gsm8k, hub ids or files); reported as avg@n and "
-            "pass@k per data source every eval_steps and, with val_before_train, before training."
-        },
-    )
-    judge_base_url: str | None = field(
-        default=None,
-        metadata={"help": "OpenAI-compatible endpoint (e.g. a vLLM server http://host:8000) for --reward_funcs judge."},
-    )
-    judge_model: str | None = field(default=None, metadata={"help": "Model name the judge endpoint serves."})
-    judge_max_concurrency: int = field(default=32, metadata={"help": "Concurrent requests to the judge."})
-    reward_funcs: list[str] = field(
-        default_factory=lambda: ["dapo_math"],
-        metadata={
-            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)}, 'judge', or import paths "
-            "(my_pkg.rewards.my_reward, my_pkg.rewards:my_reward or path/to/file.py:my_reward; a verl "
-            "compute_score(data_source, solution_str, ground_truth, extra_info) is adapted). The first one is the "
-            "accuracy reward unless accuracy_reward_name says."
-        },
-    )
-    tools: list[str] = field(
-        default_factory=list,
-        metadata={
-            "help": f"Tools the policy may call: {list(TOOL_NAMES)} (ReTool's sandboxed Python interpreter); "
-            "--tool_config implies it."
-        },
-    )
-    sandbox: str = field(
-        default="local",
-        metadata={"help": "Where tool code runs: 'local' (isolated processes here) or 'remote' (SandboxFusion)."},
-    )
-    sandbox_url: str | None = field(
-        default=None, metadata={"help": "SandboxFusion base URL for --sandbox remote, e.g. http://host:8080."}
-    )
-    sandbox_timeout: float = field(default=30.0, metadata={"help": "Wall-clock seconds per tool call."})
-    sandbox_memory_mb: int = field(default=1024, metadata={"help": "Memory limit per tool call (MB)."})
-    sandbox_max_concurrency: int = field(
-        default=128, metadata={"help": "Tool calls running at once, per training process."}
-    )
-    sandbox_rate_limit: float | None = field(
-        default=None, metadata={"help": "Tool calls started per second, per training process (default: no limit)."}
-    )
-    sandbox_require_isolation: bool = field(
-        default=False,
-        metadata={"help": "Fail instead of warning when the local sandbox cannot use namespaces or drop privileges."},
-    )
-    tool_max_output_chars: int = field(
-        default=1024, metadata={"help": "Characters of a tool's output the model sees (head and tail kept)."}
-    )
-    tool_config: str | None = field(
-        default=None,
-        metadata={
-            "help": "verl's tool config YAML (rollout.multi_turn.tool_config_path, e.g. the ReTool recipe's "
-            "sandbox_fusion_tool_config.yaml): its SandboxFusionTool becomes the code interpreter on that remote "
-            "sandbox (url, default_timeout, memory_limit_mb, rate_limit/num_workers concurrency, tool_schema). "
-            "Implies --tools code_interpreter; fields it cannot honour are logged as warnings."
-        },
-    )
-    chat_template: str | None = field(
-        default=None,
-        metadata={
-            "help": "Replace the tokenizer's chat template: a TRL template name (e.g. qwen2_5, the Hermes tool "
-            "format) or a .jinja file. Tools need a template that renders tool calls."
-        },
-    )
-    plot: bool = field(
-        default=True,
-        metadata={
-            "help": "Write the charts (python -m dapo_trl.plot) to OUTPUT_DIR/plots at the end of training; "
-            "--plot false to skip."
-        },
-    )
 
 
 def resolve_chat_template(value: str) -> str:
@@ -185,7 +48,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
 
     name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
     if name == BUILTIN_TINY_MODEL:
-        from .tiny_model import build_tiny_model
+        from ..tiny_model import build_tiny_model
 
         name = str(build_tiny_model(warm_start=True))
         logger.info("using the built-in tiny model at %s", name)
@@ -227,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
-        from .trainer import DAPOTrainer
+        from ..trainer import DAPOTrainer
 
         reward_funcs = [resolve_reward_function(name, script_args) for name in script_args.reward_funcs]
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)

@@ -8,7 +8,7 @@ Scorers selectable by name (`REWARD_FUNCTIONS`, `--reward_funcs NAME`; `registry
 - `dapo_boxed` (`dapo_boxed_reward`): the same with the last brace-balanced `\\boxed{...}` in the tail instead.
 - `math_verify` (`math_verify_reward`): symbolic equivalence with math-verify, on the answer the response commits to
   (its LAST `\\boxed{}` or "Answer:" line, whichever comes last), after normalising forms math-verify misses. Every
-  response is scored in a worker process under a hard deadline (`dapo_trl.killable_pool`), so no input can stall
+  response is scored in a worker process under a hard deadline (`dapo_trl.utils.killable_pool`), so no input can stall
   training.
 - `retool`, `retool_math_verify`: those scorers with ReTool's tool-turn shaping of wrong answers (`retool`).
 

@@ -6,7 +6,7 @@ and returns DAPO's +1 / -1 like `dapo_trl.rewards`. For each completion it sends
 any OpenAI-compatible one), and reads the reply as CORRECT or INCORRECT.
 
 A whole batch goes out at once: identical requests are sent once, and the rest run concurrently on a thread pool
-(`max_concurrency` in flight) through `dapo_trl.http`, so a step's 120 judgments cost about one request's latency
+(`max_concurrency` in flight) through `dapo_trl.utils.http`, so a step's 120 judgments cost about one request's latency
 rather than 120. Connection errors, timeouts (a judgment is harmless to ask twice), HTTP 429 and 5xx are retried
 with exponential backoff; other 4xx are not. Every request has a timeout, and the batch has a deadline of
 `timeout_s * (max_retries + 1)`, so a dead or hung judge can delay a training step but never hang it. An item whose
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..http import HTTPClient, RequestFailed, RetryPolicy, checked_service_path
+from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, checked_service_path
 from .answers import CORRECT_REWARD, INCORRECT_REWARD, completion_text
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..killable_pool import KillableProcessPool, default_timeout, shared_pool
+from ..utils.killable_pool import KillableProcessPool, default_timeout, shared_pool
 from .answers import (
     INCORRECT_REWARD,
     Verdict,

@@ -19,7 +19,7 @@ from typing import Any
 
 import requests
 
-from ..http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, checked_service_path
+from ..utils.http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, checked_service_path
 from .sandbox import RUNNER_SOURCE, ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, _last_line, _signal_name
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from .validation import (
+from ..validation import (
     PromptResult,
     SamplingSettings,
     build_results,
@@ -33,8 +33,7 @@ from .validation import (
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
-
-    from .trainer import DAPOTrainer
+    from trl import GRPOTrainer as DAPOTrainer  # a dapo_trl.DAPOTrainer; named by its base, so imports run one way
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from .algorithm import trl_items_for_exact_normalizer
+from ..algorithm import trl_items_for_exact_normalizer
 
 logger = logging.getLogger(__name__)
 

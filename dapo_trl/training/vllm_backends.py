@@ -38,10 +38,10 @@ from typing import TYPE_CHECKING, Any
 import requests
 import torch
 
-from .http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
+from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 
 if TYPE_CHECKING:
-    from .config import DAPOConfig
+    from ..config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

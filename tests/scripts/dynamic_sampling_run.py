@@ -25,7 +25,7 @@ from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.steps import SkipEmptySteps
+from dapo_trl.training.steps import SkipEmptySteps
 from dapo_trl.tiny_model import build_tiny_model
 
 NUM_GENERATIONS = 4

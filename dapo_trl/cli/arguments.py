@@ -1,0 +1,124 @@
+"""The script's own flags (`DAPOScriptArguments`): data, rewards, tools, chat template and charts. Model flags come
+from TRL's ModelConfig, training flags from DAPOConfig; `TrlParser` reads all three from the command line or a YAML
+`--config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import ScriptArguments
+
+from ..data import BUILTIN_ARITHMETIC
+from ..rewards import REWARD_FUNCTIONS
+
+TOOL_NAMES = ("code_interpreter",)
+
+
+@dataclass
+class DAPOScriptArguments(ScriptArguments):
+    """Data and reward choices of the command line (model flags come from ModelConfig, training from DAPOConfig)."""
+
+    dataset_name: str | None = field(
+        default=BUILTIN_ARITHMETIC,
+        metadata={
+            "help": f"Hub dataset id (e.g. BytedTsinghua-SIA/DAPO-Math-17k), a local .jsonl/.json/.parquet/.csv "
+            f"file, or '{BUILTIN_ARITHMETIC}' (generated problems, offline)."
+        },
+    )
+    prompt_column: str | None = field(
+        default=None,
+        metadata={
+            "help": "Column holding the problem text or chat messages (default: the preset's, or auto-detected)."
+        },
+    )
+    answer_column: str | None = field(
+        default=None,
+        metadata={"help": "Column holding the answer; dotted names reach nested fields (reward_model.ground_truth)."},
+    )
+    prompt_template: str = field(
+        default="dapo",
+        metadata={
+            "help": "Template for text problems: 'dapo' (DAPO's \"Answer:\" template), 'none', or a string "
+            "with {problem}. Ignored for chat-message prompts."
+        },
+    )
+    skip_malformed_rows: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip (and count) rows with a missing answer, empty prompt or wrong types instead of failing."
+        },
+    )
+    eval_dataset_name: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "Validation sets (presets aime2024, aime2025, gsm8k, hub ids or files); reported as avg@n and "
+            "pass@k per data source every eval_steps and, with val_before_train, before training."
+        },
+    )
+    judge_base_url: str | None = field(
+        default=None,
+        metadata={"help": "OpenAI-compatible endpoint (e.g. a vLLM server http://host:8000) for --reward_funcs judge."},
+    )
+    judge_model: str | None = field(default=None, metadata={"help": "Model name the judge endpoint serves."})
+    judge_max_concurrency: int = field(default=32, metadata={"help": "Concurrent requests to the judge."})
+    reward_funcs: list[str] = field(
+        default_factory=lambda: ["dapo_math"],
+        metadata={
+            "help": f"Reward functions: names among {sorted(REWARD_FUNCTIONS)}, 'judge', or import paths "
+            "(my_pkg.rewards.my_reward, my_pkg.rewards:my_reward or path/to/file.py:my_reward; a verl "
+            "compute_score(data_source, solution_str, ground_truth, extra_info) is adapted). The first one is the "
+            "accuracy reward unless accuracy_reward_name says."
+        },
+    )
+    tools: list[str] = field(
+        default_factory=list,
+        metadata={
+            "help": f"Tools the policy may call: {list(TOOL_NAMES)} (ReTool's sandboxed Python interpreter); "
+            "--tool_config implies it."
+        },
+    )
+    sandbox: str = field(
+        default="local",
+        metadata={"help": "Where tool code runs: 'local' (isolated processes here) or 'remote' (SandboxFusion)."},
+    )
+    sandbox_url: str | None = field(
+        default=None, metadata={"help": "SandboxFusion base URL for --sandbox remote, e.g. http://host:8080."}
+    )
+    sandbox_timeout: float = field(default=30.0, metadata={"help": "Wall-clock seconds per tool call."})
+    sandbox_memory_mb: int = field(default=1024, metadata={"help": "Memory limit per tool call (MB)."})
+    sandbox_max_concurrency: int = field(
+        default=128, metadata={"help": "Tool calls running at once, per training process."}
+    )
+    sandbox_rate_limit: float | None = field(
+        default=None, metadata={"help": "Tool calls started per second, per training process (default: no limit)."}
+    )
+    sandbox_require_isolation: bool = field(
+        default=False,
+        metadata={"help": "Fail instead of warning when the local sandbox cannot use namespaces or drop privileges."},
+    )
+    tool_max_output_chars: int = field(
+        default=1024, metadata={"help": "Characters of a tool's output the model sees (head and tail kept)."}
+    )
+    tool_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "verl's tool config YAML (rollout.multi_turn.tool_config_path, e.g. the ReTool recipe's "
+            "sandbox_fusion_tool_config.yaml): its SandboxFusionTool becomes the code interpreter on that remote "
+            "sandbox (url, default_timeout, memory_limit_mb, rate_limit/num_workers concurrency, tool_schema). "
+            "Implies --tools code_interpreter; fields it cannot honour are logged as warnings."
+        },
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "Replace the tokenizer's chat template: a TRL template name (e.g. qwen2_5, the Hermes tool "
+            "format) or a .jinja file. Tools need a template that renders tool calls."
+        },
+    )
+    plot: bool = field(
+        default=True,
+        metadata={
+            "help": "Write the charts (python -m dapo_trl.plot) to OUTPUT_DIR/plots at the end of training; "
+            "--plot false to skip."
+        },
+    )
