@@ -1,15 +1,9 @@
 """DAPOTrainer: TRL's GRPOTrainer with DAPO's reward shaping, exact token-level loss and dynamic sampling.
 
-The trainer only orchestrates; every override calls `super()`. The math is in `dapo_trl.algorithm`, dynamic sampling
-in `dapo_trl.training.sampling`, rewards in `dapo_trl.rewards`, tool calls in `dapo_trl.tools.runtime`, validation in
-`dapo_trl.validation`, vLLM backends in `dapo_trl.training.vllm_backends`.
-- clip-higher and the token-level loss are TRL's `epsilon_high` and `loss_type="dapo"`; dual-clip is TRL's `delta`
-  (equal to verl's `clip_ratio_c` when it exceeds 1 + epsilon_high, which DAPOConfig enforces);
-- overlong filtering is TRL's `mask_truncated_completions`;
-- the soft overlong punishment is a built-in shaping column (weight `overlong_penalty_factor`), added to the
-  correctness reward before the group advantage and logged as `rewards/overlong_penalty/*`, but never shown in the
-  user's `reward_funcs` and its parallel lists (`dapo_trl.training.overlong.ShapingColumns`);
-- the token denominator is exact per optimizer step, and a step without a loss token is skipped (`dapo_trl.training.steps`).
+The trainer only orchestrates; every override calls `super()`, and every private TRL name it touches is listed and
+checked in `dapo_trl.training.trl_seam`. The objective is `dapo_trl.algorithm.dapo_token_loss` (TRL's
+`loss_type="dapo"` with `epsilon_high` and dual-clip `delta`, the log-ratio clamped here); the step machinery
+(dynamic sampling, micro-batches, padding-free forwards, reward columns, exact denominators) is `dapo_trl.training`.
 """
 
 from __future__ import annotations
@@ -20,14 +14,13 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .algorithm import clamp_log_ratio, ratio_anchor
 from .config import DAPOConfig
 from .rewards import dapo_math_reward
 from .tools.runtime import ToolRuntime
-from .training import evaluation, steps, streams
+from .training import evaluation, steps, streams, trl_seam
 from .training.batching import (
     StepPlanner,
     TokenWeightedMetrics,
@@ -37,8 +30,8 @@ from .training.batching import (
     process_rows,
     select_rows,
 )
-from .training.kl_in_reward import reference_model_built
 from .training.packing import forward_count_agreement, packing_mode, padding_free_per_token
+from .training.reference import build_reference_model, needs_own_reference
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import backend_for
@@ -71,8 +64,9 @@ class DAPOTrainer(GRPOTrainer):
                 f"DAPOTrainer needs a DAPOConfig, got {type(args).__name__}: build it with "
                 "DAPOConfig(**same_arguments) (DAPOConfig accepts every GRPOConfig field)."
             )
+        trl_seam.check_trl_classes(trl_seam.CLASS_NAMES + (trl_seam.WITH_VLLM if args.use_vllm else ()))
         env_factory = kwargs.get("environment_factory")
-        with backend_for(args), reference_model_built(args):
+        with backend_for(args):
             super().__init__(
                 model=model,
                 reward_funcs=[dapo_math_reward] if reward_funcs is None and not env_factory else reward_funcs,
@@ -82,19 +76,21 @@ class DAPOTrainer(GRPOTrainer):
                 processing_class=processing_class,
                 **kwargs,
             )
-        self.beta = args.beta  # a reference model built for KL in the reward only adds no KL loss
+        trl_seam.check_trainer_attributes(self)
+        if needs_own_reference(args, self.ref_model, self.model):  # KL in the reward without TRL's KL loss
+            self.ref_model = build_reference_model(self, kwargs.get("quantization_config"))
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
-        self._tool_runtime = ToolRuntime(self.tools, self._tokenizer, self.max_tool_calling_iterations)
+        self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
         self._token_metrics = TokenWeightedMetrics()
         self._planner = StepPlanner(args, self.accelerator, self.loss_type)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
-        self.add_callback(steps.SkipEmptySteps(self))  # an optimizer step without a loss token changes nothing
+        self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -108,7 +104,7 @@ class DAPOTrainer(GRPOTrainer):
                 chat_template=self.chat_template,
             )  # fmt: skip
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
-        padding, shuffle = row_padding(self._tokenizer.pad_token_id), self.shuffle_dataset
+        padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
 
     # ----------------------------------------------------------------------------------------------------- rewards
@@ -126,22 +122,19 @@ class DAPOTrainer(GRPOTrainer):
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._optimizer_steps.begin(self._step, batches)  # one optimizer step's batches, before its first micro-step
+        self._optimizer_steps.begin(trl_seam.micro_step(self), batches)  # before the step's first micro-step
         return batches, num_items
 
     def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
         if not self.model.training:
             return super()._prepare_inputs(generation_batch)
-        return self._optimizer_steps.micro_batch(self._step, self._generate_micro_batches)
+        return self._optimizer_steps.micro_batch(trl_seam.micro_step(self), self._generate_micro_batches)
 
     def _generate_micro_batches(self, step: int, generation_batch: Any) -> list[dict[str, Any]]:
-        """TRL's generation, shuffle and split as at micro-step `step` (TRL generates into an empty buffer), planned."""
-        saved_step, (self._step, self._buffered_inputs) = self._step, (step, None)
-        try:
-            super()._prepare_inputs(generation_batch)
-            return self._planner.plan(self._buffered_inputs)
-        finally:
-            self._step = saved_step
+        """The generation batch starting at micro-step `step`: generated and scored, shuffled and split into
+        `steps_per_generation` micro-batches as TRL's `_prepare_inputs` does, then planned."""
+        scored = self._generate_and_score_completions(generation_batch)
+        return self._planner.plan(trl_seam.shuffle_and_split(scored, self.args.steps_per_generation))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync."""
@@ -167,7 +160,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        self._token_metrics.apply(mode, self._metrics[mode])
+        self._token_metrics.apply(mode, trl_seam.metrics(self, mode))
         super().log(logs, start_time)
 
     # ----------------------------------------------------------------------------------- padding-free forwards
@@ -206,7 +199,7 @@ class DAPOTrainer(GRPOTrainer):
             input_ids, attention_mask, logits_to_keep,
             packed_forward=packed_forward if self._packing else None, padded_forward=padded_forward,
             max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
-            one_sequence=self._packing == "sequence", pad_token_id=self._tokenizer.pad_token_id,
+            one_sequence=self._packing == "sequence", pad_token_id=trl_seam.tokenizer(self).pad_token_id,
             agree_count=self._agree_forwards,
         )  # fmt: skip
 
@@ -216,13 +209,14 @@ class DAPOTrainer(GRPOTrainer):
         training = self.model.training  # read first: TRL's paged generation leaves the model in train mode
         self._tool_runtime.begin_generation()
         try:
-            self._generation = GenerationRecord(training, output := super()._generate(prompts))
+            output = trl_seam.GenerationOutput.of(super()._generate(prompts))
+            self._generation = GenerationRecord(training, output)
         finally:
             self._tool_runtime.end_generation()
         if self.tools:
-            mode = "train" if training else "eval"
-            for name, value in self._tool_runtime.metrics(output[3], self.accelerator).items():
-                self._metrics[mode][name].append(value)
+            pending = trl_seam.metrics(self, "train" if training else "eval")
+            for name, value in self._tool_runtime.metrics(output.completions, self.accelerator).items():
+                pending[name].append(value)
         return output
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
@@ -237,7 +231,7 @@ class DAPOTrainer(GRPOTrainer):
                 return super()._generate_and_score_completions(inputs)
             batch, metrics = self._sampler.sample(inputs, self._score_round)
             for name, value in metrics.items():
-                self._metrics["train"][name].append(value)
+                trl_seam.metrics(self, "train")[name].append(value)
             # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
             balance = self.args.padding_free and self.args.steps_per_generation == self.args.gradient_accumulation_steps
             weights = fed_tokens(batch).tolist()
@@ -268,7 +262,7 @@ class DAPOTrainer(GRPOTrainer):
                     batch_size=self.args.per_device_train_batch_size,
                 )  # fmt: skip
         return ScoredRound(
-            gather_rows(self.accelerator, output, self._tokenizer.pad_token_id),
+            gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
             (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
         )
@@ -287,7 +281,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = trl_seam.checkpoint_folder(self, trial)
         for file, part in self._checkpointed_state().items() if self.args.should_save else ():
             torch.save(part.state_dict(), os.path.join(folder, file))
 

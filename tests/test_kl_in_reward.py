@@ -14,6 +14,7 @@ from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
 from dapo_trl.training.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, policy_and_reference_log_probs
 from dapo_trl.training.shaping import GenerationRecord, ShapingColumns
+from dapo_trl.training.trl_seam import GenerationOutput
 from dapo_trl.tiny_model import build_tiny_model
 
 from .helpers import tiny_config
@@ -239,7 +240,9 @@ class ForwardRecorder:
 
 def test_the_kl_covers_the_models_own_tokens_and_attends_to_tool_outputs():
     trainer = ForwardRecorder()
-    output = ([[5, 6, 7], [8]], [[9, 9, 9, 9], [3, 4]], [[1, 0, 0, 1], [1, 1]], None, None, None, None)
+    output = GenerationOutput(
+        [[5, 6, 7], [8]], [[9, 9, 9, 9], [3, 4]], [[1, 0, 0, 1], [1, 1]], None, None, {}, None, None
+    )
     policy, reference, mask = policy_and_reference_log_probs(trainer, GenerationRecord(True, output))
     assert [call[0] for call in trainer.calls] == ["policy", "reference"]
     assert (policy[0, 0], reference[0, 0]) == (-1, -2)
@@ -257,4 +260,4 @@ def test_the_kl_covers_the_models_own_tokens_and_attends_to_tool_outputs():
     policy_and_reference_log_probs(trainer, GenerationRecord(True, output, other))
     assert [call[0] for call in trainer.calls] == ["policy", "reference"]
     with pytest.raises(ValueError, match="kl_in_reward does not support image inputs"):
-        policy_and_reference_log_probs(trainer, GenerationRecord(True, (*output[:6], [["image"]])))
+        policy_and_reference_log_probs(trainer, GenerationRecord(True, output._replace(images=[["image"]])))

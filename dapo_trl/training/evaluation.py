@@ -9,7 +9,6 @@ standalone command's sampling are `dapo_trl.validation`.
 from __future__ import annotations
 
 import copy
-import inspect
 import logging
 import math
 import os
@@ -30,6 +29,7 @@ from ..validation import (
     summarize,
     write_samples,
 )
+from . import trl_seam
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
@@ -108,7 +108,7 @@ def evaluate_with_validation(
     # GRPOTrainer.log prefixes what it averages from `_metrics["eval"]` with "eval_", whatever metric_key_prefix is
     # (so with a prefix not starting with "eval", these land under eval_{prefix}_..., as TRL's own land under eval_).
     queued = {name.removeprefix("eval_"): value for name, value in metrics.items()}
-    pending = trainer._metrics["eval"]
+    pending = trl_seam.metrics(trainer, "eval")
     for key, value in queued.items():
         pending[key] = [value]
     try:
@@ -197,19 +197,15 @@ def eval_sampling(trainer: DAPOTrainer, settings: SamplingSettings) -> Iterator[
 
 
 def _generate(trainer: DAPOTrainer, prompts: list[Any]) -> tuple[list[list[int]], list[Any]]:
-    """`trainer._generate(prompts)` -> (completion ids, completions as TRL hands them to rewards).
+    """The trainer's generation of `prompts` -> (completion ids, completions as TRL hands them to rewards).
 
     With tools, TRL's tool loop reads per-rollout tool tables that `_generate_and_score_completions` builds for each
     batch; they are built here the same way for the standalone tools (the same for every rollout).
     """
     if trainer.tools:
-        tools = trainer._standalone_tools
-        sync_tools = {tool.__name__: tool for tool in tools if not inspect.iscoroutinefunction(tool)}
-        async_tools = {tool.__name__: tool for tool in tools if inspect.iscoroutinefunction(tool)}
-        trainer._sync_tool_dicts = [sync_tools] * len(prompts)
-        trainer._async_tool_dicts = [async_tools] * len(prompts)
-    _, completion_ids, _, completions, *_ = trainer._generate(prompts)
-    return completion_ids, completions
+        trl_seam.set_rollout_tools(trainer, len(prompts))
+    output = trl_seam.generate(trainer, prompts)
+    return output.completion_ids, output.completions
 
 
 def _sample_and_score(
@@ -226,14 +222,14 @@ def _sample_and_score(
     async_loop = getattr(trainer, "async_loop", None)
     n, results = settings.num_samples, []
     was_training = trainer.model.training
-    trl_eval_metrics, trainer._metrics["eval"] = trainer._metrics["eval"], defaultdict(list)
+    trl_eval_metrics = trl_seam.swap_metrics(trainer, "eval", defaultdict(list))
     trainer.model.eval()  # `_generate` logs to the eval metrics, not the training ones
     try:
         with eval_sampling(trainer, settings):
             for batch in batches:
                 prompts = [row["prompt"] for _, row in batch for _ in range(n)]
                 completion_ids, completions = _generate(trainer, prompts)
-                texts = trainer._tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+                texts = trl_seam.tokenizer(trainer).batch_decode(completion_ids, skip_special_tokens=True)
                 real = [position for position, (index, _) in enumerate(batch) if index >= 0]
                 if not real:
                     continue
@@ -247,7 +243,7 @@ def _sample_and_score(
                     responses = texts[position * n : (position + 1) * n]
                     results.extend(build_results([index], [row], [responses], [correct]))
     finally:
-        sampled, trainer._metrics["eval"] = trainer._metrics["eval"], trl_eval_metrics
+        sampled = trl_seam.swap_metrics(trainer, "eval", trl_eval_metrics)
         if was_training:
             trainer.model.train()
     metrics = {}

@@ -11,19 +11,21 @@ KL), and `kl/in_reward` (the batch mean of each response's mean per-token KL, ve
 beta comes from a `KLController`: fixed, or verl's adaptive controller, stepped after every generation batch (with
 dynamic sampling, every round, as in verl's DAPO recipe) with that batch's KL and response count. An adaptive beta
 is saved in checkpoints and continues on resume. The log-probs come from two no-grad forwards of the batch (policy,
-reference); verl makes the same two (old_log_prob and ref_log_prob).
+reference); verl makes the same two (old_log_prob and ref_log_prob). The reference model is TRL's, or, when TRL's KL
+loss is off, the one `reference.build_reference_model` builds.
 The math is `dapo_trl.algorithm.kl_penalty_per_token` and `adaptive_kl_coef`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..algorithm import adaptive_kl_coef, kl_penalty_per_token
+from . import trl_seam
+from .trl_seam import trl_function
 
 KL_IN_REWARD_NAME = "kl_in_reward"
 KL_CONTROLLER_STATE_FILE = "dapo_kl_controller.pt"
@@ -84,33 +86,30 @@ class KLInReward:
 def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
     """No-grad log-probs of one generation batch (a `shaping.GenerationRecord`) under the policy and the reference.
 
-    The reference is TRL's own: `trainer.ref_model`, or for a PEFT model the base (or the "ref" adapter TRL copied
-    from a pre-trained one), as GRPOTrainer computes its KL loss's reference. The policy's are TRL's old log-probs
-    when it computed them for this very batch before scoring (same rows, same layout), else a forward of its own.
+    The reference is `trainer.ref_model` (TRL's, or `reference.build_reference_model`'s when TRL's KL loss is off),
+    or for a PEFT model the base (or the "ref" adapter TRL copied from a pre-trained one), as GRPOTrainer computes
+    its KL loss's reference. The policy's are TRL's old log-probs when it computed them for this very batch before
+    scoring (same rows, same layout), else a forward of its own.
     """
-    from trl.trainer.utils import pad, use_adapter
-
+    pad, use_adapter = trl_function("pad"), trl_function("use_adapter")
     output = generation.output
-    prompt_ids, completion_ids, tool_mask, images = output[0], output[1], output[2], output[6]
-    if images is not None:
+    if output.images is not None:
         raise ValueError("kl_in_reward does not support image inputs yet: turn it off for multimodal training.")
-    device, pad_id = trainer.accelerator.device, trainer._tokenizer.pad_token_id
+    device, pad_id = trainer.accelerator.device, trl_seam.tokenizer(trainer).pad_token_id
 
     def padded(rows: list[list[int]], value: int, side: str) -> torch.Tensor:
         return pad([torch.tensor(row, device=device) for row in rows], padding_value=value, padding_side=side)
 
-    prompts, completions = padded(prompt_ids, pad_id, "left"), padded(completion_ids, pad_id, "right")
-    prompt_mask = padded([[1] * len(row) for row in prompt_ids], 0, "left")
-    completion_mask = padded([[1] * len(row) for row in completion_ids], 0, "right")
+    prompts, completions = padded(output.prompt_ids, pad_id, "left"), padded(output.completion_ids, pad_id, "right")
+    prompt_mask = padded([[1] * len(row) for row in output.prompt_ids], 0, "left")
+    completion_mask = padded([[1] * len(row) for row in output.completion_ids], 0, "right")
     input_ids, attention_mask = torch.cat([prompts, completions], 1), torch.cat([prompt_mask, completion_mask], 1)
     # The KL is summed over the model's own tokens: tool outputs (in the context, so attended) are left out.
+    tool_mask = output.tool_mask
     mask = completion_mask if tool_mask is None else completion_mask * padded(tool_mask, 0, "right")
 
     def forward(model: Any) -> torch.Tensor:
-        log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completions.size(1), batch_size=trainer.args.per_device_train_batch_size
-        )
-        return log_probs
+        return trl_seam.per_token_log_probs(trainer, model, input_ids, attention_mask, completions.size(1))
 
     # With a PEFT reference and a KL loss, TRL's reference forward also runs on `trainer.model`: no reuse then.
     recorded = generation.policy_forward if trainer.ref_model is not None or trainer.beta == 0.0 else None
@@ -126,23 +125,6 @@ def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
             with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
                 reference = forward(trainer.model)
     return policy, reference, mask.float()
-
-
-@contextmanager
-def reference_model_built(args: Any) -> Iterator[None]:
-    """Within the block, `args.beta` is non-zero when only KL in the reward needs the reference model.
-
-    GRPOTrainer builds (and prepares, under DeepSpeed too) a reference model only for a KL loss (beta != 0). The
-    trainer's own `beta` must be set back to `args.beta` after its `__init__`, so the loss carries no KL term.
-    """
-    needed = getattr(args, "kl_in_reward", False) and args.beta == 0.0
-    if needed:
-        args.beta = 1.0
-    try:
-        yield
-    finally:
-        if needed:
-            args.beta = 0.0
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ STAT_NAMES = (
     "surplus_carried_groups",
     "surplus_discarded_groups",
 )
-# The per-row reward that batch-level advantages are recomputed from (`dapo_trl.training.advantages`); NaN for filler rows.
+# The per-row reward batch-level advantages are recomputed from (`advantages`); NaN for filler rows.
 BATCH_REWARDS = "dapo_batch_rewards"
 SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 
@@ -77,7 +77,7 @@ class DynamicSampler:
     """Keeps only groups whose accuracy has spread, generating more rounds from fresh prompts until the batch is full.
 
     Round 1 uses the dataloader's prompts (plus fresh ones when over-sampling); later rounds draw fresh prompts from
-    the sampler's own seeded stream (`dapo_trl.training.streams`: a permutation of a map-style dataset, or a shuffle buffer
+    the sampler's own seeded stream (`streams`: a permutation of a map-style dataset, or a shuffle buffer
     over an IterableDataset). Every process scores the same gathered rounds, so all take the same keep decisions;
     the batch is cut at a group boundary to exactly the generation batch. No weights change between rounds, so the
     old log-probs of every round stay valid. Advantages that TRL normalises by batch statistics are recomputed over

@@ -23,6 +23,7 @@ import torch
 
 from .kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, KLInReward, policy_and_reference_log_probs
 from .overlong import SoftOverlongPenalty
+from .trl_seam import GenerationOutput, reward_metric_logger
 
 _SHOWN_LISTS = ("reward_funcs", "reward_func_names", "reward_processing_classes")
 
@@ -35,7 +36,7 @@ class GenerationRecord:
     attention_mask, log-probs)."""
 
     training: bool = False
-    output: tuple | None = None
+    output: GenerationOutput | None = None
     policy_forward: tuple | None = None
 
 
@@ -82,7 +83,7 @@ class ShapingColumns:
         if not columns:
             return rewards_per_func
         weights = [column.weight for column in columns]  # before a controller moves (verl: beta, then update)
-        context = {"generation": generation, "gather": gather, "log_metric": trainer._log_metric}
+        context = {"generation": generation, "gather": gather, "log_metric": reward_metric_logger(trainer)}
         local = [column(completion_ids=completion_ids, **context) for column in columns]
         device = rewards_per_func.device
         shaped = gather(torch.tensor(local, dtype=torch.float32, device=device).T.reshape(len(completion_ids), -1))

@@ -20,6 +20,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..algorithm import trl_items_for_exact_normalizer
+from .trl_seam import metrics
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +93,12 @@ class SkipEmptySteps(TrainerCallback):
     moment decay still apply), logged once as a warning and not counted.
     """
 
-    def __init__(self, trainer: Any):
-        self.trainer = trainer
+    def __init__(self, trainer: Any, optimizer_steps: OptimizerSteps):
+        self.trainer, self.optimizer_steps = trainer, optimizer_steps
         self.warned = False
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
-        empty = self.trainer._optimizer_steps.tokens == 0
+        empty = self.optimizer_steps.tokens == 0
         skipped = empty and not self.trainer.is_deepspeed_enabled
         if skipped:
             optimizer.zero_grad(set_to_none=True)
@@ -107,4 +108,4 @@ class SkipEmptySteps(TrainerCallback):
                 "optimizer step %d has no loss token; DeepSpeed takes it anyway (zero gradient: weight decay and "
                 "Adam's moment decay still apply)", state.global_step + 1,
             )  # fmt: skip
-        self.trainer._metrics["train"]["skipped_steps"].append(float(skipped))
+        metrics(self.trainer, "train")["skipped_steps"].append(float(skipped))

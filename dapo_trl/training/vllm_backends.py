@@ -39,6 +39,8 @@ import requests
 import torch
 
 from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
+from . import trl_seam
+from .trl_seam import vllm_backend_class
 
 if TYPE_CHECKING:
     from ..config import DAPOConfig
@@ -154,9 +156,7 @@ def reload_server_weights(
 
 # ------------------------------------------------------------------------------------- TRL backend subclass
 def _vllm_generation_class() -> type:
-    from trl.generation.vllm_generation import VLLMGeneration
-
-    return VLLMGeneration
+    return trl_seam.trl_vllm_generation()
 
 
 def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float) -> type:
@@ -222,28 +222,6 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
 
 
 @contextlib.contextmanager
-def patch_trl_backend(backend_class: type) -> Iterator[None]:
-    """Make `GRPOTrainer.__init__` build `backend_class` instead of TRL's `VLLMGeneration` (restored on exit).
-
-    GRPOTrainer looks the class up in its module's globals when it constructs the backend, so this is the single
-    point where the NCCL communicator can be avoided without copying TRL's constructor arguments.
-    """
-    import trl.trainer.grpo_trainer as grpo_module
-
-    if not hasattr(grpo_module, "VLLMGeneration"):
-        raise RuntimeError(
-            "trl.trainer.grpo_trainer.VLLMGeneration not found: this TRL version builds its vLLM backend "
-            "differently, and vllm_weight_sync='shared_storage' must be adapted to it."
-        )
-    original = grpo_module.VLLMGeneration
-    grpo_module.VLLMGeneration = backend_class
-    try:
-        yield
-    finally:
-        grpo_module.VLLMGeneration = original
-
-
-@contextlib.contextmanager
 def shared_storage_vllm_backend(
     weights_dir: str | Path, server_weights_dir: str | Path | None = None, timeout: float = 600.0
 ) -> Iterator[None]:
@@ -252,7 +230,7 @@ def shared_storage_vllm_backend(
     `server_weights_dir` is the same directory as the server sees it (default: `weights_dir`); `timeout` bounds
     every HTTP request to the server and the server-side reload.
     """
-    with patch_trl_backend(make_shared_storage_backend(weights_dir, server_weights_dir, timeout)):
+    with vllm_backend_class(make_shared_storage_backend(weights_dir, server_weights_dir, timeout)):
         yield
 
 
@@ -276,7 +254,7 @@ def make_timeout_backend(timeout: float) -> type:
 
 def nccl_vllm_backend(timeout: float = 600.0) -> contextlib.AbstractContextManager:
     """Wrap `super().__init__` of a GRPOTrainer subclass so server mode with NCCL sync gets request timeouts."""
-    return patch_trl_backend(make_timeout_backend(timeout))
+    return vllm_backend_class(make_timeout_backend(timeout))
 
 
 # ------------------------------------------------------------------------------------- colocate mode on CPU
@@ -309,21 +287,17 @@ def make_cpu_colocate_backend() -> type:
         def _init_vllm(self) -> None:
             if self.mode != "colocate":
                 return super()._init_vllm()
-            import trl.generation.vllm_generation as vllm_generation_module
-
             dtype = getattr(self.model, "dtype", None) or next(self.model.parameters()).dtype
             dtype_name = str(dtype).removeprefix("torch.")
-            original_llm = vllm_generation_module.LLM
+            engines: list[Any] = []
 
             def llm_with_dtype(*args: Any, **kwargs: Any) -> Any:
                 kwargs.setdefault("dtype", dtype_name)
-                return original_llm(*args, **kwargs)
+                return engines[0](*args, **kwargs)
 
-            vllm_generation_module.LLM = llm_with_dtype
-            try:
+            with trl_seam.vllm_engine_factory(llm_with_dtype) as llm_class:
+                engines.append(llm_class)
                 return super()._init_vllm()
-            finally:
-                vllm_generation_module.LLM = original_llm
 
         def sync_weights(self) -> None:
             if self.mode != "colocate":
@@ -345,7 +319,7 @@ def colocate_vllm_backend() -> contextlib.AbstractContextManager:
     """Wrap `super().__init__` of a GRPOTrainer subclass so colocate mode works on vLLM-CPU (no-op on GPUs)."""
     if not vllm_runs_on_cpu():
         return contextlib.nullcontext()
-    return patch_trl_backend(make_cpu_colocate_backend())
+    return vllm_backend_class(make_cpu_colocate_backend())
 
 
 # ------------------------------------------------------------------------------------------------- the choice
