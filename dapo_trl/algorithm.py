@@ -132,6 +132,48 @@ def clamp_log_ratio(
     return torch.where(log_ratio.abs() > bound, clamped, per_token_logps)
 
 
+def dapo_token_loss(
+    per_token_logps: torch.Tensor,
+    old_per_token_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon_low: float,
+    epsilon_high: float,
+    clip_ratio_c: float | None = None,
+    log_ratio_bound: float = LOG_RATIO_BOUND,
+) -> torch.Tensor:
+    """DAPO's per-token policy loss: paper Eq. 10 with clip-higher, verl's dual-clip and its log-ratio clamp.
+
+    r = exp(clamp(log pi - log pi_old, -bound, bound)); loss = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A);
+    where A < 0 and `clip_ratio_c` is set, the loss is capped at -A c (dual-clip, verl's `clip_ratio_c`).
+
+    Args:
+        per_token_logps, old_per_token_logps: (N, T) log-probabilities of the sampled tokens (at the sampling
+            temperature) under the current and the behaviour policy.
+        advantages: (N,) one advantage per response, shared by its tokens.
+    Returns:
+        (N, T) per-token losses; padding positions hold whatever the inputs give there (mask them).
+    """
+    log_ratio = (per_token_logps - old_per_token_logps).clamp(-log_ratio_bound, log_ratio_bound)
+    ratio, advantage = torch.exp(log_ratio), advantages[:, None]
+    clipped = torch.clamp(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -torch.minimum(ratio * advantage, clipped * advantage)
+    if clip_ratio_c is not None:
+        loss = torch.where(advantage < 0, torch.minimum(loss, -advantage * clip_ratio_c), loss)
+    return loss
+
+
+def dapo_objective(
+    per_token_loss: torch.Tensor, completion_mask: torch.Tensor, num_loss_tokens: torch.Tensor | float | None = None
+) -> torch.Tensor:
+    """Paper Eq. 11's token-level normalisation: the sum of the losses of every loss token, divided by the number of
+    loss tokens of the whole optimizer step (`num_loss_tokens`, over all its micro-batches and processes; default
+    the tokens of this batch). One micro-batch's share of a step's loss is this with the step's count.
+    """
+    mask = completion_mask.to(per_token_loss.dtype)
+    total = mask.sum() if num_loss_tokens is None else num_loss_tokens
+    return (per_token_loss * mask).sum() / total
+
+
 # verl's KL estimators for the reward penalty (core_algos.kl_penalty_forward), by name and alias. The '+' variants
 # (k3+ ...) differ from these in their gradient only, and the reward penalty carries none: callers strip the '+'.
 KL_ESTIMATORS = {"kl": "k1", "k1": "k1", "abs": "abs", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}

@@ -1,5 +1,6 @@
 """Pure DAPO math against independent references written from the paper."""
 
+import math
 import random
 
 import pytest
@@ -8,6 +9,8 @@ import torch
 from dapo_trl.algorithm import (
     LOG_RATIO_BOUND,
     clamp_log_ratio,
+    dapo_objective,
+    dapo_token_loss,
     ratio_anchor,
     soft_overlong_penalty,
     trl_items_for_exact_normalizer,
@@ -116,3 +119,39 @@ def test_the_loss_forward_is_clamped_against_the_old_log_probs_of_ratio_losses(l
     old = torch.zeros(1, 3) - 1.0
     assert (ratio_anchor(loss_type, {"old_per_token_logps": old}) is old) == clamped
     assert ratio_anchor(loss_type, {}) is None  # no old log-probs: the ratio is 1, nothing to clamp
+
+
+def paper_token_loss(logp: float, old_logp: float, advantage: float, eps_low: float, eps_high: float, c) -> float:
+    """One token of paper Eq. 10 (clip-higher), verl's dual-clip and its [-20, 20] log-ratio clamp, in plain floats."""
+    ratio = math.exp(min(max(logp - old_logp, -20.0), 20.0))
+    clipped = min(max(ratio, 1.0 - eps_low), 1.0 + eps_high)
+    loss = -min(ratio * advantage, clipped * advantage)
+    if c is not None and advantage < 0:
+        loss = min(loss, -advantage * c)
+    return loss
+
+
+@pytest.mark.parametrize("clip_ratio_c", [None, 1.5, 10.0])
+@pytest.mark.parametrize("seed", range(3))
+def test_dapo_objective_equals_the_paper_token_by_token(seed, clip_ratio_c):
+    generator = torch.Generator().manual_seed(seed)
+    rows, tokens, eps_low, eps_high = 6, 9, 0.2, 0.28
+    logps = -3 * torch.rand(rows, tokens, generator=generator, dtype=torch.float64)
+    old = logps + torch.randn(rows, tokens, generator=generator, dtype=torch.float64)
+    old[0, :3] = logps[0, :3] + torch.tensor([40.0, -40.0, 25.0], dtype=torch.float64)  # past the clamp
+    advantages = torch.randn(rows, generator=generator, dtype=torch.float64)
+    mask = (torch.rand(rows, tokens, generator=generator) < 0.7).long()
+    per_token = dapo_token_loss(logps, old, advantages, eps_low, eps_high, clip_ratio_c)
+    for n in range(rows):
+        for t in range(tokens):
+            expected = paper_token_loss(logps[n, t].item(), old[n, t].item(), advantages[n].item(), eps_low, eps_high,
+                                        clip_ratio_c)  # fmt: skip
+            assert per_token[n, t].item() == pytest.approx(expected, rel=1e-9, abs=1e-9)
+    # Eq. 11: one normaliser, every loss token of the step (here 1.5x this batch's, as if other micro-batches existed)
+    step_tokens = 1.5 * float(mask.sum())
+    expected = sum(
+        paper_token_loss(logps[n, t].item(), old[n, t].item(), advantages[n].item(), eps_low, eps_high, clip_ratio_c)
+        for n in range(rows) for t in range(tokens) if mask[n, t]
+    ) / step_tokens  # fmt: skip
+    assert dapo_objective(per_token, mask, step_tokens).item() == pytest.approx(expected, rel=1e-9)
+    assert dapo_objective(per_token, mask).item() == pytest.approx(expected * 1.5, rel=1e-9)

@@ -1,15 +1,21 @@
-"""DAPOTrainer's loss: equal to GRPOTrainer's with the extras off, and to the paper's formula with them on."""
+"""DAPOTrainer's loss: equal to GRPOTrainer's with the extras off, and to `dapo_trl.algorithm`'s objective with them on
+(padded and packed forwards, temperature 1 and 0.7, one and two processes)."""
 
 import pytest
 import torch
 from datasets import Dataset
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.algorithm import dapo_objective, dapo_token_loss
 from dapo_trl.rewards import dapo_math_reward
 from dapo_trl.tiny_model import build_tiny_model
 
+from .helpers import SCRIPTS, python_command, run_command
+
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
+LOSS_SCRIPT = str(SCRIPTS / "loss_run.py")
 
 
 @pytest.fixture(scope="module")
@@ -60,23 +66,18 @@ def fixed_batch(vocab_size: int, model, ratio_noise: float = 0.4) -> dict:
     return batch
 
 
-def token_logps(model, batch) -> torch.Tensor:
+def token_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """An independent forward: the plain model's full logits at `temperature`, log-softmax, the sampled tokens."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, PROMPT_LEN - 1 : -1]
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, PROMPT_LEN - 1 : -1] / temperature
     return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
-def paper_loss(model, batch, eps_low, eps_high, clip_ratio_c=None) -> torch.Tensor:
-    """Eq. 10-11 written out, plus verl's dual-clip: min(r A, clip(r) A), capped at -A c for A < 0."""
-    ratio = torch.exp(token_logps(model, batch) - batch["old_per_token_logps"])
-    advantage = batch["advantages"][:, None]
-    surrogate = torch.minimum(ratio * advantage, torch.clamp(ratio, 1 - eps_low, 1 + eps_high) * advantage)
-    per_token = -surrogate
-    if clip_ratio_c is not None:
-        per_token = torch.where(advantage < 0, torch.minimum(per_token, -advantage * clip_ratio_c), per_token)
-    mask = batch["completion_mask"].float()
-    return (per_token * mask).sum() / mask.sum()
+def library_objective(logps, batch, clip_ratio_c=None, num_loss_tokens=None) -> torch.Tensor:
+    """`dapo_trl.algorithm`'s objective (itself tested against the paper in test_algorithm.py)."""
+    per_token = dapo_token_loss(logps, batch["old_per_token_logps"], batch["advantages"], 0.2, 0.28, clip_ratio_c)
+    return dapo_objective(per_token, batch["completion_mask"], num_loss_tokens)
 
 
 def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
@@ -89,15 +90,41 @@ def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
 
 
 @pytest.mark.parametrize("clip_ratio_c", [None, 1.5, 3.0])
-def test_loss_equals_paper_formula(tmp_path, model_dir, clip_ratio_c):
-    config = DAPOConfig(**common_args(tmp_path, clip_ratio_c=clip_ratio_c))
-    trainer = make_trainer(DAPOTrainer, config, model_dir)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("padding_free", [False, True], ids=["padded", "packed"])
+def test_loss_is_the_library_objective(tmp_path, model_dir, padding_free, temperature, clip_ratio_c):
+    overrides = {"clip_ratio_c": clip_ratio_c, "padding_free": padding_free, "temperature": temperature}
+    trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path, **overrides)), model_dir)
+    assert (trainer._packing is not None) == padding_free  # the packed forward really runs (sdpa packs rows)
     batch = fixed_batch(trainer.model.config.vocab_size, trainer.model, ratio_noise=0.8)
     got = trainer.compute_loss(trainer.model, dict(batch))
-    expected = paper_loss(trainer.model, batch, 0.2, 0.28, clip_ratio_c)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        logps = token_logps(trainer.model, batch, temperature)
+    torch.testing.assert_close(got.detach(), library_objective(logps, batch, clip_ratio_c), atol=1e-5, rtol=1e-5)
     if clip_ratio_c == 1.5:  # the cap must actually bind in this batch, or the test proves nothing
-        assert not torch.allclose(expected, paper_loss(trainer.model, batch, 0.2, 0.28, None))
+        assert not torch.allclose(library_objective(logps, batch, 1.5), library_objective(logps, batch, None))
+    if temperature != 1.0:  # and the temperature must matter
+        assert not torch.allclose(library_objective(token_logps(trainer.model, batch), batch, clip_ratio_c), got)
+
+
+@pytest.mark.e2e
+def test_loss_on_two_processes_is_the_library_objective(tmp_path):
+    """Each process's loss on its half of one batch, normalised by every process's tokens (Eq. 11): their mean (DDP
+    averages the gradients) is the objective over the whole batch, padded and packed, at temperature 1 and 0.7."""
+    run_command(python_command(LOSS_SCRIPT, str(tmp_path), num_processes=2))
+    batch = torch.load(tmp_path / "batch.pt")
+    losses = [torch.load(tmp_path / f"loss_rank{rank}.pt") for rank in range(2)]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
+    assert sorted(losses[0]) == ["packed-t0.7", "packed-t1.0", "padded-t0.7", "padded-t1.0"]
+    for case in losses[0]:
+        temperature = float(case.split("-t")[1])
+        batch["old_per_token_logps"] = torch.load(tmp_path / f"old_{case}.pt")
+        with torch.no_grad():
+            logps = token_logps(model, batch, temperature)
+        expected = library_objective(logps, batch, clip_ratio_c=1.5)
+        got = (losses[0][case] + losses[1][case]) / 2
+        assert abs(got - expected.item()) < 1e-5, (case, got, expected.item())
+        assert abs(losses[0][case] - losses[1][case]) > 1e-4  # two different halves: each process computed its own
 
 
 @pytest.mark.parametrize("clip_ratio_c", [None, 3.0, 10.0])
@@ -115,13 +142,7 @@ def test_extreme_log_ratios_are_clamped_like_verl(tmp_path, model_dir, clip_rati
     grads = [parameter.grad for parameter in trainer.model.parameters() if parameter.grad is not None]
     assert torch.isfinite(loss) and grads and all(torch.isfinite(grad).all() for grad in grads)
     with torch.no_grad():  # verl: ratio = exp(clamp(log pi - log pi_old, -20, 20)), then the clipped surrogate
-        ratio = torch.exp(torch.clamp(token_logps(trainer.model, batch) - batch["old_per_token_logps"], -20, 20))
-        advantage = batch["advantages"][:, None]
-        per_token = -torch.minimum(ratio * advantage, torch.clamp(ratio, 0.8, 1.28) * advantage)
-        if clip_ratio_c is not None:
-            per_token = torch.where(advantage < 0, torch.minimum(per_token, -advantage * clip_ratio_c), per_token)
-        mask = batch["completion_mask"].float()
-        expected = (per_token * mask).sum() / mask.sum()
+        expected = library_objective(token_logps(trainer.model, batch), batch, clip_ratio_c)
     torch.testing.assert_close(loss.detach(), expected, atol=1e-5, rtol=1e-5)
     assert expected.abs() > 1e6 or clip_ratio_c is not None  # the bound binds: exp(20) |A| enters the loss
 
