@@ -94,7 +94,7 @@ def evaluate_with_validation(
     1. a dict goes straight to it: `Trainer.evaluate` calls `evaluate` back once per key with the prefix
        `{prefix}_{key}`, so each set gets both parts below under its own prefix;
     2. `validate` samples and scores the set (nothing when its rows carry no `solution` or the accuracy reward
-       is a model) and its metrics are queued in `trainer._metrics["eval"]`;
+       is a model) and its metrics are queued in TRL's pending eval metrics (`trl_seam.metrics`);
     3. TRL's evaluation runs: its eval loop calls `GRPOTrainer.prediction_step` per batch (generation with
        `num_generations_eval` and the training sampling parameters, every reward function or model, sync or async,
        the loss), then logs once. GRPOTrainer's `log` averages `_metrics["eval"]` into that log entry, prefixed
