@@ -393,7 +393,7 @@ class DAPOConfig(GRPOConfig):
         if self.kl_in_reward_coef < 0:
             raise ValueError(f"kl_in_reward_coef={self.kl_in_reward_coef} must be >= 0 (verl's default 0.001).")
         if self.sync_ref_model and self.beta == 0.0:
-            raise ValueError("sync_ref_model with kl_in_reward needs beta > 0 (TRL syncs its KL loss's reference only).")
+            raise ValueError("sync_ref_model with kl_in_reward needs beta > 0 (TRL syncs only its KL loss' reference).")
         if self.kl_in_reward_controller not in ("fixed", "adaptive"):
             raise ValueError(f"kl_in_reward_controller={self.kl_in_reward_controller!r} must be 'fixed' or 'adaptive'.")
         if self.kl_in_reward_target <= 0 or self.kl_in_reward_horizon < 1:

@@ -2,7 +2,7 @@
 
 from .gate import ExecutionGate, TokenBucket
 from .local_sandbox import LocalSandbox
-from .sandbox import ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, SandboxUnavailable
+from .sandbox_base import ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, SandboxUnavailable
 
 __all__ = [
     "ExecutionGate",

@@ -13,7 +13,7 @@ import time
 import uuid
 from pathlib import Path
 
-from .sandbox import SandboxLimits
+from .sandbox_base import SandboxLimits
 
 logger = logging.getLogger("dapo_trl.tools.sandbox")
 

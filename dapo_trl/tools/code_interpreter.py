@@ -12,7 +12,7 @@ from collections import Counter, defaultdict, deque
 from collections.abc import Callable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 
-from .sandbox import ExecutionResult, ExecutionStatus, Sandbox
+from .sandbox_base import ExecutionResult, ExecutionStatus, Sandbox
 
 TOOL_NAME = "code_interpreter"
 DEFAULT_MAX_OUTPUT_CHARS = 1024
@@ -156,7 +156,8 @@ def build_code_interpreter(
     max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
 ) -> CodeInterpreter:
     """The code interpreter over a local sandbox or a remote SandboxFusion service, with ReTool's defaults."""
-    from .sandbox import LocalSandbox, SandboxLimits
+    from .local_sandbox import LocalSandbox
+    from .sandbox_base import SandboxLimits
 
     limits = SandboxLimits(timeout_s=timeout_s, memory_mb=memory_mb)
     if backend == "local":

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from .cgroups import Cgroups
 from .interpreter_paths import closed_to_others, hidden_dirs, interpreter_dirs, resolve_python
-from .sandbox import (
+from .sandbox_base import (
     RUNNER_SOURCE,
     ExecutionResult,
     ExecutionStatus,

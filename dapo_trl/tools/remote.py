@@ -20,7 +20,15 @@ from typing import Any
 import requests
 
 from ..utils.http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, checked_service_path
-from .sandbox import RUNNER_SOURCE, ExecutionResult, ExecutionStatus, Sandbox, SandboxLimits, _last_line, _signal_name
+from .sandbox_base import (
+    RUNNER_SOURCE,
+    ExecutionResult,
+    ExecutionStatus,
+    Sandbox,
+    SandboxLimits,
+    _last_line,
+    _signal_name,
+)
 
 logger = logging.getLogger(__name__)
 

@@ -3,40 +3,9 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
+from .plans import BatchPlan
 from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
-
-
-@dataclass(frozen=True)
-class BatchPlan:
-    """verl's batch sizes as TRL's layout (see `plan_batches`)."""
-
-    world_size: int
-    num_generations: int
-    train_batch_size: int
-    ppo_mini_batch_size: int
-    ppo_epochs: int
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    steps_per_generation: int
-    max_tokens_per_microbatch: int | None
-    filter_groups_oversample: int
-    notes: tuple[str, ...] = ()
-    errors: tuple[str, ...] = ()
-
-    @property
-    def updates_per_rollout(self) -> int:
-        """Optimizer steps per verl rollout step (one generation batch): K = train / mini x ppo_epochs."""
-        return self.steps_per_generation // self.gradient_accumulation_steps * self.ppo_epochs
-
-    @property
-    def responses_per_update(self) -> int:
-        return self.per_device_train_batch_size * self.world_size * self.gradient_accumulation_steps
-
-    @property
-    def responses_per_rollout(self) -> int:
-        return self.per_device_train_batch_size * self.world_size * self.steps_per_generation
 
 
 def _largest_divisor_at_most(number: int, limit: int) -> int:

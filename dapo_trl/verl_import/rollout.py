@@ -3,48 +3,13 @@
 from __future__ import annotations
 
 import os
-import shlex
-from dataclasses import dataclass, field
 from pathlib import Path
 
+from .plans import VLLMServer
 from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field, _show
 
 # Greedy validation (verl's val_kwargs temperature 0 / do_sample False): vLLM samples greedily below 1e-5.
 GREEDY_TEMPERATURE = 1e-6
-
-
-@dataclass
-class VLLMServer:
-    """The vLLM server for the rollout settings, as scripts/start_vllm_server.sh and `trl vllm-serve` take it."""
-
-    model: str
-    tensor_parallel_size: int
-    data_parallel_size: int
-    gpu_memory_utilization: float
-    max_model_len: int
-    dtype: str
-    extra_args: list[str] = field(default_factory=list)
-
-    def environment(self) -> dict[str, str]:
-        return {
-            "MODEL_PATH": self.model,
-            "TP": str(self.tensor_parallel_size),
-            "DP": str(self.data_parallel_size),
-            "GPU_MEMORY_UTILIZATION": f"{self.gpu_memory_utilization:g}",
-            "MAX_MODEL_LEN": str(self.max_model_len),
-            "DTYPE": self.dtype,
-        }
-
-    def script_command(self) -> str:
-        assignments = [f"{name}={shlex.quote(value)}" for name, value in self.environment().items()]
-        return " ".join([*assignments, "scripts/start_vllm_server.sh", *map(shlex.quote, self.extra_args)])
-
-    def trl_command(self) -> str:
-        return (
-            f"trl vllm-serve --model {shlex.quote(self.model)} --tensor_parallel_size {self.tensor_parallel_size} "
-            f"--data_parallel_size {self.data_parallel_size} --gpu_memory_utilization "
-            f"{self.gpu_memory_utilization:g} --max_model_len {self.max_model_len} --dtype {self.dtype}"
-        )
 
 
 def map_rollout(t: Translation) -> None:

@@ -8,14 +8,10 @@ import fnmatch
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .hydra import VerlInput
-
-if TYPE_CHECKING:
-    from .batches import BatchPlan
-    from .rollout import VLLMServer
-
+from .plans import BatchPlan, VLLMServer
 
 MAPPED, APPROXIMATED, UNSUPPORTED, NOT_NEEDED = "mapped", "approximated", "unsupported", "not needed"
 
