@@ -1,6 +1,7 @@
 """Train with DAPO: `accelerate launch train_dapo.py --loss_type dapo ...` or `python train_dapo.py --config x.yaml`.
 
-Every GRPOConfig / DAPOConfig / ModelConfig field is a flag; `python train_dapo.py --help` lists them.
+Every GRPOConfig / DAPOConfig / ModelConfig field is a flag, and `--config RECIPE.yaml` reads them from a YAML
+recipe (configs/dapo_tiny.yaml); `python train_dapo.py --help` lists them.
 """
 
 import sys

@@ -1,4 +1,7 @@
-"""Shared helpers for the end-to-end tests: launching scripts with one or several real processes."""
+"""Helpers shared by several test modules (a test module imports from here, never from another test module):
+launching scripts with one or several real processes, a tiny DAPOConfig, the fixed-batch layouts of
+tests/scripts/denominator_run.py with their Eq. 11 reference gradient, the records of
+tests/scripts/dynamic_sampling_run.py, and a scripted stub HTTP server."""
 
 import json
 import os
@@ -6,12 +9,15 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import defaultdict
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import torch
+
     from dapo_trl.config import DAPOConfig
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,6 +83,77 @@ def tiny_config(output_dir: str | Path, **overrides: Any) -> "DAPOConfig":
     from dapo_trl import DAPOConfig  # lazily: the process-launching helpers above need no torch / TRL
 
     return DAPOConfig(output_dir=str(output_dir), **{**TINY_CONFIG_DEFAULTS, **overrides})
+
+
+# ------------------------------------------------------------------- fixed-batch layouts (denominator_run.py)
+DENOMINATOR_SCRIPT = str(SCRIPTS / "denominator_run.py")
+
+
+def run_layout(tmp_path, processes: int, accumulation: int, steps_per_generation: int, *overrides: str, **launch):
+    """One optimizer step in the given layout (extra `key=value` DAPOConfig overrides); (update, rows, model dir)."""
+    import torch
+
+    out = tmp_path / "_".join([f"p{processes}k{accumulation}s{steps_per_generation}", *overrides]).replace("=", "-")
+    arguments = [str(out), str(accumulation), str(steps_per_generation), *overrides]
+    run_command(python_command(DENOMINATOR_SCRIPT, *arguments, num_processes=processes, **launch))
+    delta = torch.load(out / "delta.pt")
+    rows = []
+    for rank in range(processes):
+        for micro_batch in torch.load(out / f"rows_rank{rank}.pt")["rows"]:
+            rows.extend(micro_batch)
+    return delta, rows, out / "model"
+
+
+def reference_gradient(model_dir, rows: list[int], inert: list[bool] | None = None) -> "dict[str, torch.Tensor]":
+    """Eq. 11's gradient over `rows` of the fixed batch (repeats allowed); rows marked `inert` have advantage 0 but
+    their tokens still count in the denominator."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .scripts.denominator_run import fixed_global_batch
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    batch = fixed_global_batch(model.config.vocab_size)
+    select = torch.tensor(rows)
+    prompt_ids, completion_ids = batch["prompt_ids"][select], batch["completion_ids"][select]
+    mask = (batch["completion_mask"][select] * batch["tool_mask"][select]).float()
+    advantages = batch["advantages"][select]
+    if inert is not None:
+        advantages = advantages.masked_fill(torch.tensor(inert), 0.0)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention = torch.cat([batch["prompt_mask"][select], batch["completion_mask"][select]], dim=1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_ids.size(1) - 1 : -1]
+    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    objective = (advantages[:, None] * logps * mask).sum() / mask.sum()
+    (-objective).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_update_is_minus_gradient(delta, gradient):
+    import torch
+
+    for name, grad in gradient.items():
+        torch.testing.assert_close(delta[name], -grad, atol=2e-5, rtol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# ---------------------------------------------------------------------- dynamic_sampling_run.py's records
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def trained_by_step(out, processes: int = 1) -> dict[int, list[tuple[str, float, int]]]:
+    """(prompt, advantage, active tokens) of every trained row, per optimizer step, over all processes."""
+    steps = defaultdict(list)
+    for rank in range(processes):
+        for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
+            rows = zip(record["prompts"], record["advantages"], record["active_tokens"], strict=True)
+            steps[record["step"]].extend(rows)
+    return dict(steps)
+
+
+def step_metrics(out) -> list[dict]:
+    """The logged entries of optimizer steps that carry dynamic-sampling metrics."""
+    return [entry for entry in json.loads((out / "log_history.json").read_text()) if "dynamic_sampling/rounds" in entry]
 
 
 # ------------------------------------------------------------------------------------------ stub HTTP server

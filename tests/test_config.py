@@ -1,10 +1,11 @@
-"""DAPOConfig defaults, validation messages, and the command-line / YAML surface."""
+"""DAPOConfig (dapo_trl/config.py): defaults, validation messages, GRPOConfig compatibility.
+
+Its flags and YAML recipes on the command line are tests/test_cli_arguments.py's."""
 
 import pytest
-from trl import GRPOConfig, ModelConfig, TrlParser
+from trl import GRPOConfig
 
 from dapo_trl import DAPOConfig
-from dapo_trl.cli import DAPOScriptArguments
 
 
 def make(tmp_path, **overrides):
@@ -78,83 +79,3 @@ def test_entropy_coeff_alias(tmp_path):
 def test_overlong_penalty_can_be_switched_off_with_any_buffer(tmp_path):
     config = make(tmp_path, apply_overlong_penalty=False, max_completion_length=8, overlong_buffer_len=100)
     assert not config.apply_overlong_penalty
-
-
-ORIGINAL_FLAGS = [
-    "--model_name_or_path",
-    "m",
-    "--dataset_name",
-    "d",
-    "--output_dir",
-    "OUT",
-    "--num_train_epochs",
-    "2",
-    "--per_device_train_batch_size",
-    "8",
-    "--gradient_accumulation_steps",
-    "2",
-    "--learning_rate",
-    "2e-6",
-    "--num_generations",
-    "4",
-    "--epsilon",
-    "0.2",
-    "--epsilon_high",
-    "0.3",
-    "--loss_type",
-    "bnpo",
-    "--temperature",
-    "0.9",
-    "--top_p",
-    "0.95",
-    "--max_prompt_length",
-    "128",
-    "--max_completion_length",
-    "256",
-    "--overlong_buffer_len",
-    "64",
-    "--overlong_penalty_factor",
-    "0.5",
-    "--apply_overlong_penalty",
-    "false",
-    "--filter_groups_enable",
-    "true",
-    "--max_filter_gen_batches",
-    "5",
-    "--beta",
-    "0.001",
-    "--entropy_coeff",
-    "0.001",
-    "--max_grad_norm",
-    "0.5",
-    "--bf16",
-    "false",
-    "--report_to",
-    "none",
-]
-
-
-def parse(argv):
-    return TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig)).parse_args_and_config(args=argv)
-
-
-def test_every_original_flag_parses(tmp_path):
-    argv = [str(tmp_path) if a == "OUT" else a for a in ORIGINAL_FLAGS]
-    script, config, model = parse(argv)
-    assert model.model_name_or_path == "m" and script.dataset_name == "d"
-    assert config.loss_type == "bnpo" and config.epsilon_high == 0.3 and config.top_p == 0.95
-    assert config.max_prompt_length == 128 and config.overlong_buffer_len == 64
-    assert config.apply_overlong_penalty is False and config.filter_groups_enable is True
-    assert config.max_filter_gen_batches == 5 and config.entropy_coef == 0.001 and config.beta == 0.001
-    assert config.gradient_accumulation_steps == 2 and config.num_train_epochs == 2
-
-
-def test_yaml_config_file(tmp_path):
-    yaml_file = tmp_path / "recipe.yaml"
-    yaml_file.write_text(
-        f"output_dir: {tmp_path}\nepsilon_high: 0.25\nmax_completion_length: 128\noverlong_buffer_len: 32\n"
-        "clip_ratio_c: 10.0\nreport_to: none\nbf16: false\n"
-    )
-    _, config, _ = parse(["--config", str(yaml_file), "--epsilon", "0.15"])
-    assert config.epsilon_high == 0.25 and config.epsilon == 0.15 and config.delta == 10.0
-    assert config.overlong_buffer_len == 32

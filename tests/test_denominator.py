@@ -7,51 +7,11 @@ The reference is paper Eq. 11 written out: at the first step r = 1, so the gradi
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from .helpers import SCRIPTS, python_command, run_command
+from .helpers import assert_update_is_minus_gradient, reference_gradient, run_layout
 from .scripts.denominator_run import fixed_global_batch
 
 pytestmark = pytest.mark.e2e
-SCRIPT = str(SCRIPTS / "denominator_run.py")
-
-
-def reference_gradient(model_dir, rows: list[int], inert: list[bool] | None = None) -> dict[str, torch.Tensor]:
-    """Eq. 11's gradient over `rows` of the fixed batch (repeats allowed); rows marked `inert` have advantage 0 but
-    their tokens still count in the denominator."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    batch = fixed_global_batch(model.config.vocab_size)
-    select = torch.tensor(rows)
-    prompt_ids, completion_ids = batch["prompt_ids"][select], batch["completion_ids"][select]
-    mask = (batch["completion_mask"][select] * batch["tool_mask"][select]).float()
-    advantages = batch["advantages"][select]
-    if inert is not None:
-        advantages = advantages.masked_fill(torch.tensor(inert), 0.0)
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention = torch.cat([batch["prompt_mask"][select], batch["completion_mask"][select]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_ids.size(1) - 1 : -1]
-    logps = torch.log_softmax(logits.float(), dim=-1).gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    objective = (advantages[:, None] * logps * mask).sum() / mask.sum()
-    (-objective).backward()
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
-
-
-def run_layout(tmp_path, processes: int, accumulation: int, steps_per_generation: int, *overrides: str, **launch):
-    """One optimizer step in the given layout (extra `key=value` DAPOConfig overrides); (update, rows, model dir)."""
-    out = tmp_path / "_".join([f"p{processes}k{accumulation}s{steps_per_generation}", *overrides]).replace("=", "-")
-    arguments = [str(out), str(accumulation), str(steps_per_generation), *overrides]
-    run_command(python_command(SCRIPT, *arguments, num_processes=processes, **launch))
-    delta = torch.load(out / "delta.pt")
-    rows = []
-    for rank in range(processes):
-        for micro_batch in torch.load(out / f"rows_rank{rank}.pt")["rows"]:
-            rows.extend(micro_batch)
-    return delta, rows, out / "model"
-
-
-def assert_update_is_minus_gradient(delta, gradient):
-    for name, grad in gradient.items():
-        torch.testing.assert_close(delta[name], -grad, atol=2e-5, rtol=2e-3, msg=lambda m, n=name: f"{n}: {m}")
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from .helpers import REPO, SCRIPTS, python_command, run_command
+from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command, step_metrics, trained_by_step
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(SCRIPTS / "dynamic_sampling_run.py")
@@ -19,24 +19,6 @@ def run(out, per_device: int, steps: int, *overrides: str, processes: int = 1):
     return run_command(
         python_command(SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes)
     )
-
-
-def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def trained_by_step(out, processes: int = 1) -> dict[int, list[tuple[str, float, int]]]:
-    """(prompt, advantage, active tokens) of every trained row, per optimizer step, over all processes."""
-    steps = defaultdict(list)
-    for rank in range(processes):
-        for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
-            rows = zip(record["prompts"], record["advantages"], record["active_tokens"], strict=True)
-            steps[record["step"]].extend(rows)
-    return dict(steps)
-
-
-def step_metrics(out) -> list[dict]:
-    return [entry for entry in json.loads((out / "log_history.json").read_text()) if "dynamic_sampling/rounds" in entry]
 
 
 @pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "IterableDataset"])

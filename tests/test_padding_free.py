@@ -1,10 +1,10 @@
 """Padding-free training (the default) gives the same parameter update as TRL's padded micro-batches.
 
-The fixed-batch layouts of test_denominator (plain SGD, lr 1: the update is minus the gradient) run once with
-`padding_free=false` (TRL's padded micro-batches) and once padding-free, packed rows, with and without a token budget
-that splits micro-batches into several backward passes; prompts are left-padded to different lengths and a third
-of the rows carry a masked tool reply. Dynamic sampling runs with groups straddling two processes compare the final
-weights and the logged metrics.
+The fixed-batch layouts of test_denominator (`run_layout` in tests/helpers.py: plain SGD, lr 1, so the update is minus
+the gradient) run once with `padding_free=false` (TRL's padded micro-batches) and once padding-free, packed rows, with
+and without a token budget that splits micro-batches into several backward passes; prompts are left-padded to
+different lengths and a third of the rows carry a masked tool reply. Dynamic sampling runs with groups straddling two
+processes compare the final weights and the logged metrics.
 """
 
 import json
@@ -12,8 +12,7 @@ import json
 import pytest
 import torch
 
-from .helpers import SCRIPTS, python_command, run_command
-from .test_denominator import run_layout
+from .helpers import SCRIPTS, python_command, run_command, run_layout
 
 pytestmark = pytest.mark.e2e
 LOGGED = ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")

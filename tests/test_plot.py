@@ -223,14 +223,10 @@ def test_importing_the_package_does_not_import_matplotlib():
 
 
 def test_plot_flag_parses():
-    from trl import ModelConfig, TrlParser
+    from dapo_trl.cli import DAPOParser
 
-    from dapo_trl import DAPOConfig
-    from dapo_trl.cli import DAPOScriptArguments
-
-    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig))
-    assert parser.parse_args_and_config(args=["--output_dir", "x"])[0].plot is True
-    assert parser.parse_args_and_config(args=["--output_dir", "x", "--plot", "false"])[0].plot is False
+    assert DAPOParser().parse_args_and_config(args=["--output_dir", "x"])[0].plot is True
+    assert DAPOParser().parse_args_and_config(args=["--output_dir", "x", "--plot", "false"])[0].plot is False
 
 
 def test_a_plotting_failure_only_warns(tmp_path, monkeypatch, caplog, capsys):

@@ -37,9 +37,9 @@ def test_pass_at_k_matches_brute_force(n):
 
 
 def test_pass_at_k_rejects_nonsense():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 0 <= c <= n and 1 <= k <= n, got n=4, c=5, k=1"):
         pass_at_k(4, 5, 1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"need 0 <= c <= n and 1 <= k <= n, got n=4, c=1, k=0"):
         pass_at_k(4, 1, 0)
 
 

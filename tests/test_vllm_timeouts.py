@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from dapo_trl.utils.http import TimeoutAdapter
 from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts, make_timeout_backend
+from dapo_trl.utils.http import TimeoutAdapter
 
 from .helpers import StubServer
 

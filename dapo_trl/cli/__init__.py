@@ -1,13 +1,13 @@
 """The training command line (`train_dapo.py`, `dapo-train`, `python -m dapo_trl.cli`).
 
-- `arguments`: the script's own flags (`DAPOScriptArguments`); model flags are TRL's `ModelConfig`, training flags
-  `DAPOConfig`;
+- `arguments`: the script's own flags (`DAPOScriptArguments`; model flags are TRL's `ModelConfig`, training flags
+  `DAPOConfig`) and `DAPOParser`, which reads all three from the command line or a YAML `--config` recipe;
 - `components`: `--reward_funcs`, `--tools` and `--tool_config` turned into reward callables and tool functions;
 - `run_summary`: the end-of-run metrics table and `--plot` charts;
 - `train`: model loading and `main`.
 """
 
-from .arguments import TOOL_NAMES, DAPOScriptArguments
+from .arguments import RECIPE_HELP, TOOL_NAMES, DAPOParser, DAPOScriptArguments
 from .components import TOOL_CONFIG_FIELDS, UserFacingError, apply_tool_config, build_tools, resolve_reward_function
 from .run_summary import LEADING_SUMMARY_METRICS, SUMMARY_METRICS, print_summary, summary_columns, write_charts
 from .train import BUILTIN_TINY_MODEL, TRL_DEPRECATED_CALLS, load_model_and_tokenizer, main, resolve_chat_template
@@ -15,10 +15,12 @@ from .train import BUILTIN_TINY_MODEL, TRL_DEPRECATED_CALLS, load_model_and_toke
 __all__ = [
     "BUILTIN_TINY_MODEL",
     "LEADING_SUMMARY_METRICS",
+    "RECIPE_HELP",
     "SUMMARY_METRICS",
     "TOOL_CONFIG_FIELDS",
     "TOOL_NAMES",
     "TRL_DEPRECATED_CALLS",
+    "DAPOParser",
     "DAPOScriptArguments",
     "UserFacingError",
     "apply_tool_config",

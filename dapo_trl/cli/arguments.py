@@ -1,13 +1,18 @@
 """The script's own flags (`DAPOScriptArguments`): data, rewards, tools, chat template and charts. Model flags come
-from TRL's ModelConfig, training flags from DAPOConfig; `TrlParser` reads all three from the command line or a YAML
-`--config`."""
+from TRL's ModelConfig, training flags from DAPOConfig; `DAPOParser` (TRL's `TrlParser`) reads all three from the
+command line or a YAML `--config` recipe."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
-from trl import ScriptArguments
+from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..config import DAPOConfig
 from ..data import BUILTIN_ARITHMETIC
 from ..rewards import REWARD_FUNCTIONS
 
@@ -122,3 +127,41 @@ class DAPOScriptArguments(ScriptArguments):
             "--plot false to skip."
         },
     )
+
+
+RECIPE_HELP = (
+    "A YAML recipe whose keys are any of the flags below without their dashes (max_steps: 4), such as "
+    "configs/dapo_tiny.yaml or the recipe.yaml that python -m dapo_trl.from_verl writes; an 'env:' mapping in it "
+    "sets environment variables. Flags given on the command line override it."
+)
+
+
+class DAPOParser(TrlParser):
+    """The command line's parser: TRL's `TrlParser` over (DAPOScriptArguments, DAPOConfig, ModelConfig), with
+    abbreviations refused (a typo such as --epsilon_hi must fail, not silently set epsilon_high) and `--config`
+    listed in --help.
+
+    `parse_args_and_config` returns (script_args, training_args, model_args)."""
+
+    def __init__(self) -> None:
+        super().__init__((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
+        # TrlParser reads --config itself and takes it out of the arguments before argparse sees them, but never
+        # declares it, so --help did not list it. Declared here for the help, first after -h; SUPPRESS keeps it off
+        # the parsed namespace, which HfArgumentParser would otherwise return as a fourth value.
+        action = self.add_argument("--config", metavar="RECIPE.yaml", default=argparse.SUPPRESS, help=RECIPE_HELP)
+        for actions in (self._actions, self._optionals._group_actions):
+            actions.remove(action)
+            actions.insert(1, action)
+
+    def parse_args_and_config(self, args: Iterable[str] | None = None, **kwargs: Any) -> tuple[Any, ...]:
+        words = list(sys.argv[1:] if args is None else args)
+        # TrlParser looks for the word `--config` only: `--config=recipe.yaml` becomes the two words it reads.
+        words = [part for word in words for part in (word.split("=", 1) if word.startswith("--config=") else [word])]
+        if words and words[-1] == "--config":
+            self.error("argument --config: expected the path of a YAML recipe")
+        return super().parse_args_and_config(words, **kwargs)
+
+    def set_defaults_with_config(self, **kwargs: Any) -> list[str]:
+        if "config" in kwargs:
+            raise ValueError("a recipe cannot name another recipe: remove its 'config' key")
+        return super().set_defaults_with_config(**kwargs)

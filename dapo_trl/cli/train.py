@@ -1,8 +1,7 @@
-"""`train_dapo.py` / `dapo-train` / `python -m dapo_trl.cli`: TRL's parser over (script, DAPOConfig, ModelConfig)
-flags or a YAML `--config`, model loading, and `main`.
+"""`train_dapo.py` / `dapo-train` / `python -m dapo_trl.cli`: model loading and `main`.
 
-The script's flags are `arguments`, reward and tool resolution `components`, the end-of-run table and charts
-`run_summary`.
+The flags and their parser (`DAPOParser`: script, DAPOConfig and ModelConfig flags or a YAML `--config`) are
+`arguments`, reward and tool resolution `components`, the end-of-run table and charts `run_summary`.
 """
 
 from __future__ import annotations
@@ -14,11 +13,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trl import ModelConfig, TrlParser, get_peft_config
+from trl import ModelConfig, get_peft_config
 
 from ..config import DAPOConfig
 from ..data import DatasetLoadError, load_prompt_dataset
-from .arguments import DAPOScriptArguments
+from .arguments import DAPOParser
 from .components import UserFacingError, build_tools, resolve_reward_function
 from .run_summary import print_summary, write_charts
 
@@ -82,10 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     # FutureWarning per step that no flag can fix. A user's own deprecated --gradient_checkpointing still warns.
     warnings.filterwarnings("ignore", message=TRL_DEPRECATED_CALLS, category=FutureWarning)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    # No abbreviations: a typo such as --epsilon_hi must fail, not silently set epsilon_high.
-    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
     try:
-        script_args, training_args, model_args = parser.parse_args_and_config(args=argv)
+        script_args, training_args, model_args = DAPOParser().parse_args_and_config(args=argv)
     except ValueError as error:  # DAPOConfig validation: the message names the field and the fix
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -25,8 +25,8 @@ from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.training.steps import SkipEmptySteps
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.training.steps import SkipEmptySteps
 
 NUM_GENERATIONS = 4
 SCRIPT_OPTIONS = {"constant_from_step": None, "reward": "parity"}

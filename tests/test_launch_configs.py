@@ -1,7 +1,11 @@
-"""The shipped accelerate / DeepSpeed configs load, say what their names say, and run_dapo.sh wires them."""
+"""The launch configs (configs/accelerate/*.yaml, configs/deepspeed/*.json) load and say what their names say, and
+run_dapo.sh wires them into the `accelerate launch train_dapo.py` command it runs.
+
+The YAML training recipes in configs/ (`train_dapo.py --config`) are tests/test_cli_arguments.py's."""
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -24,7 +28,11 @@ def test_accelerate_configs_load_and_point_to_existing_deepspeed_files(path):
         assert deepspeed_file.exists()
         assert json.loads(deepspeed_file.read_text())["zero_optimization"]["stage"] == 3
         assert ("offload" in path.stem) == ("offload" in deepspeed_file.stem)
+    else:  # no DeepSpeed in the name: none in the config
+        assert config.distributed_type == "NO" and "deepspeed_config" not in raw
     assert config.num_machines == (2 if "2nodes" in path.stem else 1)
+    gpus = re.search(r"(\d+)gpu", path.stem)  # zero3_2nodes_16gpu: 16 processes in all; single_gpu: 1
+    assert config.num_processes == (int(gpus.group(1)) if gpus else 1)
 
 
 @pytest.mark.parametrize("path", DEEPSPEED_CONFIGS, ids=lambda p: p.stem)
@@ -87,13 +95,9 @@ def test_run_dapo_multi_node_with_a_vllm_server():
 
 def parsed_config(words: list[str]):
     """The DAPOConfig train_dapo.py would build from a dry run's command line."""
-    from trl import ModelConfig, TrlParser
+    from dapo_trl.cli import DAPOParser
 
-    from dapo_trl.cli import DAPOScriptArguments
-    from dapo_trl.config import DAPOConfig
-
-    parser = TrlParser((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
-    _, config, _ = parser.parse_args_and_config(args=words[words.index("train_dapo.py") + 1 :])
+    _, config, _ = DAPOParser().parse_args_and_config(args=words[words.index("train_dapo.py") + 1 :])
     return config
 
 
