@@ -44,8 +44,8 @@ from .sandbox_base import (
     Sandbox,
     SandboxLimits,
     SandboxUnavailable,
-    _last_line,
-    _signal_name,
+    last_line,
+    signal_name,
 )
 
 logger = logging.getLogger("dapo_trl.tools.sandbox")
@@ -123,8 +123,8 @@ class LocalSandbox(Sandbox):
         if result.ok and result.stdout == "1\n":
             return
         notes = [result.message or f"{PROBE!r} printed {result.stdout!r}"]
-        if _last_line(result.stderr) not in notes[0]:
-            notes.append(_last_line(result.stderr))
+        if last_line(result.stderr) not in notes[0]:
+            notes.append(last_line(result.stderr))
         where = ""
         if "mount_namespace" in result.layers:
             hidden = ", ".join([*PRIVATE_PATHS, *self.mask_paths])
@@ -305,12 +305,12 @@ class LocalSandbox(Sandbox):
         elif memory_hit and (sig == signal.SIGKILL or exit_code):
             result.status = ExecutionStatus.MEMORY
             result.message = f"memory limit of {limits.memory_mb} MB exceeded"
-        elif exit_code and _last_line(err).startswith("MemoryError"):
+        elif exit_code and last_line(err).startswith("MemoryError"):
             result.status = ExecutionStatus.MEMORY
             result.message = f"memory limit of {limits.memory_mb} MB exceeded (MemoryError)"
         elif sig is not None:
             result.status = ExecutionStatus.KILLED
-            result.message = f"the program was killed by {_signal_name(sig)}"
+            result.message = f"the program was killed by {signal_name(sig)}"
         elif exit_code is None:
             result.status = ExecutionStatus.SANDBOX_ERROR
             result.message = "the sandbox ended without reporting the program's status"

@@ -26,8 +26,8 @@ from .sandbox_base import (
     ExecutionStatus,
     Sandbox,
     SandboxLimits,
-    _last_line,
-    _signal_name,
+    last_line,
+    signal_name,
 )
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ class RemoteSandbox(Sandbox):
         server_message = _text(payload.get("message")).strip()
         if top == "SandboxError" or run_status == "Error":
             result.status = ExecutionStatus.SANDBOX_ERROR
-            detail = server_message or _last_line(stderr) or "no message"
+            detail = server_message or last_line(stderr) or "no message"
             result.message = f"sandbox service at {self.url} reported SandboxError: {detail}"
         elif top not in ("Success", "Failed"):
             raise _Fatal(f"the reply has an unknown status {top!r}")
@@ -200,13 +200,13 @@ class RemoteSandbox(Sandbox):
                 f"sandbox service at {self.url} returned no exit status (status {top!r}, run status {run_status!r}"
                 + (f": {server_message})" if server_message else ")")
             )
-        elif code != 0 and _last_line(stderr).startswith("MemoryError"):
+        elif code != 0 and last_line(stderr).startswith("MemoryError"):
             result.status = ExecutionStatus.MEMORY
             result.message = f"memory limit of {limits.memory_mb} MB exceeded (MemoryError)"
         elif code < 0 or 128 < code <= 128 + 64:
             result.status = ExecutionStatus.KILLED
             result.signal = -code if code < 0 else code - 128
-            result.message = f"the program was killed by {_signal_name(result.signal)}"
+            result.message = f"the program was killed by {signal_name(result.signal)}"
             if result.signal == signal.SIGKILL:
                 result.message += f" (possibly for exceeding the memory limit of {limits.memory_mb} MB)"
         elif code != 0:

@@ -124,12 +124,12 @@ class Sandbox(abc.ABC):
         """Release what the backend holds (cgroup directories, sessions)."""
 
 
-def _last_line(text: str) -> str:
+def last_line(text: str) -> str:
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else ""
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
     try:
         name = signal.Signals(number).name
     except ValueError:

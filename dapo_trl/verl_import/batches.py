@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from .plans import BatchPlan
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, as_boolean, recipe_line
 
 
 def _largest_divisor_at_most(number: int, limit: int) -> int:
@@ -108,7 +108,7 @@ def map_batches(t: Translation) -> BatchPlan:
     train = int(t.value("data.train_batch_size"))
     mini = int(t.value(actor + "ppo_mini_batch_size"))
     epochs = int(t.value(actor + "ppo_epochs"))
-    dynamic = _boolean(t.value(actor + "use_dynamic_bsz"))
+    dynamic = as_boolean(t.value(actor + "use_dynamic_bsz"))
     budget = int(t.value(actor + "ppo_max_token_len_per_gpu"))
     sequence_parallel = int(t.value(actor + "ulysses_sequence_parallel_size") or 1)
     micro = t.value(actor + "ppo_micro_batch_size_per_gpu")
@@ -156,26 +156,26 @@ def map_batches(t: Translation) -> BatchPlan:
     t.record("data.train_batch_size", status, layout, how_rollout + (f"; {notes}" if notes else ""), blocking)
     t.record(actor + "ppo_mini_batch_size", status, layout, how_update + "; ".join(["", *plan.errors]), blocking)
     if n >= 2:
-        t.record("actor_rollout_ref.rollout.n", MAPPED, _field("num_generations", n), "responses per prompt")
+        t.record("actor_rollout_ref.rollout.n", MAPPED, recipe_line("num_generations", n), "responses per prompt")
     else:
         t.record(
             "actor_rollout_ref.rollout.n", UNSUPPORTED, "", "GRPO needs at least 2 responses per prompt", blocking=True
         )
-    t.record(actor + "ppo_epochs", MAPPED, _field("num_iterations", epochs), "passes over each generation batch")
+    t.record(actor + "ppo_epochs", MAPPED, recipe_line("num_iterations", epochs), "passes over each generation batch")
     t.mark("trainer.nnodes", MAPPED, f"accelerate.yaml num_machines: {nnodes}", f"world size {world}")
     t.mark("trainer.n_gpus_per_node", MAPPED, f"accelerate.yaml num_processes: {world}", f"{nnodes} x {gpus}")
     if dynamic:
         t.mark(
             actor + "use_dynamic_bsz",
             MAPPED,
-            _field("max_tokens_per_microbatch", budget),
+            recipe_line("max_tokens_per_microbatch", budget),
             "token-bounded forwards: each process's share of an update is split into forwards of at most "
             "ppo_max_token_len_per_gpu real tokens",
         )
         t.mark(
             actor + "ppo_max_token_len_per_gpu",
             MAPPED,
-            _field("max_tokens_per_microbatch", budget),
+            recipe_line("max_tokens_per_microbatch", budget),
             "real tokens per forward and process"
             + (
                 f" (verl's Ulysses groups of {sequence_parallel} GPUs "
@@ -193,7 +193,7 @@ def map_batches(t: Translation) -> BatchPlan:
         t.mark(
             micro_key,
             status,
-            _field("per_device_train_batch_size", plan.per_device_train_batch_size),
+            recipe_line("per_device_train_batch_size", plan.per_device_train_batch_size),
             "responses per forward and process" + (f"; {notes}" if notes else ""),
         )
     if sequence_parallel > 1:

@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
-_OVERRIDE = re.compile(r"(\+\+|\+|~)?([A-Za-z_][\w\-]*(?:\.[\w\-@]+)+)(?:=(.*))?", re.S)
+OVERRIDE_PATTERN = re.compile(r"(\+\+|\+|~)?([A-Za-z_][\w\-]*(?:\.[\w\-@]+)+)(?:=(.*))?", re.S)
 _INTERPOLATION = re.compile(r"\$\{([^${}]+)\}")
-_INT = re.compile(r"[-+]?\d+")
-_FLOAT = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.I)
+INT_PATTERN = re.compile(r"[-+]?\d+")
+FLOAT_PATTERN = re.compile(r"[-+]?(\d+\.\d*|\.\d+|\d+)([eE][-+]?\d+)?|[-+]?(inf|nan)", re.I)
 
 
 class VerlInputError(ValueError):
@@ -79,14 +79,14 @@ def parse_hydra_value(text: str) -> Any:
         return None
     if lowered in ("true", "false"):
         return lowered == "true"
-    if _INT.fullmatch(text):
+    if INT_PATTERN.fullmatch(text):
         return int(text)
-    if _FLOAT.fullmatch(text):
+    if FLOAT_PATTERN.fullmatch(text):
         return float(text)
     return text
 
 
-def _record(found: VerlInput, key: str, value: Any, written: str, unresolved: set[str]) -> None:
+def record_value(found: VerlInput, key: str, value: Any, written: str, unresolved: set[str]) -> None:
     found.values.pop(key, None)  # a later override wins and takes the later place
     found.values[key] = value
     found.written[key] = written

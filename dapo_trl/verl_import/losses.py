@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, as_boolean, recipe_line
 
 KL_IN_REWARD_KEYS = ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algorithm.kl_ctrl.*")
 # verl's kl_penalty names dapo-trl's kl_in_reward_estimator accepts ('+' variants differ in gradient only).
@@ -18,11 +18,11 @@ def map_loss(t: Translation) -> None:
     low = ratio if low_value is None else float(low_value)
     high = ratio if high_value is None else float(high_value)
     t.set(epsilon=low, epsilon_high=high)
-    t.record(actor + "clip_ratio_low", MAPPED, _field("epsilon", low), "lower clip 1 - epsilon")
+    t.record(actor + "clip_ratio_low", MAPPED, recipe_line("epsilon", low), "lower clip 1 - epsilon")
     t.record(
         actor + "clip_ratio_high",
         MAPPED,
-        _field("epsilon_high", high),
+        recipe_line("epsilon_high", high),
         "upper clip 1 + epsilon_high (clip-higher); verl's default 0.2 differs from dapo-trl's 0.28",
     )
     used = low_value is None or high_value is None
@@ -39,7 +39,7 @@ def map_loss(t: Translation) -> None:
     t.record(
         actor + "clip_ratio_c",
         MAPPED,
-        _field("clip_ratio_c", c),
+        recipe_line("clip_ratio_c", c),
         "dual-clip for negative advantages; verl always applies it (default 3.0)",
     )
 
@@ -74,7 +74,7 @@ def map_loss(t: Translation) -> None:
     if mode in losses:
         loss_type, status, how = losses[mode]
         t.set(loss_type=loss_type)
-        t.record(actor + "loss_agg_mode", status, _field("loss_type", loss_type), how)
+        t.record(actor + "loss_agg_mode", status, recipe_line("loss_type", loss_type), how)
     else:
         t.set(loss_type="dapo")
         t.mark(actor + "loss_agg_mode", UNSUPPORTED, "", f"unknown aggregation {mode!r}", blocking=True)
@@ -97,7 +97,7 @@ def map_loss(t: Translation) -> None:
         )
 
     # KL loss (in the policy loss): TRL's beta uses the k3 estimator, verl's low_var_kl.
-    use_kl = _boolean(t.value(actor + "use_kl_loss"))
+    use_kl = as_boolean(t.value(actor + "use_kl_loss"))
     coefficient = float(t.value(actor + "kl_loss_coef"))
     kind = str(t.value(actor + "kl_loss_type"))
     if not use_kl:
@@ -107,8 +107,8 @@ def map_loss(t: Translation) -> None:
         t.mark(actor + "kl_loss_type", NOT_NEEDED, how="use_kl_loss is off")
     elif kind in ("low_var_kl", "k3"):
         t.set(beta=coefficient)
-        t.mark(actor + "use_kl_loss", MAPPED, _field("beta", coefficient), "KL to the reference model in the loss")
-        t.record(actor + "kl_loss_coef", MAPPED, _field("beta", coefficient), "KL coefficient")
+        t.mark(actor + "use_kl_loss", MAPPED, recipe_line("beta", coefficient), "KL to the reference model in the loss")
+        t.record(actor + "kl_loss_coef", MAPPED, recipe_line("beta", coefficient), "KL coefficient")
         t.record(
             actor + "kl_loss_type",
             APPROXIMATED,
@@ -137,15 +137,15 @@ def map_loss(t: Translation) -> None:
             f"advantage estimator {estimator!r}: only grpo (group-relative, no critic) has a counterpart",
             blocking=True,
         )
-    normalise = _boolean(t.value("algorithm.norm_adv_by_std_in_grpo"))
+    normalise = as_boolean(t.value("algorithm.norm_adv_by_std_in_grpo"))
     t.set(scale_rewards="group" if normalise else "none")
     t.mark(
         "algorithm.norm_adv_by_std_in_grpo",
         MAPPED,
-        _field("scale_rewards", t.recipe["scale_rewards"]),
+        recipe_line("scale_rewards", t.recipe["scale_rewards"]),
         "divide by the group's std (verl's epsilon 1e-6, TRL's 1e-4)" if normalise else "Dr.GRPO: no std",
     )
-    if _boolean(t.value("algorithm.use_pf_ppo")):
+    if as_boolean(t.value("algorithm.use_pf_ppo")):
         t.mark("algorithm.use_pf_ppo", UNSUPPORTED, "", "policy-filtered PPO has no counterpart", blocking=True)
     else:
         t.mark("algorithm.use_pf_ppo", NOT_NEEDED, how="off")
@@ -161,7 +161,7 @@ def map_kl_in_reward(t: Translation) -> None:
     rollout batch (train_batch_size x n responses; with dynamic sampling, once per gen_batch_size x n round); the batch
     translation keeps those sizes, so horizon and target carry over unchanged.
     """
-    if not _boolean(t.value("algorithm.use_kl_in_reward")):
+    if not as_boolean(t.value("algorithm.use_kl_in_reward")):
         t.set(kl_in_reward=False)
         t.mark("algorithm.use_kl_in_reward", MAPPED, "kl_in_reward: false", "no KL in the reward")
         for pattern in KL_IN_REWARD_KEYS[1:]:
@@ -181,7 +181,7 @@ def map_kl_in_reward(t: Translation) -> None:
                     "carries none; verl itself raises NotImplementedError for it in the reward"
                 ),
             )
-        t.record("algorithm.kl_penalty", status, _field("kl_in_reward_estimator", estimator.rstrip("+")), how)
+        t.record("algorithm.kl_penalty", status, recipe_line("kl_in_reward_estimator", estimator.rstrip("+")), how)
     else:
         why = f"kl_penalty={estimator!r}: " + (
             "'full' needs every vocabulary log-prob (verl raises NotImplementedError too)"
@@ -191,19 +191,19 @@ def map_kl_in_reward(t: Translation) -> None:
         t.record("algorithm.kl_penalty", UNSUPPORTED, "", why, blocking=True)
     coefficient = float(t.value("algorithm.kl_ctrl.kl_coef"))
     t.set(kl_in_reward_coef=coefficient)
-    t.record("algorithm.kl_ctrl.kl_coef", MAPPED, _field("kl_in_reward_coef", coefficient), "beta (start value)")
+    t.record("algorithm.kl_ctrl.kl_coef", MAPPED, recipe_line("kl_in_reward_coef", coefficient), "beta (start value)")
     kind = str(t.value("algorithm.kl_ctrl.type"))
     adaptive_keys = ("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.horizon")
     if kind not in ("fixed", "adaptive"):
         t.record("algorithm.kl_ctrl.type", UNSUPPORTED, "", f"unknown KL controller {kind!r}", blocking=True)
         return
     t.set(kl_in_reward_controller=kind)
-    t.record("algorithm.kl_ctrl.type", MAPPED, _field("kl_in_reward_controller", kind), f"{kind} beta")
+    t.record("algorithm.kl_ctrl.type", MAPPED, recipe_line("kl_in_reward_controller", kind), f"{kind} beta")
     if kind == "fixed":
         for key in adaptive_keys:
             t.record(key, NOT_NEEDED, "", "read by the adaptive controller only")
         return
     target, horizon = float(t.value(adaptive_keys[0])), int(t.value(adaptive_keys[1]))
     t.set(kl_in_reward_target=target, kl_in_reward_horizon=horizon)
-    t.record(adaptive_keys[0], MAPPED, _field("kl_in_reward_target", target), "target mean per-token KL")
-    t.record(adaptive_keys[1], MAPPED, _field("kl_in_reward_horizon", horizon), "horizon in responses")
+    t.record(adaptive_keys[0], MAPPED, recipe_line("kl_in_reward_target", target), "target mean per-token KL")
+    t.record(adaptive_keys[1], MAPPED, recipe_line("kl_in_reward_horizon", horizon), "horizon in responses")

@@ -13,9 +13,9 @@ from .translation import (
     NOT_NEEDED,
     UNSUPPORTED,
     Translation,
-    _as_list,
-    _boolean,
-    _field,
+    as_boolean,
+    as_list,
+    recipe_line,
 )
 
 RETOOL_ANSWER_FORMAT = "\nThe answer format must be: \\boxed{'The final answer goes here.'}"
@@ -37,7 +37,7 @@ def map_model(t: Translation) -> None:
     path = t.value(key)
     if path:
         t.set(model_name_or_path=str(path))
-        t.mark(key, MAPPED, _field("model_name_or_path", path), "the policy's initial weights")
+        t.mark(key, MAPPED, recipe_line("model_name_or_path", path), "the policy's initial weights")
     else:
         t.notes.append("no actor_rollout_ref.model.path: pass --model_name_or_path")
     t.set(dtype="float32")
@@ -45,7 +45,7 @@ def map_model(t: Translation) -> None:
     t.mark(
         "actor_rollout_ref.actor.fsdp_config.model_dtype",
         MAPPED if master in ("fp32", "float32") else APPROXIMATED,
-        _field("dtype", "float32"),
+        recipe_line("dtype", "float32"),
         "verl keeps fp32 master weights and computes in bf16: weights loaded in float32, accelerate's "
         "mixed_precision bf16",
     )
@@ -56,8 +56,8 @@ def map_model(t: Translation) -> None:
         modules = [modules] if isinstance(modules, str) else list(modules)
         t.set(use_peft=True, lora_r=rank, lora_alpha=int(alpha), lora_target_modules=modules)
         t.mark("actor_rollout_ref.model.lora_rank", MAPPED, f"use_peft: true, lora_r: {rank}", "LoRA through PEFT")
-        t.mark("actor_rollout_ref.model.lora_alpha", MAPPED, _field("lora_alpha", alpha))
-        t.mark("actor_rollout_ref.model.target_modules", MAPPED, _field("lora_target_modules", modules))
+        t.mark("actor_rollout_ref.model.lora_alpha", MAPPED, recipe_line("lora_alpha", alpha))
+        t.mark("actor_rollout_ref.model.target_modules", MAPPED, recipe_line("lora_target_modules", modules))
     else:
         for name in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path"):
             t.mark(f"actor_rollout_ref.model.{name}", NOT_NEEDED, how="LoRA is off (lora_rank 0)")
@@ -96,11 +96,11 @@ def dataset_name_for(path: Any) -> tuple[str, str, str]:
 
 
 def map_data(t: Translation) -> None:
-    train = _as_list(t.value("data.train_files"))
+    train = as_list(t.value("data.train_files"))
     if len(train) == 1:
         name, status, how = dataset_name_for(train[0])
         t.set(dataset_name=name)
-        t.mark("data.train_files", status, _field("dataset_name", name), how, blocking=status == UNSUPPORTED)
+        t.mark("data.train_files", status, recipe_line("dataset_name", name), how, blocking=status == UNSUPPORTED)
     elif len(train) > 1:
         t.mark(
             "data.train_files",
@@ -111,7 +111,7 @@ def map_data(t: Translation) -> None:
         )
     else:
         t.notes.append("no data.train_files: pass --dataset_name")
-    validation = _as_list(t.value("data.val_files"))
+    validation = as_list(t.value("data.val_files"))
     eval_names = []
     for file in validation:
         name, status, how = dataset_name_for(file)
@@ -120,19 +120,21 @@ def map_data(t: Translation) -> None:
             t.mark("data.val_files", UNSUPPORTED, "", how)
     if eval_names:
         t.set(eval_dataset_name=eval_names)
-        t.mark("data.val_files", MAPPED, _field("eval_dataset_name", eval_names), "validation sets (avg@n, pass@k)")
+        t.mark(
+            "data.val_files", MAPPED, recipe_line("eval_dataset_name", eval_names), "validation sets (avg@n, pass@k)"
+        )
     prompt_key = t.value("data.prompt_key")
     if prompt_key != "prompt":
         t.set(prompt_column=str(prompt_key))
     t.mark(
         "data.prompt_key",
         MAPPED,
-        _field("prompt_column", prompt_key) if prompt_key != "prompt" else "prompt_column: auto (prompt)",
+        recipe_line("prompt_column", prompt_key) if prompt_key != "prompt" else "prompt_column: auto (prompt)",
         "column holding the prompt",
     )
 
     # Overlong prompts: verl filters them (filter_overlong_prompts), else applies `truncation` at load time.
-    filter_prompts = _boolean(t.value("data.filter_overlong_prompts"))
+    filter_prompts = as_boolean(t.value("data.filter_overlong_prompts"))
     truncation = str(t.value("data.truncation"))
     if filter_prompts:
         t.set(overlong_prompt_policy="filter")
@@ -185,7 +187,7 @@ def map_data(t: Translation) -> None:
         t.mark(
             "data.seed",
             APPROXIMATED,
-            _field("seed", t.value("data.seed")),
+            recipe_line("seed", t.value("data.seed")),
             "the Trainer's one seed: data order, and also sampling and initialisation",
         )
     else:

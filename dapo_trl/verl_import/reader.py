@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-from .hydra import _OVERRIDE, VerlInput, VerlInputError, _record, parse_hydra_value
+from .hydra import OVERRIDE_PATTERN, VerlInput, VerlInputError, parse_hydra_value, record_value
 from .script import read_shell_script
 from .yaml_config import read_verl_yaml
 
@@ -24,11 +24,11 @@ def read_verl_input(
     else:
         found = read_shell_script(text, environment, source=str(path))
     for override in extra_overrides or []:
-        match = _OVERRIDE.fullmatch(override)
+        match = OVERRIDE_PATTERN.fullmatch(override)
         if match is None or (match.group(3) is None and match.group(1) != "~"):
             raise VerlInputError(f"extra override {override!r} is not of the form key.subkey=value")
         if match.group(1) == "~":
             found.deleted.append(match.group(2))
         else:
-            _record(found, match.group(2), parse_hydra_value(match.group(3)), match.group(3), set())
+            record_value(found, match.group(2), parse_hydra_value(match.group(3)), match.group(3), set())
     return found

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, as_boolean, recipe_line
 
 
 def map_dynamic_sampling(t: Translation) -> None:
-    enabled = _boolean(t.value("algorithm.filter_groups.enable"))
+    enabled = as_boolean(t.value("algorithm.filter_groups.enable"))
     t.set(filter_groups_enable=enabled)
     t.record(
         "algorithm.filter_groups.enable",
         MAPPED,
-        _field("filter_groups_enable", enabled),
+        recipe_line("filter_groups_enable", enabled),
         "dynamic sampling"
         + ("" if t.given("algorithm.filter_groups.enable") else " (verl's default is off, dapo-trl's on)"),
     )
@@ -62,7 +62,7 @@ def map_dynamic_sampling(t: Translation) -> None:
         t.mark(
             gen_key,
             status,
-            _field("filter_groups_oversample", oversample),
+            recipe_line("filter_groups_oversample", oversample),
             f"each dynamic-sampling round generates gen_batch_size / train_batch_size = {oversample} generation "
             "batches of prompts",
         )
@@ -83,11 +83,11 @@ def map_reward(t: Translation) -> None:
     factor_key, factor = t.first(
         "reward_model.overlong_buffer.penalty_factor", "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"
     )
-    if _boolean(enable):
+    if as_boolean(enable):
         t.set(apply_overlong_penalty=True, overlong_buffer_len=int(length), overlong_penalty_factor=float(factor))
         t.mark(enable_key, MAPPED, "apply_overlong_penalty: true", "DAPO's soft overlong punishment (Eq. 13)")
-        t.mark(length_key, MAPPED, _field("overlong_buffer_len", length), "L_cache")
-        t.mark(factor_key, MAPPED, _field("overlong_penalty_factor", factor), "penalty scale")
+        t.mark(length_key, MAPPED, recipe_line("overlong_buffer_len", length), "L_cache")
+        t.mark(factor_key, MAPPED, recipe_line("overlong_penalty_factor", factor), "penalty scale")
     else:
         t.set(apply_overlong_penalty=False)
         t.record(
@@ -103,7 +103,7 @@ def map_reward(t: Translation) -> None:
     t.mark("reward.reward_kwargs.max_resp_len", NOT_NEEDED, how="L_max is max_completion_length")
     for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
         t.mark(key, NOT_NEEDED, how="verl's reward manager; the DAPO manager's overlong penalty is mapped above")
-    if _boolean(t.value("reward_model.enable")):
+    if as_boolean(t.value("reward_model.enable")):
         t.mark(
             "reward_model.enable",
             UNSUPPORTED,
@@ -129,8 +129,8 @@ def map_reward(t: Translation) -> None:
             "imported by train_dapo.py from that file (relative to where it runs) and called once per response "
             "with verl's arguments; if the file imports verl, verl must be installed"
         )
-        t.mark("custom_reward_function.path", MAPPED, _field("reward_funcs", [reference]), how)
-        t.mark("custom_reward_function.name", MAPPED, _field("reward_funcs", [reference]), how)
+        t.mark("custom_reward_function.path", MAPPED, recipe_line("reward_funcs", [reference]), how)
+        t.mark("custom_reward_function.name", MAPPED, recipe_line("reward_funcs", [reference]), how)
     else:
         t.set(reward_funcs=["dapo_math"])
         t.record(

@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 
 from .plans import VLLMServer
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _boolean, _field, _show
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, as_boolean, recipe_line, show_value
 
 # Greedy validation (verl's val_kwargs temperature 0 / do_sample False): vLLM samples greedily below 1e-5.
 GREEDY_TEMPERATURE = 1e-6
@@ -37,16 +37,16 @@ def map_rollout(t: Translation) -> None:
     top_p = float(t.value(rollout + "top_p"))
     top_k = int(t.value(rollout + "top_k"))
     t.set(temperature=temperature, top_p=top_p, top_k=max(top_k, 0))
-    t.mark(rollout + "temperature", MAPPED, _field("temperature", temperature), "sampling temperature")
-    t.mark(rollout + "top_p", MAPPED, _field("top_p", top_p), "nucleus sampling")
-    t.mark(rollout + "top_k", MAPPED, _field("top_k", max(top_k, 0)), "-1 (verl) = 0 (TRL): no top-k")
-    if _boolean(t.value(rollout + "do_sample")):
+    t.mark(rollout + "temperature", MAPPED, recipe_line("temperature", temperature), "sampling temperature")
+    t.mark(rollout + "top_p", MAPPED, recipe_line("top_p", top_p), "nucleus sampling")
+    t.mark(rollout + "top_k", MAPPED, recipe_line("top_k", max(top_k, 0)), "-1 (verl) = 0 (TRL): no top-k")
+    if as_boolean(t.value(rollout + "do_sample")):
         t.mark(rollout + "do_sample", MAPPED, "(sampling)", "sampled rollouts")
     else:
         t.mark(
             rollout + "do_sample", UNSUPPORTED, "", "greedy training rollouts make every group constant", blocking=True
         )
-    if _boolean(t.value(rollout + "ignore_eos")):
+    if as_boolean(t.value(rollout + "ignore_eos")):
         t.mark(rollout + "ignore_eos", UNSUPPORTED, "", "generation past EOS is not supported", blocking=True)
     else:
         t.mark(rollout + "ignore_eos", NOT_NEEDED, how="off")
@@ -54,7 +54,7 @@ def map_rollout(t: Translation) -> None:
     # Validation sampling. verl's vLLM/SGLang rollouts (its agent loop) sample with val_kwargs' temperature and
     # ignore val_kwargs.do_sample; its transformers rollout decodes greedily when do_sample is off.
     val = rollout + "val_kwargs."
-    sampled = _boolean(t.value(val + "do_sample")) or engine in ("vllm", "sglang")
+    sampled = as_boolean(t.value(val + "do_sample")) or engine in ("vllm", "sglang")
     greedy = not sampled or float(t.value(val + "temperature")) == 0
     val_temperature = GREEDY_TEMPERATURE if greedy else float(t.value(val + "temperature"))
     val_top_p = float(t.value(val + "top_p"))
@@ -64,14 +64,14 @@ def map_rollout(t: Translation) -> None:
         "greedy validation (verl: temperature 0, or do_sample off with the transformers rollout): eval_temperature "
         "1e-6, which vLLM samples greedily and transformers nearly so"
     )
-    t.record(val + "n", MAPPED, _field("eval_num_samples", samples), "responses per validation prompt (avg@n)")
+    t.record(val + "n", MAPPED, recipe_line("eval_num_samples", samples), "responses per validation prompt (avg@n)")
     t.record(
         val + "temperature",
         APPROXIMATED if greedy else MAPPED,
-        _field("eval_temperature", val_temperature),
+        recipe_line("eval_temperature", val_temperature),
         greedy_how if greedy else "validation temperature",
     )
-    t.record(val + "top_p", MAPPED, _field("eval_top_p", val_top_p), "validation nucleus sampling")
+    t.record(val + "top_p", MAPPED, recipe_line("eval_top_p", val_top_p), "validation nucleus sampling")
     if engine in ("vllm", "sglang"):
         t.mark(
             val + "do_sample", NOT_NEEDED, how="verl's vLLM/SGLang rollout ignores it: val_kwargs.temperature decides"
@@ -113,10 +113,10 @@ def map_rollout(t: Translation) -> None:
     switches = {"enable_chunked_prefill": "chunked-prefill", "enable_prefix_caching": "prefix-caching"}
     for name, flag in switches.items():
         if t.given(rollout + name):
-            on = _boolean(t.value(rollout + name))
+            on = as_boolean(t.value(rollout + name))
             extra.append(f"--{'' if on else 'no-'}enable-{flag}")
             t.mark(rollout + name, MAPPED, f"vllm_server.sh {extra[-1]}", "vLLM engine setting")
-    if _boolean(t.value(rollout + "enforce_eager")):
+    if as_boolean(t.value(rollout + "enforce_eager")):
         extra.append("--enforce-eager")
         t.mark(rollout + "enforce_eager", MAPPED, "vllm_server.sh --enforce-eager", "vLLM engine setting")
     else:
@@ -124,7 +124,7 @@ def map_rollout(t: Translation) -> None:
     for key in [k for k in t.found.values if k.startswith(rollout + "engine_kwargs.vllm.")]:
         flag = "--" + key.rsplit(".", 1)[-1].replace("_", "-")
         value = t.found.values[key]
-        extra += [flag] if value is True else [flag, _show(value)]
+        extra += [flag] if value is True else [flag, show_value(value)]
         t.mark(key, APPROXIMATED, f"vllm_server.sh {flag}", "passed to vllm serve under the same name")
     model = str(t.recipe.get("model_name_or_path", "MODEL_PATH"))
     t.vllm = VLLMServer(model, tp, dp, memory, length, str(t.value(rollout + "dtype")), extra)
@@ -154,7 +154,7 @@ def map_rollout(t: Translation) -> None:
 def _map_multi_turn(t: Translation) -> None:
     turns = "actor_rollout_ref.rollout.multi_turn."
     config_path = t.value(turns + "tool_config_path")
-    enabled = _boolean(t.value(turns + "enable"))
+    enabled = as_boolean(t.value(turns + "enable"))
     if not config_path:
         t.mark_all(turns + "*", NOT_NEEDED, how="no tools (multi_turn.tool_config_path unset)")
         return
@@ -198,13 +198,13 @@ def _map_multi_turn(t: Translation) -> None:
     t.record(
         turns + "max_assistant_turns",
         MAPPED,
-        _field("max_tool_calling_iterations", rounds),
+        recipe_line("max_tool_calling_iterations", rounds),
         "tool rounds = assistant turns - 1 (the last turn answers)" if assistant else "null: no limit",
     )
     t.mark(
         turns + "max_user_turns",
         MAPPED,
-        _field("max_tool_calling_iterations", rounds),
+        recipe_line("max_tool_calling_iterations", rounds),
         "tool replies are verl's user turns: the tighter of the two limits",
     )
     chars = int(t.value(turns + "max_tool_response_length"))
@@ -212,7 +212,7 @@ def _map_multi_turn(t: Translation) -> None:
     t.record(
         turns + "max_tool_response_length",
         MAPPED if chars >= 64 else APPROXIMATED,
-        _field("tool_max_output_chars", max(chars, 64)),
+        recipe_line("tool_max_output_chars", max(chars, 64)),
         "characters of a tool reply the model reads",
     )
     side = str(t.value(turns + "tool_response_truncate_side"))

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, _field
+from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, recipe_line
 
 
 def map_rollout_steps_to_optimizer_steps(
@@ -24,7 +24,7 @@ def map_rollout_steps_to_optimizer_steps(
     no row. Returns N x K."""
     per_rollout = t.batch.updates_per_rollout
     steps = rollout_steps * per_rollout
-    target = _field(field, steps)
+    target = recipe_line(field, steps)
     if strategy is not None:
         target = f"{strategy}_strategy: steps, {target}"
     t.record(key, status, target, how.format(span=f"{rollout_steps} rollout steps x K={per_rollout}"))
@@ -70,7 +70,7 @@ def map_schedule(t: Translation) -> None:
         t.mark(
             optim + "lr_warmup_steps_ratio",
             MAPPED if ratio == 0 else APPROXIMATED,
-            _field("warmup_steps", ratio),
+            recipe_line("warmup_steps", ratio),
             "a warmup_steps below 1 is a share of the run's steps, so the same share of the run",
         )
     if scheduler == "constant":
@@ -78,7 +78,7 @@ def map_schedule(t: Translation) -> None:
         t.record(
             scheduler_key,
             MAPPED,
-            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            recipe_line("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
             "constant after the warm-up",
         )
         t.mark(optim + "min_lr_ratio", NOT_NEEDED, how="cosine schedule only")
@@ -97,11 +97,11 @@ def map_schedule(t: Translation) -> None:
         t.record(
             scheduler_key,
             APPROXIMATED,
-            _field("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
+            recipe_line("lr_scheduler_type", t.recipe["lr_scheduler_type"]),
             "the same cosine over the run, decayed per optimizer step instead of per rollout step",
         )
-        t.mark(optim + "min_lr_ratio", MAPPED, _field("lr_scheduler_kwargs.min_lr_rate", minimum), "LR floor")
-        t.mark(optim + "num_cycles", MAPPED, _field("lr_scheduler_kwargs.num_cycles", cycles), "cosine waves")
+        t.mark(optim + "min_lr_ratio", MAPPED, recipe_line("lr_scheduler_kwargs.min_lr_rate", minimum), "LR floor")
+        t.mark(optim + "num_cycles", MAPPED, recipe_line("lr_scheduler_kwargs.num_cycles", cycles), "cosine waves")
     else:
         t.record(
             scheduler_key,
@@ -135,7 +135,7 @@ def map_schedule(t: Translation) -> None:
         t.record(
             "trainer.total_epochs",
             APPROXIMATED,
-            _field("num_train_epochs", epochs),
+            recipe_line("num_train_epochs", epochs),
             "passes over the training prompts, counted by the Trainer in optimizer steps; with dynamic "
             "sampling verl's epoch also counts the prompts drawn for extra rounds, which here come from a "
             "separate stream." + dedup + " Set --max_steps (rollout steps x K) for the length you want.",

@@ -14,7 +14,7 @@ import re
 from collections.abc import Mapping
 from pathlib import Path
 
-from .hydra import _OVERRIDE, VerlInput, VerlInputError, _record, parse_hydra_value
+from .hydra import OVERRIDE_PATTERN, VerlInput, VerlInputError, parse_hydra_value, record_value
 from .shell_expansion import ShellState, _Expanded
 from .shell_words import Word, split_shell_commands
 
@@ -36,7 +36,7 @@ def _command_overrides(words: list[tuple[str, set[str]]]) -> list[tuple[str, str
     """(prefix, key, value text, unresolved) of every Hydra override among a command's words."""
     overrides = []
     for text, unresolved in words:
-        match = _OVERRIDE.fullmatch(text)
+        match = OVERRIDE_PATTERN.fullmatch(text)
         if match and (match.group(3) is not None or match.group(1) == "~"):
             overrides.append((match.group(1) or "", match.group(2), match.group(3) or "", unresolved))
     return overrides
@@ -98,7 +98,7 @@ def read_shell_script(text: str, environment: Mapping[str, str], source: str = "
         if prefix == "~":
             found.deleted.append(key)
             continue
-        _record(found, key, parse_hydra_value(value), value, unresolved)
+        record_value(found, key, parse_hydra_value(value), value, unresolved)
     if passes_arguments:
         found.notes.append(
             "the script passes its own arguments to verl (`$@`): give them to this translator after the script "

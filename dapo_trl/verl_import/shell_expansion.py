@@ -10,8 +10,8 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from .hydra import _INT, VerlInputError
-from .shell_words import Word, _closing_span, _quoted_parts
+from .hydra import INT_PATTERN, VerlInputError
+from .shell_words import Word, closing_span, quoted_parts
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _PARAMETER = re.compile(r"([A-Za-z_][A-Za-z0-9_]*|[0-9]+|[@*#?$!-])(?:(:?[-=?+])(.*))?", re.S)
@@ -73,7 +73,7 @@ class ShellState:
 
     def _operand(self, word: str) -> _Expanded:
         """The word of `${NAME:-word}`: quotes removed, expansions done, never split."""
-        fields, unresolved, _ = self.expand_word(_quoted_parts(word), split=False)
+        fields, unresolved, _ = self.expand_word(quoted_parts(word), split=False)
         return _Expanded("".join(fields), unresolved, True)
 
     def _arithmetic(self, expression: str, depth: int = 0) -> _Expanded:
@@ -89,7 +89,7 @@ class ShellState:
             text, missing = self.variables[name]
             unresolved.update(missing)
             text = text.strip() or "0"
-            if _INT.fullmatch(text):
+            if INT_PATTERN.fullmatch(text):
                 return f"({int(text)})"
             if depth > 8:
                 raise VerlInputError(f"arithmetic on {name} recurses too deeply")
@@ -130,7 +130,7 @@ class ShellState:
                 continue
             following = text[index + 1]
             if following in "({":
-                end = _closing_span(text, index)
+                end = closing_span(text, index)
                 if text.startswith("$((", index) and text[end - 2 : end] == "))":
                     piece = self._arithmetic(text[index + 3 : end - 2])
                 elif following == "(":

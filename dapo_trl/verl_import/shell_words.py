@@ -10,7 +10,7 @@ from .hydra import VerlInputError
 Word = list[tuple[str, str]]
 
 
-def _closing_span(text: str, start: int) -> int:
+def closing_span(text: str, start: int) -> int:
     """Index after the `)` or `}` closing the `$(`/`$((`/`${` that starts at `start` (at the `$`)."""
     opening = text[start + 1]
     closing = ")" if opening == "(" else "}"
@@ -45,7 +45,7 @@ def _closing_double_quote(text: str, start: int) -> int:
             index += 2
             continue
         if char == "$" and index + 1 < len(text) and text[index + 1] in "({":
-            index = _closing_span(text, index)
+            index = closing_span(text, index)
             continue
         if char == '"':
             return index
@@ -77,13 +77,13 @@ class _WordParts:
             self.quoted("double", text[index + 1 : closing])
             return closing + 1
         if text[index] == "$" and index + 1 < len(text) and text[index + 1] in "({":
-            end = _closing_span(text, index)
+            end = closing_span(text, index)
             self.bare.append(text[index:end])
             return end
         return None
 
 
-def _quoted_parts(text: str) -> Word:
+def quoted_parts(text: str) -> Word:
     """One word's parts by quoting, without splitting on whitespace (the word of `${NAME:-word}`)."""
     word = _WordParts()
     index = 0

@@ -11,7 +11,7 @@ import yaml
 
 from .model_data import model_size_billions
 from .schedule import map_rollout_steps_to_optimizer_steps
-from .translation import APPROXIMATED, MAPPED, UNSUPPORTED, Translation, _as_list, _boolean, _field
+from .translation import APPROXIMATED, MAPPED, UNSUPPORTED, Translation, as_boolean, as_list, recipe_line
 
 REPO = Path(__file__).resolve().parent.parent.parent
 ACCELERATE_TEMPLATES = REPO / "configs" / "accelerate"
@@ -23,7 +23,7 @@ ZERO3_MIN_BILLIONS = 3.0
 
 def map_trainer(t: Translation) -> None:
     per_rollout = t.batch.updates_per_rollout
-    loggers = [str(name) for name in _as_list(t.value("trainer.logger"))]
+    loggers = [str(name) for name in as_list(t.value("trainer.logger"))]
     known = {
         "wandb": "wandb",
         "tensorboard": "tensorboard",
@@ -37,17 +37,17 @@ def map_trainer(t: Translation) -> None:
     t.record(
         "trainer.logger",
         APPROXIMATED if others else MAPPED,
-        _field("report_to", report_to),
+        recipe_line("report_to", report_to),
         "console logging is the Trainer's own" + (f"; {others} have no counterpart" if others else ""),
     )
     project = t.value("trainer.project_name")
     experiment = t.value("trainer.experiment_name")
     t.set(run_name=str(experiment), project=str(project))
-    t.record("trainer.experiment_name", MAPPED, _field("run_name", experiment), "the run's name in the loggers")
+    t.record("trainer.experiment_name", MAPPED, recipe_line("run_name", experiment), "the run's name in the loggers")
     t.record(
         "trainer.project_name",
         APPROXIMATED,
-        _field("project", project),
+        recipe_line("project", project),
         "TrainingArguments' project is used by Trackio; for wandb export WANDB_PROJECT as well",
     )
     output_dir = str(t.value("trainer.default_local_dir"))
@@ -55,7 +55,7 @@ def map_trainer(t: Translation) -> None:
         "${trainer.experiment_name}", str(experiment)
     )
     t.set(output_dir=output_dir)
-    t.record("trainer.default_local_dir", MAPPED, _field("output_dir", output_dir), "checkpoints and the model")
+    t.record("trainer.default_local_dir", MAPPED, recipe_line("output_dir", output_dir), "checkpoints and the model")
 
     save = int(t.value("trainer.save_freq") or -1)
     if save > 0:
@@ -98,12 +98,12 @@ def map_trainer(t: Translation) -> None:
             "eval_strategy: 'no'",
             "no periodic validation" + ("" if test <= 0 else " (no data.val_files to validate on)"),
         )
-    before = _boolean(t.value("trainer.val_before_train")) and has_eval
+    before = as_boolean(t.value("trainer.val_before_train")) and has_eval
     t.set(val_before_train=before)
     t.record(
         "trainer.val_before_train",
         MAPPED,
-        _field("val_before_train", before),
+        recipe_line("val_before_train", before),
         "validate once before the first step" + ("" if has_eval else " (no validation set: off)"),
     )
     if has_eval:
@@ -142,11 +142,11 @@ def map_trainer(t: Translation) -> None:
         t.mark(
             "trainer.log_val_generations",
             APPROXIMATED,
-            _field("eval_samples_to_log", generations),
+            recipe_line("eval_samples_to_log", generations),
             "validation responses of that many prompts are written to output_dir/eval_samples/*.jsonl "
             "(verl sends them to the logger)",
         )
-    if _boolean(t.value("trainer.val_only")):
+    if as_boolean(t.value("trainer.val_only")):
         t.mark(
             "trainer.val_only", UNSUPPORTED, "", "validation-only runs: use python -m dapo_trl.evaluate", blocking=True
         )
@@ -164,8 +164,8 @@ def map_trainer(t: Translation) -> None:
 def plan_accelerate(t: Translation) -> None:
     """ZeRO-3 (with CPU offload) when verl offloads, ZeRO-3 for models of ZERO3_MIN_BILLIONS or more (or of unknown
     size: verl's FSDP shards always), else DDP; from configs/accelerate/*.yaml."""
-    offload_param = _boolean(t.value("actor_rollout_ref.actor.fsdp_config.param_offload"))
-    offload_optimizer = _boolean(t.value("actor_rollout_ref.actor.fsdp_config.optimizer_offload"))
+    offload_param = as_boolean(t.value("actor_rollout_ref.actor.fsdp_config.param_offload"))
+    offload_optimizer = as_boolean(t.value("actor_rollout_ref.actor.fsdp_config.optimizer_offload"))
     nnodes, world = int(t.value("trainer.nnodes")), t.batch.world_size
     size = model_size_billions(t.recipe.get("model_name_or_path"))
     if offload_param or offload_optimizer:

@@ -18,7 +18,7 @@ from .reward import map_dynamic_sampling, map_reward
 from .rollout import map_rollout
 from .schedule import map_schedule
 from .trainer_keys import map_trainer, plan_accelerate
-from .translation import MAPPED, NOT_NEEDED, UNSUPPORTED, VERL_DEFAULTS, Entry, Translation, _boolean, _field
+from .translation import MAPPED, NOT_NEEDED, UNSUPPORTED, VERL_DEFAULTS, Entry, Translation, as_boolean, recipe_line
 
 
 # One-to-one keys: verl key -> (DAPOConfig / script / ModelConfig field, converter, how). A key marked with
@@ -33,13 +33,13 @@ class SimpleRule:
 
 SIMPLE_RULES: dict[str, SimpleRule] = {
     "actor_rollout_ref.model.use_remove_padding": SimpleRule(
-        "padding_free", _boolean, "verl's remove-padding forwards; here padding-free training forwards"
+        "padding_free", as_boolean, "verl's remove-padding forwards; here padding-free training forwards"
     ),
     "actor_rollout_ref.model.enable_gradient_checkpointing": SimpleRule(
-        "activation_checkpointing", _boolean, "recompute activations in the backward pass"
+        "activation_checkpointing", as_boolean, "recompute activations in the backward pass"
     ),
-    "actor_rollout_ref.model.trust_remote_code": SimpleRule("trust_remote_code", _boolean, "same meaning"),
-    "actor_rollout_ref.model.use_liger": SimpleRule("use_liger_kernel", _boolean, "Liger kernels (same library)"),
+    "actor_rollout_ref.model.trust_remote_code": SimpleRule("trust_remote_code", as_boolean, "same meaning"),
+    "actor_rollout_ref.model.use_liger": SimpleRule("use_liger_kernel", as_boolean, "Liger kernels (same library)"),
     "actor_rollout_ref.actor.entropy_coeff": SimpleRule(
         "entropy_coeff", float, "entropy bonus: loss - coeff x entropy, aggregated like the loss, as verl"
     ),
@@ -50,7 +50,7 @@ SIMPLE_RULES: dict[str, SimpleRule] = {
     "actor_rollout_ref.actor.grad_clip": SimpleRule("max_grad_norm", float, "gradient norm clipping"),
     "actor_rollout_ref.actor.optim.clip_grad": SimpleRule("max_grad_norm", float, "gradient norm clipping"),
     "data.dataloader_num_workers": SimpleRule("dataloader_num_workers", int, "same meaning"),
-    "data.shuffle": SimpleRule("shuffle_dataset", _boolean, "shuffle the training prompts"),
+    "data.shuffle": SimpleRule("shuffle_dataset", as_boolean, "shuffle the training prompts"),
     "data.apply_chat_template_kwargs": SimpleRule(
         "chat_template_kwargs", lambda value: dict(value or {}), "extra arguments of apply_chat_template"
     ),
@@ -195,11 +195,11 @@ def apply_simple_rules(t: Translation) -> None:
         elif t.given(key):
             value = rule.convert(t.value(key))
             t.set(**{rule.field: value})
-            t.mark(key, MAPPED, _field(rule.field, value), rule.how)
+            t.mark(key, MAPPED, recipe_line(rule.field, value), rule.how)
         elif rule.default and key in VERL_DEFAULTS:
             value = rule.convert(VERL_DEFAULTS[key])
             t.set(**{rule.field: value})
-            t.default(key, MAPPED, _field(rule.field, value), rule.how)
+            t.default(key, MAPPED, recipe_line(rule.field, value), rule.how)
 
 
 def mark_remaining(t: Translation) -> None:

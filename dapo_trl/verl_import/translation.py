@@ -119,13 +119,13 @@ VERL_DEFAULTS: dict[str, Any] = {
 }
 
 
-def _boolean(value: Any) -> bool:
+def as_boolean(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() in ("true", "1", "yes")
     return bool(value)
 
 
-def _as_list(value: Any) -> list[Any]:
+def as_list(value: Any) -> list[Any]:
     if value is None:
         return []
     return list(value) if isinstance(value, list | tuple) else [value]
@@ -181,7 +181,7 @@ class Translation:
     def mark(self, key: str, status: str, target: str = "", how: str = "", blocking: bool = False) -> None:
         """Record what became of an input key (the first record of a key stands)."""
         if key in self.found.values and key not in self.entries:
-            written = self.found.written.get(key, _show(self.found.values[key]))
+            written = self.found.written.get(key, show_value(self.found.values[key]))
             self.entries[key] = Entry(key, written, status, target, how, blocking)
 
     def mark_all(self, pattern: str, status: str, target: str = "", how: str = "", blocking: bool = False) -> None:
@@ -192,7 +192,7 @@ class Translation:
     def default(self, key: str, status: str, target: str, how: str, blocking: bool = False) -> None:
         """Record a verl default applied because the input does not set `key` (listed in its own report section)."""
         if not self.given(key):
-            self.defaults.append(Entry(key, _show(VERL_DEFAULTS.get(key)), status, target, how, blocking))
+            self.defaults.append(Entry(key, show_value(VERL_DEFAULTS.get(key)), status, target, how, blocking))
 
     def record(self, key: str, status: str, target: str, how: str, blocking: bool = False) -> None:
         """`mark` when the input sets the key, else `default`."""
@@ -206,11 +206,11 @@ class Translation:
         return [entry for entry in [*self.entries.values(), *self.defaults] if entry.blocking]
 
 
-def _show(value: Any) -> str:
+def show_value(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value) if isinstance(value, list | dict | bool) or value is None else str(value)
 
 
-def _field(name: str, value: Any) -> str:
-    return f"{name}: {_show(value)}"
+def recipe_line(name: str, value: Any) -> str:
+    return f"{name}: {show_value(value)}"

@@ -6,7 +6,7 @@ from typing import Any
 
 import yaml
 
-from .hydra import _FLOAT, _INT, VerlInput, VerlInputError, _record
+from .hydra import FLOAT_PATTERN, INT_PATTERN, VerlInput, VerlInputError, record_value
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -20,7 +20,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
 
 def _yaml_scalar(value: Any) -> Any:
     """YAML 1.1 reads `1e-6` as a string; OmegaConf (verl) reads it as a float."""
-    if isinstance(value, str) and _FLOAT.fullmatch(value.strip()) and not _INT.fullmatch(value.strip()):
+    if isinstance(value, str) and FLOAT_PATTERN.fullmatch(value.strip()) and not INT_PATTERN.fullmatch(value.strip()):
         return float(value)
     if isinstance(value, list):
         return [_yaml_scalar(item) for item in value]
@@ -38,6 +38,8 @@ def read_verl_yaml(text: str, source: str = "config") -> VerlInput:
     found = VerlInput(source=source, kind="YAML config")
     for key, value in _flatten(data).items():
         value = _yaml_scalar(value)
-        _record(found, key, value, yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("..."), set())
+        record_value(
+            found, key, value, yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("..."), set()
+        )
         found.written[key] = found.written[key].strip()
     return found
