@@ -364,7 +364,9 @@ def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     accelerate = load_config_from_file(str(tmp_path / "accelerate.yaml"))
     assert accelerate.num_processes == t.batch.world_size
     deepspeed = (accelerate.deepspeed_config or {}).get("deepspeed_config_file")
-    assert deepspeed is None or (REPO / deepspeed).is_file()
+    # verl's FSDP runs with parameter offload (DAPO, ReTool) become ZeRO-3 with offload; the GRPO script is plain DDP.
+    expected = {GRPO_SCRIPT: None}.get(script, "configs/deepspeed/zero3_offload.json")
+    assert deepspeed == expected and (deepspeed is None or (REPO / deepspeed).is_file())
     vllm = (tmp_path / "vllm_server.sh").read_text()
     assert subprocess.run(["bash", "-n", str(tmp_path / "vllm_server.sh")]).returncode == 0
     assert f"TP={t.vllm.tensor_parallel_size}" in vllm and "scripts/start_vllm_server.sh" in vllm

@@ -8,6 +8,7 @@ machine that runs them.
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -154,8 +155,11 @@ def test_killing_the_parent_or_the_trainer_does_nothing(hostile):
 def test_a_shell_runs_unprivileged_and_contained(hostile):
     record = hostile["spawn_shell"]
     _host_intact(record)
-    assert "shell done" in record["stdout"]
-    assert "returncode=0" in record["stdout"] or "Read-only" in record["stdout"] or "denied" in record["stdout"]
+    # The shell ran to its end under a non-root uid; its write to /root failed (read-only host, or no permission:
+    # either refusal is containment) and nothing reached the host (`_host_intact` checks the files and the canary).
+    ran = re.search(r"stdout='(\d+)\\nshell done\\n'", record["stdout"])
+    assert ran is not None and int(ran.group(1)) != 0, record["stdout"]
+    assert "cannot create /root/shell-pwned" in record["stdout"], record["stdout"]
 
 
 def test_processes_that_leave_the_group_die_with_the_call(hostile):
