@@ -237,7 +237,7 @@ def set_rollout_tools(trainer: Any, num_rollouts: int) -> None:
 
 
 def per_token_log_probs(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int) -> Any:
-    """No-grad-agnostic per-token log-probs through the trainer's forward (padding-free when on), TRL's layout."""
+    """Per-token log-probs of the sampled tokens through the trainer's own forward (padding-free when on)."""
     log_probs, _, _ = trainer._get_per_token_logps_and_entropies(
         model, input_ids, attention_mask, logits_to_keep, batch_size=trainer.args.per_device_train_batch_size
     )
