@@ -135,7 +135,8 @@ def prepare_prompt_dataset(
     skip_malformed: bool = False,
     deduplicate: bool = True,
 ) -> Dataset:
-    """Map any table to {prompt, solution, data_source}, checking every row and dropping repeated prompts.
+    """Map any table to {prompt, solution, data_source} (and verl's `extra_info` when the table has it), checking
+    every row and dropping repeated prompts. A row's own `data_source` wins over the `data_source` argument.
 
     A problem column holding chat messages (DAPO-Math-17k) is used as is; a string gets the prompt template.
     Malformed rows (missing answer, empty prompt, wrong types) raise naming the row and column, or are skipped
@@ -184,7 +185,10 @@ def prepare_prompt_dataset(
             continue
         seen.add(key)
         source = raw.get("data_source") if isinstance(raw.get("data_source"), str) else data_source
-        rows.append({"prompt": prompt, "solution": solution, "data_source": source})
+        row = {"prompt": prompt, "solution": solution, "data_source": source}
+        if "extra_info" in columns:  # verl's per-row extras, passed to verl-style rewards as `extra_info`
+            row["extra_info"] = raw.get("extra_info")
+        rows.append(row)
     if malformed:
         logger.warning("skipped %d malformed rows of %d", malformed, len(dataset))
     if duplicates:

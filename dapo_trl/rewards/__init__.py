@@ -11,12 +11,16 @@ Scorers selectable by name (`REWARD_FUNCTIONS`, `--reward_funcs NAME`; `registry
   response is scored in a worker process under a hard deadline (`dapo_trl.utils.killable_pool`), so no input can stall
   training.
 - `retool`, `retool_math_verify`: those scorers with ReTool's tool-turn shaping of wrong answers (`retool`).
+- `verl_default` (`verl_default_reward`): verl's rewards by data source, the scorer verl's `default_compute_score`
+  picks for each row's `data_source` (GSM8K's `#### N`, Hendrycks' MATH, DAPO's); `verl_math_verify` scores the
+  MATH sets with verl's math-verify scorer instead.
 
 TRL calls reward functions as `f(prompts=..., completions=..., completion_ids=..., log_metric=..., **columns)`; the
 ground truth is the `solution` column. Inputs that cannot be read (None, a 1 MB line, an unclosed box) score -1 and
 are counted through `log_metric` as `rewards/<function name>/{timeouts,unparseable,no_answer}`, one value per batch.
 
-Modules: `answers` (extraction, normalisation, verdicts), `dapo`, `math_verify`, `retool`, `registry`, and
+Modules: `answers` (extraction, normalisation, verdicts), `dapo`, `math_verify`, `retool`, `verl_default`,
+`verl_compat` (verl-style `compute_score` functions as TRL rewards), `registry`, and
 `overlong` (the soft overlong penalty column; it needs torch, so it is not imported here: math-verify workers import
 this package).
 """
@@ -56,6 +60,7 @@ from .retool import (
     retool_shaped_score,
     tool_turns,
 )
+from .verl_default import UnsupportedDataSource, VerlDefaultReward, verl_default_reward, verl_math_verify_reward
 
 __all__ = [
     "CORRECT_REWARD",
@@ -91,6 +96,10 @@ __all__ = [
     "retool_shaped_score",
     "score_math_verify",
     "tool_turns",
+    "UnsupportedDataSource",
+    "VerlDefaultReward",
+    "verl_default_reward",
+    "verl_math_verify_reward",
     "verify_answer",
     "warm_up_worker",
 ]

@@ -14,6 +14,7 @@ from typing import Any
 from .dapo import dapo_boxed_reward, dapo_math_reward
 from .math_verify import math_verify_reward
 from .retool import retool_math_verify_reward, retool_reward
+from .verl_default import verl_default_reward, verl_math_verify_reward
 
 RewardFunction = Callable[..., list[Any]]
 
@@ -58,6 +59,8 @@ REWARD_BUILDERS: dict[str, RewardBuilder] = {
     "math_verify": RewardBuilder.ready(math_verify_reward),
     "retool": RewardBuilder.ready(retool_reward),
     "retool_math_verify": RewardBuilder.ready(retool_math_verify_reward),
+    "verl_default": RewardBuilder.ready(verl_default_reward),
+    "verl_math_verify": RewardBuilder.ready(verl_math_verify_reward),
     "judge": RewardBuilder(
         _build_judge,
         options=("judge_base_url", "judge_model", "judge_max_concurrency"),

@@ -1,0 +1,120 @@
+"""`verl_default` equals verl's `default_compute_score` (and `verl_math_verify` verl's math-verify scorer) on a
+differential corpus whose expected results came from running verl's own code outside this repository
+(tests/data/make_verl_default_corpus.py names the commit and the command)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapo_trl.rewards import REWARD_FUNCTIONS, verl_default_reward, verl_math_verify_reward
+from dapo_trl.rewards.verl_default import (
+    NOT_HERE,
+    UnsupportedDataSource,
+    VerlDefaultReward,
+    VerlScore,
+    scorer_name,
+    verl_default_score,
+)
+
+CORPUS = Path(__file__).resolve().parent / "data" / "verl_default_corpus.jsonl"
+CASES = [json.loads(line) for line in CORPUS.read_text(encoding="ascii").splitlines()]
+ROUTED = [case for case in CASES if case["scorer"] == "default_compute_score" and "error" not in case]
+
+
+def expected(case: dict) -> VerlScore:
+    return VerlScore(case["score"], case.get("acc"), case.get("pred"))
+
+
+def test_the_corpus_covers_every_scorer_and_both_verdicts():
+    kinds = {case["kind"] for case in CASES}
+    assert {"gsm8k", "gsm8k-window", "math", "math-boxes", "dapo", "unknown-source", "math-verify"} <= kinds
+    for kind in ("gsm8k", "math", "math-boxes", "dapo", "math-verify"):
+        scores = {case["score"] for case in CASES if case["kind"] == kind}
+        assert len(scores) == 2, (kind, scores)  # correct and incorrect both present
+    assert len(CASES) > 3000 and CORPUS.stat().st_size < 1_000_000
+
+
+def test_every_routed_case_scores_as_verl():
+    mismatches = []
+    for index, case in enumerate(ROUTED):
+        ours = verl_default_score(case["data_source"], case["response"], case["ground_truth"])
+        if ours != expected(case):
+            mismatches.append((index, case["kind"], case["response"][-60:], case["ground_truth"], ours, expected(case)))
+    assert not mismatches, f"{len(mismatches)} of {len(ROUTED)} differ, e.g. {mismatches[:5]}"
+
+
+def test_the_batched_reward_agrees_with_the_corpus():
+    rewards = verl_default_reward(
+        completions=[[{"role": "assistant", "content": case["response"]}] for case in ROUTED],
+        solution=[case["ground_truth"] for case in ROUTED],
+        data_source=[case["data_source"] for case in ROUTED],
+    )
+    assert rewards == [case["score"] for case in ROUTED]
+
+
+def test_sources_verl_does_not_score_are_refused_by_both():
+    unknown = [case for case in CASES if case["kind"] == "unknown-source"]
+    assert unknown and all(case["error"] == "NotImplementedError" for case in unknown)
+    for case in unknown:
+        with pytest.raises(UnsupportedDataSource, match="--reward_funcs my_reward.py:compute_score"):
+            verl_default_score(case["data_source"], case["response"], case["ground_truth"])
+
+
+def test_math_verify_cases_score_as_verls_math_verify():
+    cases = [case for case in CASES if case["scorer"] == "math_verify"]
+    rewards = verl_math_verify_reward(
+        completions=[case["response"] for case in cases],
+        solution=[case["ground_truth"] for case in cases],
+        data_source=[case["data_source"] for case in cases],
+    )
+    assert rewards == [case["score"] for case in cases]
+
+
+def test_the_issue_examples():
+    """A GSM8K row: `#### 72` scores 1 and a wrong answer 0; a MATH and a DAPO-Math row each get their own scorer."""
+    completions = ["so 48 + 24 = 72\n#### 72", "#### 71", "\\boxed{\\frac12}", "Answer: \\frac{1}{2}", "Answer: 3"]
+    rewards = verl_default_reward(
+        completions=completions,
+        solution=["72", "72", "\\frac{1}{2}", "\\frac{1}{2}", "3"],
+        data_source=["openai/gsm8k", "openai/gsm8k", "lighteval/MATH", "lighteval/MATH", "math_dapo"],
+    )
+    assert rewards == [1.0, 0.0, 1.0, 0.0, 1.0]  # the MATH scorer reads the box, not "Answer:"
+    assert verl_default_reward(completions=["Answer: 4"], solution=["3"], data_source=["aime2025"]) == [-1.0]
+
+
+def test_accuracy_is_each_scorers_own_and_is_logged_per_source():
+    logged = {}
+    verl_default_reward(
+        completions=["#### 72", "#### 7", "Answer: 5", "Answer: 6"],
+        solution=["72", "72", "5", "5"],
+        data_source=["openai/gsm8k", "openai/gsm8k", "math_dapo", "math_dapo"],
+        log_metric=lambda name, value: logged.__setitem__(name, value),
+    )
+    assert logged == {"rewards/verl_default/acc/math_dapo": 0.5, "rewards/verl_default/acc/openai/gsm8k": 0.5}
+    assert VerlScore(-1.0, False, "6").correct is False and VerlScore(0.0).correct is False
+    assert VerlScore(1.0).correct and VerlScore(1.0, True, "5").correct
+
+
+def test_unsupported_sources_are_named_with_verls_scorer_and_the_fix():
+    with pytest.raises(UnsupportedDataSource) as raised:
+        verl_default_reward(
+            completions=["a", "b", "c"], solution=["1", "1", "1"], data_source=["numina_olympiads", "apps", "mine"]
+        )
+    message = str(raised.value)
+    assert "'numina_olympiads' (verl's prime_math)" in message and "'apps' (verl's sandbox_fusion" in message
+    assert "'mine'" in message and "verl.utils.reward_score:default_compute_score" in message
+    assert raised.value.sources == ["numina_olympiads", "apps", "mine"]
+    assert all(scorer_name(source) is None for source in NOT_HERE)
+
+
+def test_a_dataset_without_data_source_is_refused_naming_the_column():
+    with pytest.raises(ValueError, match="'data_source' column"):
+        verl_default_reward(completions=["#### 1"], solution=["1"])
+
+
+def test_registered_by_name():
+    assert REWARD_FUNCTIONS["verl_default"] is verl_default_reward
+    assert REWARD_FUNCTIONS["verl_math_verify"] is verl_math_verify_reward
+    with pytest.raises(ValueError, match="math_sets"):
+        VerlDefaultReward(math_sets="prime")
