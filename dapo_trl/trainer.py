@@ -19,6 +19,7 @@ from trl import GRPOTrainer
 from .algorithm import clamp_log_ratio, ratio_anchor
 from .config import DAPOConfig
 from .rewards import dapo_math_reward
+from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
 from .training import evaluation, steps, streams, trl_seam
 from .training.batching import (
@@ -80,6 +81,7 @@ class DAPOTrainer(GRPOTrainer):
         if needs_own_reference(args, self.ref_model, self.model):  # KL in the reward without TRL's KL loss
             self.ref_model = build_reference_model(self, kwargs.get("quantization_config"))
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
+        check_dataset_sources(self.reward_funcs, self.train_dataset, self.eval_dataset)  # verl_default's sources
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
@@ -173,8 +175,8 @@ class DAPOTrainer(GRPOTrainer):
         logps, *rest = self._real_token_forward(
             model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
         )
-        if model is self.model and not torch.is_grad_enabled() and self._generation.policy_forward is None:
-            self._generation.policy_forward = (input_ids, attention_mask, logps)  # TRL's old log-probs: KL reuses them
+        if not torch.is_grad_enabled():  # TRL's old and reference log-probs: KL in the reward reuses them
+            self._generation.record_forward(self, model, input_ids, attention_mask, logps)
         return (logps if self._ratio_anchor is None else clamp_log_ratio(logps, self._ratio_anchor), *rest)
 
     def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):

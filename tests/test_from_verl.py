@@ -1,6 +1,7 @@
 """`python -m dapo_trl.from_verl`: verl runs (tests/data/verl/, written for these tests from the recipes' documented
 keys) become recipes whose batch and step arithmetic equals verl's, with every key accounted for in the report."""
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -209,7 +210,7 @@ def test_dapo_recipe():
     assert (r["max_prompt_length"], r["max_completion_length"], r["overlong_prompt_policy"]) == (2048, 20480, "filter")
     assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 4096, 1.0)
     assert (r["filter_groups_enable"], r["max_filter_gen_batches"], r["filter_groups_oversample"]) == (True, 10, 3)
-    assert r["reward_funcs"] == ["dapo_math"]
+    assert r["reward_funcs"] == ["verl_default"]  # DAPO-Math-17k's rows are math_dapo: DAPO's scorer
     # Steps: verl's rollout steps x 16.
     assert (r["lr_scheduler_type"], r["warmup_steps"], r["learning_rate"]) == ("constant_with_warmup", 160, 1e-6)
     assert (r["save_strategy"], r["save_steps"], r["eval_strategy"], r["eval_steps"]) == ("steps", 80, "steps", 80)
@@ -379,11 +380,31 @@ def test_main_returns_usage_errors(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------------------------------------ end to end
+VERL_SOURCES = ["math_dapo", "openai/gsm8k", "lighteval/MATH", "aime2024"]
+
+
+def write_verl_parquet(path: Path, sources: list[str], rows: int = 64) -> Path:
+    """Built-in arithmetic problems as one of verl's preprocessed parquet files, data sources taken in turn."""
+    from datasets import Dataset
+
+    from dapo_trl.data import make_arithmetic_dataset
+
+    problems = make_arithmetic_dataset(num_problems=rows)
+    Dataset.from_list(
+        [
+            {"data_source": sources[i % len(sources)], "prompt": row["prompt"], "ability": "math",
+             "reward_model": {"style": "rule", "ground_truth": row["solution"]}, "extra_info": {"index": i}}
+            for i, row in enumerate(problems)
+        ]
+    ).to_parquet(str(path))  # fmt: skip
+    return path
+
+
 E2E_OVERRIDES = [
-    "--model_name_or_path", "builtin:tiny", "--dataset_name", "builtin:arithmetic", "--max_steps", "2",
+    "--model_name_or_path", "builtin:tiny", "--max_steps", "2",
     "--per_device_train_batch_size", "8", "--num_generations", "4", "--gradient_accumulation_steps", "1",
     "--steps_per_generation", "2", "--max_completion_length", "32",
-    "--use_vllm", "false", "--eval_dataset_name", "builtin:arithmetic", "--eval_strategy", "no",
+    "--use_vllm", "false", "--eval_strategy", "no",
     "--val_before_train", "false", "--report_to", "none",
     "--save_strategy", "no", "--logging_steps", "1", "--plot", "false", "--disable_tqdm", "true",
 ]  # fmt: skip
@@ -395,7 +416,9 @@ def test_translated_recipe_trains_two_steps(tmp_path, script):
     result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the three
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
+    data = str(write_verl_parquet(tmp_path / "train.parquet", VERL_SOURCES))  # each source scored by its own scorer
     overrides = [*E2E_OVERRIDES, "--output_dir", str(tmp_path / "run")]
+    overrides += ["--dataset_name", data, "--eval_dataset_name", data]
     if recipe.get("apply_overlong_penalty"):
         overrides += ["--overlong_buffer_len", "8"]
     run = run_command([sys.executable, "train_dapo.py", "--config", str(tmp_path / "recipe" / "recipe.yaml"),
@@ -403,6 +426,30 @@ def test_translated_recipe_trains_two_steps(tmp_path, script):
     assert "step 2" in run.stdout, run.stdout[-2000:]
     assert (tmp_path / "run" / "model.safetensors").exists()
     assert ("'kl/in_reward'" in run.stdout) == (script == GRPO_SCRIPT)  # the GRPO script's KL in the reward ran
+    if script != RETOOL_SCRIPT:  # verl_default scored each data source with its own scorer
+        logged = set(re.findall(r"'rewards/verl_default/acc/([^']+)'", run.stdout))
+        assert len(logged) >= 2 and logged <= set(VERL_SOURCES), run.stdout[-3000:]
+
+
+def test_default_reward_is_verls_scorer_per_data_source(tmp_path):
+    """No custom reward: verl_default, and the report says which scorer each data source of the files gets."""
+    write_verl_parquet(tmp_path / "train.parquet", ["openai/gsm8k", "lighteval/MATH", "math_dapo"], rows=12)
+    write_verl_parquet(tmp_path / "test.parquet", ["openai/gsm8k"], rows=4)
+    t = translated(GRPO_SCRIPT, env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)})
+    assert t.recipe["reward_funcs"] == ["verl_default"] and not t.blocking
+    notes = "\n".join(t.notes)
+    assert f"'openai/gsm8k' (4 rows of {tmp_path}/train.parquet): GSM8K's '#### N' scorer (1 / 0)" in notes
+    assert f"'lighteval/MATH' (4 rows of {tmp_path}/train.parquet): Hendrycks' MATH scorer" in notes
+    assert f"'math_dapo' (4 rows of {tmp_path}/train.parquet): DAPO's 'Answer:' scorer (+1 / -1)" in notes
+    assert f"'openai/gsm8k' (4 rows of {tmp_path}/test.parquet)" in notes
+    # A source verl scores with a scorer dapo-trl lacks blocks the translation, naming it and the way on.
+    write_verl_parquet(tmp_path / "train.parquet", ["openai/gsm8k", "numina_olympiads"], rows=4)
+    t = translated(GRPO_SCRIPT, env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)})
+    assert [entry.key for entry in t.blocking] == ["custom_reward_function.path"]
+    assert "'numina_olympiads' (verl's prime_math)" in t.blocking[0].how and "compute_score" in t.blocking[0].how
+    # Files that are not here: the sources are unknown, said in a note, nothing blocks.
+    t = translated(GRPO_SCRIPT)
+    assert not t.blocking and "is not here to read" in "\n".join(t.notes)
 
 
 # ------------------------------------------------------------------------------------------------ --tool_config

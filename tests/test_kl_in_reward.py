@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 
 from dapo_trl import DAPOConfig, DAPOTrainer
@@ -115,7 +116,9 @@ class RecordingTrainer(DAPOTrainer):
 
     def _generate_and_score_completions(self, inputs):
         policy = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
-        self.policy_forwards = 0
+        if hasattr(policy, "merge_and_unload"):  # PEFT: the policy is the base with the adapter merged in
+            policy = policy.merge_and_unload()
+        self.policy_forwards = self.adapter_off_forwards = 0
         output = super()._generate_and_score_completions(inputs)
         prompt_ids, completion_ids = self._generation.output[:2]  # TRL `_generate`'s output
         kl = reference_kl_rewards(policy, self.reference, prompt_ids, completion_ids, self.args.kl_in_reward_estimator)
@@ -123,11 +126,16 @@ class RecordingTrainer(DAPOTrainer):
         return output
 
     def _real_token_forward(self, model, *args):
-        self.policy_forwards += model is self.model and not torch.is_grad_enabled()
+        """Counts the no-grad forwards of `self.model`: with the adapter on (the policy) or off (a PEFT reference)."""
+        if model is self.model and not torch.is_grad_enabled():
+            off = any(getattr(module, "disable_adapters", None) is True for module in model.modules())
+            self.adapter_off_forwards += off
+            self.policy_forwards += not off
         return super()._real_token_forward(model, *args)
 
 
 def kl_trainer(tmp_path, **overrides) -> RecordingTrainer:
+    peft_config = overrides.pop("peft_config", None)
     settings = {
         "kl_in_reward": True,
         "filter_groups_enable": False,
@@ -142,12 +150,14 @@ def kl_trainer(tmp_path, **overrides) -> RecordingTrainer:
         reward_funcs=token_reward,
         args=tiny_config(tmp_path / "out", **settings),
         train_dataset=Dataset.from_list(prompts),
+        peft_config=peft_config,
     )
     trainer.batches, trainer.reference = [], AutoModelForCausalLM.from_pretrained(str(build_tiny_model())).eval()
     with torch.no_grad():  # the policy leaves the reference (the model on disk), so the KL is not zero
         generator = torch.Generator().manual_seed(1)
-        for parameter in trainer.model.parameters():
-            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+        for name, parameter in trainer.model.named_parameters():
+            if peft_config is None or "lora_" in name:  # PEFT: only the adapter moves, the base stays
+                parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
     return trainer
 
 
@@ -203,6 +213,37 @@ def test_fixed_kl_in_reward_matches_a_reference_computation(tmp_path, steps_per_
     assert logged["kl/coef"] == beta and "kl" not in logged  # TRL's own "kl" is the KL loss's, off here
     assert logged["rewards/kl_in_reward/mean"] == pytest.approx(float(np.mean(sums)), rel=1e-4)
     assert trainer.reward_func_names == ["token_reward"]  # the user's list, unchanged
+
+
+@pytest.mark.parametrize(
+    ("steps_per_generation", "kl_loss"),
+    [(1, 0.0), (1, 0.04), (2, 0.04)],
+    ids=["no-kl-loss", "kl-loss", "kl-loss-old-logps"],
+)
+def test_peft_kl_in_reward_uses_the_adapter_off_reference_and_reuses_trls_forwards(
+    tmp_path, steps_per_generation, kl_loss
+):
+    """A LoRA policy: the reference is the base model (the model on disk, adapter off), here computed independently
+    from the model on disk and a merged copy of the policy. With TRL's KL loss on (`beta` > 0) TRL's reference
+    forward also runs on `trainer.model`, with the adapter off; the KL reuses it and TRL's old log-probs (with
+    steps_per_generation=2), so each batch makes one adapter-on and one adapter-off forward, not two of either."""
+    beta, estimator = 0.5, "low_var_kl"
+    lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainer = kl_trainer(
+        tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4,
+        steps_per_generation=steps_per_generation, beta=kl_loss, peft_config=lora,
+    )  # fmt: skip
+    assert trainer.ref_model is None and trainer.beta == kl_loss  # the reference is the adapter off
+    trainer.train()
+    assert (trainer.policy_forwards, trainer.adapter_off_forwards) == (1, 1)
+    ((completions, advantages, sums, means),) = trainer.batches
+    assert min(sums) > 0.05  # the adapter moved the policy away from the base: not comparing zeros
+    penalised = [score - beta * kl for score, kl in zip(token_reward(completions), sums, strict=True)]
+    expected = torch.tensor(group_advantages(penalised, 4), dtype=torch.float32)
+    torch.testing.assert_close(advantages.float(), expected, atol=1e-4, rtol=0)
+    logged = trainer.state.log_history[0]
+    assert logged["kl/in_reward"] == pytest.approx(float(np.mean(means)), rel=1e-4)
+    assert ("kl" in logged) == (kl_loss > 0)  # TRL's KL loss, against the same adapter-off reference
 
 
 def test_adaptive_coefficient_steps_per_generation_batch_and_resumes(tmp_path):

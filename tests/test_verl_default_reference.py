@@ -118,3 +118,20 @@ def test_registered_by_name():
     assert REWARD_FUNCTIONS["verl_math_verify"] is verl_math_verify_reward
     with pytest.raises(ValueError, match="math_sets"):
         VerlDefaultReward(math_sets="prime")
+
+
+def test_datasets_are_checked_before_training():
+    from datasets import Dataset
+
+    from dapo_trl.rewards.verl_default import check_dataset_sources
+
+    good = Dataset.from_list(
+        [{"solution": "1", "data_source": "openai/gsm8k"}, {"solution": "2", "data_source": "math"}]
+    )
+    bad = Dataset.from_list([{"solution": "1", "data_source": "taco"}, {"solution": "2", "data_source": "math"}])
+    check_dataset_sources([verl_default_reward], good, {"aime": good}, None)
+    check_dataset_sources([lambda **kw: []], bad)  # only verl_default reads data_source
+    with pytest.raises(UnsupportedDataSource, match="'taco'"):
+        check_dataset_sources([verl_default_reward], good, {"eval": bad})
+    with pytest.raises(ValueError, match="'data_source' column"):
+        check_dataset_sources([verl_default_reward], Dataset.from_list([{"solution": "1"}]))

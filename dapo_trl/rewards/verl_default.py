@@ -383,5 +383,27 @@ class VerlDefaultReward:
         return [score.score for score in scored]
 
 
+def check_dataset_sources(reward_funcs: Any, *datasets: Any) -> None:
+    """Before training: every row a `VerlDefaultReward` will score has a `data_source` it has a scorer for.
+
+    Map-style datasets (and dicts of them) are checked whole, so a run stops at construction, not at the first
+    batch that holds such a row; a streamed dataset is checked as it is scored.
+    """
+    functions = reward_funcs if isinstance(reward_funcs, list | tuple) else [reward_funcs]
+    rewards = [f for f in functions if isinstance(f, VerlDefaultReward)]
+    if not rewards:
+        return
+    tables = [t for d in datasets if d is not None for t in (d.values() if isinstance(d, Mapping) else [d])]
+    for table in tables:
+        if not hasattr(table, "unique"):  # a streamed dataset
+            continue
+        if "data_source" not in (table.column_names or []):
+            _column(None, 0, "data_source")
+        for reward in rewards:
+            missing = [s for s in table.unique("data_source") if scorer_name(s, reward.math_sets) is None]
+            if missing:
+                raise UnsupportedDataSource(missing)
+
+
 verl_default_reward = VerlDefaultReward()
 verl_math_verify_reward = VerlDefaultReward(name="verl_math_verify", math_sets="math_verify")

@@ -11,8 +11,11 @@ KL), and `kl/in_reward` (the batch mean of each response's mean per-token KL, ve
 beta comes from a `KLController`: fixed, or verl's adaptive controller, stepped after every generation batch (with
 dynamic sampling, every round, as in verl's DAPO recipe) with that batch's KL and response count. An adaptive beta
 is saved in checkpoints and continues on resume. The log-probs come from two no-grad forwards of the batch (policy,
-reference); verl makes the same two (old_log_prob and ref_log_prob). The reference model is TRL's, or, when TRL's KL
-loss is off, the one `reference.build_reference_model` builds.
+reference); verl makes the same two (old_log_prob and ref_log_prob). Where TRL already ran either of them on this very
+batch before scoring (its old log-probs, its KL loss's reference log-probs), the KL reuses it: the trainer records
+each no-grad forward by `forward_role`, which for a PEFT model tells the two apart by whether the adapter was on. The
+reference model is TRL's, or, when TRL's KL loss is off, the one `reference.build_reference_model` builds; for a PEFT
+model, the adapter turned off (or TRL's "ref" copy of a pre-trained adapter).
 The math is `dapo_trl.algorithm.kl_penalty_per_token` and `adaptive_kl_coef`.
 """
 
@@ -88,10 +91,10 @@ def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
 
     The reference is `trainer.ref_model` (TRL's, or `reference.build_reference_model`'s when TRL's KL loss is off),
     or for a PEFT model the base (or the "ref" adapter TRL copied from a pre-trained one), as GRPOTrainer computes
-    its KL loss's reference. The policy's are TRL's old log-probs when it computed them for this very batch before
-    scoring (same rows, same layout), else a forward of its own.
+    its KL loss's reference. Each of the two is the forward TRL already made of this very batch before scoring (same
+    rows, same layout: its old log-probs, its KL loss's reference log-probs) when there is one, else one of its own.
     """
-    pad, use_adapter = trl_function("pad"), trl_function("use_adapter")
+    pad = trl_function("pad")
     output = generation.output
     if output.images is not None:
         raise ValueError("kl_in_reward does not support image inputs yet: turn it off for multimodal training.")
@@ -108,23 +111,63 @@ def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
     tool_mask = output.tool_mask
     mask = completion_mask if tool_mask is None else completion_mask * padded(tool_mask, 0, "right")
 
+    def recorded(forward: tuple | None) -> torch.Tensor | None:
+        if forward is not None and same_tensor(forward[0], input_ids) and same_tensor(forward[1], attention_mask):
+            return forward[2]
+        return None
+
     def forward(model: Any) -> torch.Tensor:
         return trl_seam.per_token_log_probs(trainer, model, input_ids, attention_mask, completions.size(1))
 
-    # With a PEFT reference and a KL loss, TRL's reference forward also runs on `trainer.model`: no reuse then.
-    recorded = generation.policy_forward if trainer.ref_model is not None or trainer.beta == 0.0 else None
     with torch.no_grad():
-        if recorded is not None and same_tensor(recorded[0], input_ids) and same_tensor(recorded[1], attention_mask):
-            policy = recorded[2]
-        else:
+        policy = recorded(generation.policy_forward)
+        if policy is None:
             policy = forward(trainer.model)
-        if trainer.ref_model is not None:
+        reference = recorded(generation.reference_forward)
+        if reference is None and trainer.ref_model is not None:
             reference = forward(trainer.ref_model)
-        else:
+        elif reference is None:
             unwrapped = trainer.accelerator.unwrap_model(trainer.model)
-            with use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None):
+            with trl_function("use_adapter")(unwrapped, adapter_name=reference_adapter(unwrapped)):
                 reference = forward(trainer.model)
     return policy, reference, mask.float()
+
+
+def reference_adapter(peft_model: Any) -> str | None:
+    """The adapter a PEFT policy's reference runs with, as GRPOTrainer chooses it: TRL's "ref" copy of a pre-trained
+    adapter, or None (every adapter off: the base model)."""
+    return "ref" if "ref" in peft_model.peft_config else None
+
+
+def forward_role(trainer: Any, model: Any) -> str | None:
+    """Which of KL in the reward's two forwards a no-grad forward of `model` is: "policy", "reference" or None.
+
+    `trainer.ref_model` is the reference. `trainer.model` is the policy, except for a PEFT model running as its
+    reference: its adapters off, or TRL's "ref" adapter active (GRPOTrainer's KL-loss reference forward, and ours).
+    """
+    if model is not trainer.model:
+        return "reference" if model is not None and model is trainer.ref_model else None
+    from accelerate.utils import is_peft_model
+
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    if not is_peft_model(unwrapped):
+        return "policy"
+    disabled = adapters_disabled(unwrapped)
+    if reference_adapter(unwrapped) is None:
+        return "reference" if disabled else "policy"
+    if disabled:
+        return None  # neither: the base model is not this run's reference
+    return "reference" if unwrapped.active_adapter == "ref" else "policy"
+
+
+def adapters_disabled(peft_model: Any) -> bool:
+    """Whether a PEFT model runs with its adapter layers off (inside `disable_adapter()`)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    for module in peft_model.modules():
+        if isinstance(module, BaseTunerLayer):
+            return bool(module.disable_adapters)
+    return False
 
 
 def same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:

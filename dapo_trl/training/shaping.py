@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from .kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, KLInReward, policy_and_reference_log_probs
+from .kl_in_reward import (
+    KL_CONTROLLER_STATE_FILE,
+    KLController,
+    KLInReward,
+    forward_role,
+    policy_and_reference_log_probs,
+)
 from .overlong import SoftOverlongPenalty
 from .trl_seam import GenerationOutput, reward_metric_logger
 
@@ -32,12 +38,24 @@ _SHOWN_LISTS = ("reward_funcs", "reward_func_names", "reward_processing_classes"
 class GenerationRecord:
     """The generation batch being scored, as the trainer saw it: whether it was generated in training (TRL's paged
     generation leaves the model in train mode even in evaluation), TRL `_generate`'s output, and the first no-grad
-    forward of the policy since (TRL's old log-probs, when it computes them before scoring): (input_ids,
-    attention_mask, log-probs)."""
+    forward since of the policy and of the reference (TRL's old log-probs and its KL loss's reference log-probs, when
+    it computes them before scoring), each (input_ids, attention_mask, log-probs)."""
 
     training: bool = False
     output: GenerationOutput | None = None
     policy_forward: tuple | None = None
+    reference_forward: tuple | None = None
+
+    def record_forward(self, trainer: Any, model: Any, input_ids: Any, attention_mask: Any, log_probs: Any) -> None:
+        """Keep a no-grad forward of this batch for KL in the reward, as the policy's or the reference's (the first
+        of each); a PEFT model's are told apart by whether its adapter was on (`kl_in_reward.forward_role`)."""
+        if not self.training or not trainer.args.kl_in_reward:
+            return
+        role = forward_role(trainer, model)
+        if role == "policy" and self.policy_forward is None:
+            self.policy_forward = (input_ids, attention_mask, log_probs)
+        elif role == "reference" and self.reference_forward is None:
+            self.reference_forward = (input_ids, attention_mask, log_probs)
 
 
 class ShapingColumns:

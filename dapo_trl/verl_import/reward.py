@@ -2,7 +2,26 @@
 
 from __future__ import annotations
 
-from .translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED, Translation, as_boolean, recipe_line
+import os
+from typing import Any
+
+from ..rewards.verl_default import NOT_HERE, scorer_name
+from .translation import (
+    APPROXIMATED,
+    MAPPED,
+    NOT_NEEDED,
+    UNSUPPORTED,
+    Translation,
+    as_boolean,
+    as_list,
+    recipe_line,
+)
+
+SCORER_DESCRIPTIONS = {
+    "gsm8k": "GSM8K's '#### N' scorer (1 / 0)",
+    "math_reward": "Hendrycks' MATH scorer on the last \\boxed{} (1 / 0)",
+    "math_dapo": "DAPO's 'Answer:' scorer (+1 / -1)",
+}
 
 
 def map_dynamic_sampling(t: Translation) -> None:
@@ -132,13 +151,79 @@ def map_reward(t: Translation) -> None:
         t.mark("custom_reward_function.path", MAPPED, recipe_line("reward_funcs", [reference]), how)
         t.mark("custom_reward_function.name", MAPPED, recipe_line("reward_funcs", [reference]), how)
     else:
-        t.set(reward_funcs=["dapo_math"])
-        t.record(
-            "custom_reward_function.path",
-            APPROXIMATED,
-            "reward_funcs: [dapo_math]",
-            "verl picks its scorer by data_source: math_dapo and aime* use DAPO's 'Answer:' scorer, which "
-            "is dapo_math here; other data sources (gsm8k, MATH, code) have other scorers in verl",
-        )
-        t.mark("custom_reward_function.name", NOT_NEEDED, how="no custom reward file")
+        map_default_reward(t)
     t.mark_all("custom_reward_function.reward_kwargs.*", UNSUPPORTED, "", "extra reward arguments are not passed")
+
+
+def data_sources(path: Any) -> dict[str, int] | None:
+    """Rows per `data_source` in one of verl's data files, or None when the file is not here to read."""
+    text = os.path.expanduser(str(path))
+    if "://" in text or not os.path.isfile(text):
+        return None
+    try:
+        if text.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            table = pq.read_table(text, columns=["data_source"])
+        else:
+            from datasets import load_dataset
+
+            kind = {".jsonl": "json", ".json": "json", ".csv": "csv"}.get(os.path.splitext(text)[1].lower())
+            if kind is None:
+                return None
+            table = load_dataset(kind, data_files=text, split="train").select_columns(["data_source"]).data.table
+    except (KeyError, ValueError, OSError):
+        return {}  # no data_source column (or unreadable): the report says so
+    counts: dict[str, int] = {}
+    for source in table.column("data_source").to_pylist():
+        counts[str(source)] = counts.get(str(source), 0) + 1
+    return counts
+
+
+def map_default_reward(t: Translation) -> None:
+    """No custom reward: verl scores each row by its data_source (default_compute_score); so does verl_default.
+
+    The report names the scorer each data source in the run's files gets; a source without a scorer here blocks
+    the translation (the run would stop at construction).
+    """
+    unsupported: dict[str, str] = {}
+    for key in ("data.train_files", "data.val_files"):
+        for file in as_list(t.value(key)):
+            counts = data_sources(file)
+            if counts is None:
+                t.notes.append(
+                    f"reward: {file} is not here to read, so its data sources are not known; verl_default scores "
+                    "openai/gsm8k, the MATH sets, math_dapo / math / aime* and stops on any other source"
+                )
+                continue
+            if not counts:
+                t.notes.append(f"reward: {file} has no data_source column; verl_default needs one")
+                unsupported[str(file)] = "no data_source column"
+            for source, rows in sorted(counts.items()):
+                scorer = scorer_name(source)
+                if scorer is None:
+                    verl_scorer = f"verl's {NOT_HERE[source]}" if source in NOT_HERE else "no scorer in verl either"
+                    unsupported[source] = verl_scorer
+                    t.notes.append(
+                        f"reward: data_source {source!r} ({rows} rows of {file}): NO scorer here ({verl_scorer})"
+                    )
+                else:
+                    t.notes.append(
+                        f"reward: data_source {source!r} ({rows} rows of {file}): {SCORER_DESCRIPTIONS[scorer]}"
+                    )
+    t.set(reward_funcs=["verl_default"])
+    how = (
+        "verl's default_compute_score: the scorer is picked per row by its data_source column, as verl does "
+        "(openai/gsm8k: '#### N'; the MATH sets: Hendrycks' boxed answer; math_dapo / math / aime*: DAPO's "
+        "'Answer:' line; the report's notes say which data source of the run's files gets which)"
+    )
+    if unsupported:
+        how = (
+            "verl_default has no scorer for "
+            + ", ".join(f"{source!r} ({why})" for source, why in unsupported.items())
+            + ": pass --reward_funcs your_file.py:compute_score (verl's signature), or "
+            "verl.utils.reward_score:default_compute_score with verl installed"
+        )
+    status = UNSUPPORTED if unsupported else MAPPED
+    t.record("custom_reward_function.path", status, "reward_funcs: [verl_default]", how, blocking=bool(unsupported))
+    t.mark("custom_reward_function.name", NOT_NEEDED, how="no custom reward file")
