@@ -240,6 +240,38 @@ class _StubHTTPServer(ThreadingHTTPServer):
     daemon_threads = True
 
 
+def fusion_execute(index: int, body: dict) -> StubReply:
+    """What SandboxFusion does with a python `/run_code` request: run `code` with `stdin`, under `run_timeout`."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", body["code"]],
+            input=body["stdin"],
+            capture_output=True,
+            text=True,
+            timeout=body["run_timeout"],
+        )
+    except subprocess.TimeoutExpired as expired:
+        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
+        run = {"status": "TimeLimitExceeded", "return_code": None, "stdout": stdout, "stderr": ""}
+    else:
+        run = {"status": "Finished", "return_code": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
+    run["execution_time"] = 0.1
+    ok = run["status"] == "Finished" and run["return_code"] == 0
+    return 200, fusion_reply(run, "Success" if ok else "Failed"), {}, 0.0
+
+
+def fusion_reply(run: dict | None, status: str = "Success", message: str = "") -> dict:
+    """A SandboxFusion `/run_code` reply around one run result."""
+    return {
+        "status": status,
+        "message": message,
+        "compile_result": None,
+        "run_result": run,
+        "executor_pod_name": None,
+        "files": {},
+    }
+
+
 def closed_port() -> int:
     """A local port nothing listens on (a connection to it is refused)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -447,6 +447,12 @@ def test_default_reward_is_verls_scorer_per_data_source(tmp_path):
     t = translated(GRPO_SCRIPT, env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)})
     assert [entry.key for entry in t.blocking] == ["custom_reward_function.path"]
     assert "'numina_olympiads' (verl's prime_math)" in t.blocking[0].how and "compute_score" in t.blocking[0].how
+    # Code sources are scored on the SandboxFusion service verl's config names.
+    write_verl_parquet(tmp_path / "train.parquet", ["openai/gsm8k", "apps"], rows=4)
+    t = translated(GRPO_SCRIPT, "reward_model.sandbox_fusion.url=http://sandbox:8080/run_code",
+                   env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)})  # fmt: skip
+    assert not t.blocking and t.recipe["sandbox_url"] == "http://sandbox:8080/run_code"
+    assert "'apps' (2 rows of" in "\n".join(t.notes) and "SandboxFusion code scorer" in "\n".join(t.notes)
     # Files that are not here: the sources are unknown, said in a note, nothing blocks.
     t = translated(GRPO_SCRIPT)
     assert not t.blocking and "is not here to read" in "\n".join(t.notes)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,46 +10,12 @@ import pytest
 from dapo_trl.tools.remote import RemoteSandbox, run_code_url
 from dapo_trl.tools.sandbox import RUNNER_SOURCE, ExecutionStatus, SandboxLimits
 
-from .helpers import StubServer, clear_proxies, closed_port
-
-
-def execute(index: int, body: dict):
-    """What SandboxFusion does with a python request: run `code` with `stdin`, under `run_timeout`."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-c", body["code"]],
-            input=body["stdin"],
-            capture_output=True,
-            text=True,
-            timeout=body["run_timeout"],
-        )
-    except subprocess.TimeoutExpired as expired:
-        run = {"status": "TimeLimitExceeded", "return_code": None, "stdout": _str(expired.stdout), "stderr": ""}
-    else:
-        run = {"status": "Finished", "return_code": done.returncode, "stdout": done.stdout, "stderr": done.stderr}
-    run["execution_time"] = 0.1
-    ok = run["status"] == "Finished" and run["return_code"] == 0
-    return 200, fusion(run, "Success" if ok else "Failed"), {}, 0.0
-
-
-def _str(data) -> str:
-    return data.decode() if isinstance(data, bytes) else (data or "")
-
-
-def fusion(run: dict | None, status: str = "Success", message: str = "") -> dict:
-    return {
-        "status": status,
-        "message": message,
-        "compile_result": None,
-        "run_result": run,
-        "executor_pod_name": None,
-        "files": {},
-    }
+from .helpers import StubServer, clear_proxies, closed_port, fusion_execute, fusion_reply
 
 
 def finished(code: int = 0, stdout: str = "", stderr: str = "") -> dict:
     run = {"status": "Finished", "execution_time": 0.01, "return_code": code, "stdout": stdout, "stderr": stderr}
-    return fusion(run, "Success" if code == 0 else "Failed")
+    return fusion_reply(run, "Success" if code == 0 else "Failed")
 
 
 def canned(*replies, delay: float = 0.0):
@@ -66,7 +30,7 @@ def canned(*replies, delay: float = 0.0):
     return behaviour
 
 
-def fusion_server(behaviour=execute) -> StubServer:
+def fusion_server(behaviour=fusion_execute) -> StubServer:
     """A `/run_code` stub: `behaviour(index, body) -> (status, JSON body, headers, delay_s)`."""
     return StubServer(behaviour)
 
@@ -162,10 +126,11 @@ def test_segfault_is_killed():
         (finished(1, stderr="Traceback ...\nMemoryError\n"), ExecutionStatus.MEMORY, "memory limit of 1024 MB"),
         (finished(139), ExecutionStatus.KILLED, "segmentation fault (SIGSEGV)"),
         (finished(-9), ExecutionStatus.KILLED, "SIGKILL) (possibly for exceeding the memory limit"),
-        (fusion({"status": "Error", "return_code": None, "stdout": "", "stderr": "spawn failed"}, "SandboxError"),
+        (fusion_reply({"status": "Error", "return_code": None, "stdout": "", "stderr": "spawn failed"}, "SandboxError"),
          ExecutionStatus.SANDBOX_ERROR, "SandboxError: spawn failed"),
-        (fusion(None, "SandboxError", "no executor available"), ExecutionStatus.SANDBOX_ERROR, "no executor available"),
-        (fusion(None, "Failed"), ExecutionStatus.SANDBOX_ERROR, "returned no exit status"),
+        (fusion_reply(None, "SandboxError", "no executor available"), ExecutionStatus.SANDBOX_ERROR,
+         "no executor available"),
+        (fusion_reply(None, "Failed"), ExecutionStatus.SANDBOX_ERROR, "returned no exit status"),
         ({"unexpected": 1}, ExecutionStatus.SANDBOX_ERROR, "not a SandboxFusion run_code result"),
     ],
 )  # fmt: skip

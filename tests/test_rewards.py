@@ -29,6 +29,8 @@ from dapo_trl.rewards import (
     retool_reward,
     score_math_verify,
     verify_answer,
+    verl_default_reward,
+    verl_math_verify_reward,
 )
 
 TOWER = "\\boxed{2^{2^{2^{2^{2^{100}}}}}}"  # sympy works on it for minutes
@@ -368,6 +370,8 @@ def test_registered_names():
         "math_verify": math_verify_reward,
         "retool": retool_reward,
         "retool_math_verify": retool_math_verify_reward,
+        "verl_default": verl_default_reward,
+        "verl_math_verify": verl_math_verify_reward,
     }
     assert resolve_reward_function("math_verify") is math_verify_reward
     assert make_math_verify_reward(name="mv").__name__ == "mv"

@@ -2,12 +2,14 @@
 differential corpus whose expected results came from running verl's own code outside this repository
 (tests/data/make_verl_default_corpus.py names the commit and the command)."""
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from dapo_trl.rewards import REWARD_FUNCTIONS, verl_default_reward, verl_math_verify_reward
+from dapo_trl.rewards.verl_code import SandboxUnreachable
 from dapo_trl.rewards.verl_default import (
     NOT_HERE,
     UnsupportedDataSource,
@@ -16,6 +18,8 @@ from dapo_trl.rewards.verl_default import (
     scorer_name,
     verl_default_score,
 )
+
+from .helpers import StubServer, closed_port, fusion_execute
 
 CORPUS = Path(__file__).resolve().parent / "data" / "verl_default_corpus.jsonl"
 CASES = [json.loads(line) for line in CORPUS.read_text(encoding="ascii").splitlines()]
@@ -135,3 +139,61 @@ def test_datasets_are_checked_before_training():
         check_dataset_sources([verl_default_reward], good, {"eval": bad})
     with pytest.raises(ValueError, match="'data_source' column"):
         check_dataset_sources([verl_default_reward], Dataset.from_list([{"solution": "1"}]))
+
+
+# ------------------------------------------------------------------------------------------------ code on SandboxFusion
+CODE_CASES = [json.loads(line) for line in (CORPUS.parent / "verl_code_corpus.jsonl").read_text("ascii").splitlines()]
+
+
+def test_code_sources_score_as_verls_sandbox_fusion_scorer():
+    """The corpus' scores came from verl's scorer against this same SandboxFusion stand-in."""
+    assert len(CODE_CASES) >= 40 and len({case["score"] for case in CODE_CASES}) >= 4  # 0, 1/3, 1/2, 2/3, 1
+    with StubServer(fusion_execute) as server:
+        reward = VerlDefaultReward(sandbox_url=server.base_url)
+        logged = {}
+        rewards = reward(
+            completions=[[{"role": "assistant", "content": case["response"]}] for case in CODE_CASES],
+            solution=[case["ground_truth"] for case in CODE_CASES],
+            data_source=[case["data_source"] for case in CODE_CASES],
+            log_metric=lambda name, value: logged.__setitem__(name, value),
+        )
+        stdins = [request["body"]["stdin"] for request in server.requests]
+    assert rewards == pytest.approx([case["score"] for case in CODE_CASES], abs=1e-12)
+    assert logged["rewards/verl_default/sandbox_errors"] == 0 and "rewards/verl_default/acc/apps" in logged
+    assert "9\n" in stdins and "10\n" not in stdins  # of the 12-case rows only the first 10 run: they alone count
+
+
+def test_code_sources_need_a_sandbox_and_a_dead_one_stops_the_run():
+    with pytest.raises(UnsupportedDataSource, match="give --sandbox_url to score them here"):
+        verl_default_reward(completions=["```python\nprint(1)\n```"], solution=["{}"], data_source=["taco"])
+    reward = VerlDefaultReward(sandbox_url=f"http://127.0.0.1:{closed_port()}")
+    truth = json.dumps({"inputs": ["1"], "outputs": ["1"]})
+    with pytest.raises(SandboxUnreachable, match="answered none of 1 requests.*--sandbox_url"):
+        reward(completions=["```python\nprint(1)\n```"], solution=[truth], data_source=["apps"])
+    with pytest.raises(ValueError, match="sandbox_url='ftp://x'"):
+        VerlDefaultReward(sandbox_url="ftp://x")
+
+
+def test_an_overloaded_sandbox_is_retried():
+    replies = iter([504])
+
+    def behaviour(index, body):
+        status = next(replies, None)
+        return (status, {"detail": "busy"}, {}, 0.0) if status else fusion_execute(index, body)
+
+    with StubServer(behaviour) as server:
+        reward = VerlDefaultReward(sandbox_url=server.base_url)
+        reward.sandbox.http.policy = dataclasses.replace(reward.sandbox.http.policy, backoff_s=0.0)
+        truth = json.dumps({"inputs": ["1"], "outputs": ["1"]})
+        assert reward(completions=["```python\nprint(input())\n```"], solution=[truth], data_source=["apps"]) == [1.0]
+        assert len(server.requests) == 2
+
+
+def test_the_command_line_builds_verl_default_with_the_sandbox_url():
+    from types import SimpleNamespace
+
+    from dapo_trl.rewards import build_reward
+
+    assert build_reward("verl_default", SimpleNamespace(sandbox_url=None)) is verl_default_reward
+    reward = build_reward("verl_default", SimpleNamespace(sandbox_url="http://sandbox:8080"))
+    assert reward.sandbox.url == "http://sandbox:8080/run_code" and reward.scorer("taco") == "sandbox_fusion"

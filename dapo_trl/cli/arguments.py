@@ -87,7 +87,11 @@ class DAPOScriptArguments(ScriptArguments):
         metadata={"help": "Where tool code runs: 'local' (isolated processes here) or 'remote' (SandboxFusion)."},
     )
     sandbox_url: str | None = field(
-        default=None, metadata={"help": "SandboxFusion base URL for --sandbox remote, e.g. http://host:8080."}
+        default=None,
+        metadata={
+            "help": "SandboxFusion base URL, e.g. http://host:8080: where --sandbox remote runs tool code, and where "
+            "the verl_default reward runs code data sources (codecontests, apps, codeforces, taco) against their tests."
+        },
     )
     sandbox_timeout: float = field(default=30.0, metadata={"help": "Wall-clock seconds per tool call."})
     sandbox_memory_mb: int = field(default=1024, metadata={"help": "Memory limit per tool call (MB)."})

@@ -14,7 +14,7 @@ from typing import Any
 from .dapo import dapo_boxed_reward, dapo_math_reward
 from .math_verify import math_verify_reward
 from .retool import retool_math_verify_reward, retool_reward
-from .verl_default import verl_default_reward, verl_math_verify_reward
+from .verl_default import VerlDefaultReward, verl_default_reward, verl_math_verify_reward
 
 RewardFunction = Callable[..., list[Any]]
 
@@ -53,13 +53,18 @@ def _build_judge(judge_base_url: str, judge_model: str, judge_max_concurrency: i
     return JudgeReward(judge_base_url, judge_model, **extra)
 
 
+def _build_verl_default(sandbox_url: str | None = None) -> RewardFunction:
+    """verl's scorer per data source; with a SandboxFusion `sandbox_url` its code sources are scored too."""
+    return VerlDefaultReward(sandbox_url=sandbox_url) if sandbox_url else verl_default_reward
+
+
 REWARD_BUILDERS: dict[str, RewardBuilder] = {
     "dapo_math": RewardBuilder.ready(dapo_math_reward),
     "dapo_boxed": RewardBuilder.ready(dapo_boxed_reward),
     "math_verify": RewardBuilder.ready(math_verify_reward),
     "retool": RewardBuilder.ready(retool_reward),
     "retool_math_verify": RewardBuilder.ready(retool_math_verify_reward),
-    "verl_default": RewardBuilder.ready(verl_default_reward),
+    "verl_default": RewardBuilder(_build_verl_default, options=("sandbox_url",)),
     "verl_math_verify": RewardBuilder.ready(verl_math_verify_reward),
     "judge": RewardBuilder(
         _build_judge,
@@ -68,9 +73,9 @@ REWARD_BUILDERS: dict[str, RewardBuilder] = {
     ),
 }
 
-# The registered rewards that need no options, by name: what `dapo_trl.evaluate` and the help text list.
+# The registered rewards that can be built without options, by name: what `dapo_trl.evaluate` and the help text list.
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
-    name: builder.build() for name, builder in REWARD_BUILDERS.items() if not builder.options
+    name: builder.build() for name, builder in REWARD_BUILDERS.items() if not builder.required
 }
 
 

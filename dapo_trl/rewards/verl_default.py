@@ -8,14 +8,16 @@ equals verl's own, score for score (differential corpus: tests/data/verl_default
 - `openai/gsm8k`: GSM8K's `#### N` (`gsm8k_score`), 1 / 0;
 - `lighteval/MATH`, `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`: Hendrycks' MATH
   (`hendrycks_math_score`: the last box, MATH string normalisation), 1 / 0;
-- `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`: DAPO's `Answer:` (`dapo_math_score`), +1 / -1.
+- `math_dapo`, `math`, `math_dapo_reasoning`, `aime*`: DAPO's `Answer:` (`dapo_math_score`), +1 / -1;
+- `codecontests`, `apps`, `codeforces`, `taco` with a sandbox URL: verl's SandboxFusion scorer (`verl_code`), the
+  pass rate of the first 10 test cases.
 
 `verl_math_verify` scores the MATH sets with verl's math-verify scorer instead (`math_verify_score`, the override
 verl's `default_compute_score` recommends for them), in a worker process under a deadline. Any other data source
-(code, PRIME's numina sets, geometry3k, search-R1) stops the run with an error naming it and the way to pass your own
-`compute_score`. Correct means the scorer's own notion: `acc` for DAPO's, a full score for the others; since every
-scorer here gives correct responses one value and all others another, dynamic sampling's spread of the raw reward
-is the spread of that accuracy.
+(code without a sandbox URL, PRIME's numina sets, geometry3k, search-R1) stops the run with an error naming it and
+the way to pass your own `compute_score`. Correct means the scorer's own notion: `acc` for DAPO's, a full score for
+the others. DAPO's, GSM8K's and MATH's give correct responses one value and all others another, so dynamic
+sampling's spread of the raw reward is the spread of that accuracy; a code row's pass rate is its own graded reward.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from .dapo import dapo_math_score
 GSM8K_SOURCES = ("openai/gsm8k",)
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")  # and every source starting with "aime"
+CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")  # scored on a SandboxFusion service (`verl_code`)
 # Sources verl scores with scorers this package does not have (verl's scorer module in parentheses).
 NOT_HERE = {
     **dict.fromkeys(
@@ -45,7 +48,7 @@ NOT_HERE = {
         ),
         "prime_math",
     ),
-    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "sandbox_fusion / prime_code"),
+    **dict.fromkeys(CODE_SOURCES, "sandbox_fusion / prime_code: give --sandbox_url to score them here"),
     "hiyouga/geometry3k": "geo3k",
     **dict.fromkeys(
         (
@@ -72,8 +75,9 @@ class VerlScore(NamedTuple):
 
     @property
     def correct(self) -> bool:
-        """The scorer's own notion of correct: `acc` where it has one, else a positive score."""
-        return bool(self.acc) if self.acc is not None else self.score > 0
+        """The scorer's own notion of correct: `acc` where it has one, else a full score (all test cases of a code
+        row pass)."""
+        return bool(self.acc) if self.acc is not None else self.score >= 1.0
 
 
 class UnsupportedDataSource(ValueError):
@@ -272,10 +276,13 @@ def math_verify_score(solution_str: str, ground_truth: str) -> float:
 
 
 # ----------------------------------------------------------------------------------------------------- the routing
-def scorer_name(data_source: Any, math_sets: str = "math_reward") -> str | None:
-    """Which verl scorer module `default_compute_score` applies to `data_source` (None: no scorer here)."""
+def scorer_name(data_source: Any, math_sets: str = "math_reward", sandbox: bool = False) -> str | None:
+    """Which verl scorer module `default_compute_score` applies to `data_source` (None: no scorer here); code
+    sources have one only with a sandbox service (`sandbox`)."""
     if not isinstance(data_source, str):
         return None
+    if sandbox and data_source in CODE_SOURCES:
+        return "sandbox_fusion"
     if data_source in GSM8K_SOURCES:
         return "gsm8k"
     if data_source in MATH_SOURCES:
@@ -322,6 +329,7 @@ class VerlDefaultReward:
     Called as TRL calls reward functions (`completions`, `solution`, `data_source`, ... columns). Logs the scorer's
     own accuracy per data source as `rewards/<name>/acc/<data_source>`. `math_sets="math_verify"` scores the MATH
     sets with verl's math-verify scorer, each response in a worker under `timeout` seconds (0 past it).
+    `sandbox_url` (a SandboxFusion service, e.g. http://host:8080) scores the code sources.
     """
 
     def __init__(
@@ -330,6 +338,7 @@ class VerlDefaultReward:
         math_sets: str = "math_reward",
         timeout: float | None = None,
         pool: KillableProcessPool | None = None,
+        sandbox_url: str | None = None,
     ) -> None:
         if math_sets not in ("math_reward", "math_verify"):
             raise ValueError(f"math_sets={math_sets!r}: use 'math_reward' (verl's default) or 'math_verify'")
@@ -337,6 +346,16 @@ class VerlDefaultReward:
         self.math_sets = math_sets
         self.timeout = timeout
         self.pool = pool
+        self.sandbox: Any = None
+        if sandbox_url:
+            from ..tools.remote import run_code_url  # checks the URL; the HTTP client loads only for code runs
+            from .verl_code import SandboxFusionScorer
+
+            self.sandbox = SandboxFusionScorer(run_code_url(sandbox_url))
+
+    def scorer(self, data_source: Any) -> str | None:
+        """The verl scorer this reward applies to `data_source` (None: no scorer here)."""
+        return scorer_name(data_source, self.math_sets, sandbox=self.sandbox is not None)
 
     def scores(
         self, completions: Sequence[Any], solution: Sequence[Any], data_source: Sequence[Any] | None
@@ -344,25 +363,29 @@ class VerlDefaultReward:
         """Every completion's VerlScore; raises UnsupportedDataSource naming every source without a scorer."""
         sources = _column(data_source, len(completions), "data_source")
         _column(solution, len(completions), "solution")
-        missing = [source for source in dict.fromkeys(sources) if scorer_name(source, self.math_sets) is None]
+        missing = [source for source in dict.fromkeys(sources) if self.scorer(source) is None]
         if missing:
             raise UnsupportedDataSource(missing)
         texts = [completion_text(completion) for completion in completions]
         results: list[VerlScore | None] = [None] * len(texts)
-        verify_calls: list[tuple[str, str]] = []
-        verify_owners: list[int] = []
+        batched: dict[str, list[int]] = defaultdict(list)  # scorers that run outside this process, batch at once
         for index, (text, truth, source) in enumerate(zip(texts, solution, sources, strict=True)):
-            if scorer_name(source, self.math_sets) == "math_verify":
-                verify_calls.append((text, str(truth)))
-                verify_owners.append(index)
+            scorer = self.scorer(source)
+            if scorer in ("math_verify", "sandbox_fusion"):
+                batched[scorer].append(index)
             else:
                 results[index] = verl_default_score(source, text, truth, self.math_sets)
-        if verify_calls:
+        if batched["math_verify"]:
             pool = self.pool or shared_pool(preload=("math_verify", __name__))
             timeout = default_timeout() if self.timeout is None else self.timeout
-            for index, result in zip(verify_owners, pool.map(math_verify_score, verify_calls, timeout), strict=True):
-                value = result.value if result.ok else 0.0  # verl's timeout_score and failure score are 0
-                results[index] = VerlScore(float(value))
+            calls = [(texts[i], str(solution[i])) for i in batched["math_verify"]]
+            for index, result in zip(batched["math_verify"], pool.map(math_verify_score, calls, timeout), strict=True):
+                results[index] = VerlScore(float(result.value) if result.ok else 0.0)  # verl: 0 past the deadline
+        if batched["sandbox_fusion"]:
+            indices = batched["sandbox_fusion"]
+            code_scores = self.sandbox.score([texts[i] for i in indices], [solution[i] for i in indices])
+            for index, score in zip(indices, code_scores, strict=True):
+                results[index] = VerlScore(score)
         return results  # type: ignore[return-value]  # every slot was filled
 
     def __call__(
@@ -373,6 +396,7 @@ class VerlDefaultReward:
         log_metric: Callable[[str, float], None] | None = None,
         **kwargs: Any,
     ) -> list[float]:
+        errors_before = self.sandbox.api_errors if self.sandbox is not None else 0
         scored = self.scores(completions, solution, data_source)  # type: ignore[arg-type]
         if log_metric is not None:
             by_source: Mapping[str, list[bool]] = defaultdict(list)
@@ -380,6 +404,8 @@ class VerlDefaultReward:
                 by_source[source].append(score.correct)
             for source, marks in sorted(by_source.items()):
                 log_metric(f"rewards/{self.__name__}/acc/{source}", sum(marks) / len(marks))
+            if self.sandbox is not None:
+                log_metric(f"rewards/{self.__name__}/sandbox_errors", self.sandbox.api_errors - errors_before)
         return [score.score for score in scored]
 
 
@@ -400,7 +426,7 @@ def check_dataset_sources(reward_funcs: Any, *datasets: Any) -> None:
         if "data_source" not in (table.column_names or []):
             _column(None, 0, "data_source")
         for reward in rewards:
-            missing = [s for s in table.unique("data_source") if scorer_name(s, reward.math_sets) is None]
+            missing = [source for source in table.unique("data_source") if reward.scorer(source) is None]
             if missing:
                 raise UnsupportedDataSource(missing)
 

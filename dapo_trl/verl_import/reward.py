@@ -21,6 +21,7 @@ SCORER_DESCRIPTIONS = {
     "gsm8k": "GSM8K's '#### N' scorer (1 / 0)",
     "math_reward": "Hendrycks' MATH scorer on the last \\boxed{} (1 / 0)",
     "math_dapo": "DAPO's 'Answer:' scorer (+1 / -1)",
+    "sandbox_fusion": "verl's SandboxFusion code scorer (pass rate of the first 10 test cases)",
 }
 
 
@@ -186,6 +187,16 @@ def map_default_reward(t: Translation) -> None:
     The report names the scorer each data source in the run's files gets; a source without a scorer here blocks
     the translation (the run would stop at construction).
     """
+    url = t.value("reward_model.sandbox_fusion.url")
+    if url:
+        t.set(sandbox_url=str(url))
+        t.mark("reward_model.sandbox_fusion.url", MAPPED, recipe_line("sandbox_url", url), "code sources are run there")
+    for key, default in (("max_concurrent", 64), ("memory_limit_mb", 1024)):
+        name = f"reward_model.sandbox_fusion.{key}"
+        if t.value(name) is not None and int(t.value(name)) != default:
+            t.mark(name, APPROXIMATED, "", f"the code scorer uses verl's default, {default}")
+        else:
+            t.mark(name, MAPPED, "", f"verl's default, {default}, as the code scorer uses")
     unsupported: dict[str, str] = {}
     for key in ("data.train_files", "data.val_files"):
         for file in as_list(t.value(key)):
@@ -200,7 +211,7 @@ def map_default_reward(t: Translation) -> None:
                 t.notes.append(f"reward: {file} has no data_source column; verl_default needs one")
                 unsupported[str(file)] = "no data_source column"
             for source, rows in sorted(counts.items()):
-                scorer = scorer_name(source)
+                scorer = scorer_name(source, sandbox=bool(url))
                 if scorer is None:
                     verl_scorer = f"verl's {NOT_HERE[source]}" if source in NOT_HERE else "no scorer in verl either"
                     unsupported[source] = verl_scorer
