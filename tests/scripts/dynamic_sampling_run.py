@@ -8,7 +8,8 @@ Script options among the overrides: mixed_share, resume, crash_after_save; itera
 even number, plus a second reward `id_shaping` = 0.1 x (sum of ids mod 7), so shaped rewards vary within groups);
 constant_from_step=N (every reward is -1 from optimizer step N on: nothing to keep);
 snapshots=true (weights and optimizer state saved at the start and after every optimizer step);
-skip_empty=false (without DAPOTrainer's empty-step skipping, as a control).
+skip_empty=false (without DAPOTrainer's empty-step skipping, as a control);
+lora=R (a LoRA adapter of rank R, alpha 2R, on every linear layer: PEFT training).
 Writes OUT/trained_rank{r}.jsonl (prompts, completion ids, advantages, active tokens and num_items_in_batch of every
 trained micro-batch), OUT/prompts_seen.jsonl (every prompt generated for, per step and round) and
 OUT/log_history.json.
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from denominator_run import full_parameters
 from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
@@ -128,6 +130,7 @@ def main() -> None:
     iterable = overrides.pop("iterable", False)
     snapshots = overrides.pop("snapshots", False)
     skip_empty = overrides.pop("skip_empty", True)
+    lora = overrides.pop("lora", None)
     for option in SCRIPT_OPTIONS:
         SCRIPT_OPTIONS[option] = overrides.pop(option, SCRIPT_OPTIONS[option])
     out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +160,7 @@ def main() -> None:
         else known_difficulty_reward,
         args=DAPOConfig(**settings),
         train_dataset=dataset.to_iterable_dataset(num_shards=3) if iterable else dataset,
+        peft_config=lora_config(lora),
     )
     if snapshots and trainer.accelerator.is_main_process:
         trainer.add_callback(Snapshots(out))
@@ -165,12 +169,19 @@ def main() -> None:
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
     trainer.train(resume_from_checkpoint=resume)
+    final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))  # ZeRO-3 shards gathered on every rank
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
-        if not trainer.is_deepspeed_enabled:  # ZeRO-3 shards would need gathering
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            torch.save({name: p.detach().cpu() for name, p in model.named_parameters()}, out / "final_params.pt")
+        torch.save({name: p.cpu() for name, p in final.items()}, out / "final_params.pt")
     leave_together(trainer.accelerator)
+
+
+def lora_config(rank: int | None):
+    if rank is None:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
 
 
 if __name__ == "__main__":

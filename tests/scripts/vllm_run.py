@@ -8,7 +8,9 @@ Server mode syncs through shared storage; the server must already run on MODEL_D
 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1.
 After every weight sync the engine's log-probabilities of a fixed token sequence are compared with the trainer
 model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a gap after a sync exceeds 1e-5, or a
-gap before a later sync does not (the weights did not move). `check_syncs=false` just trains.
+gap before a later sync does not (the weights did not move). `check_syncs=false` just trains. `lora=R` trains a
+LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the engine is the base with the adapter merged,
+and the trainer side of each check is the PEFT model with its adapter on.
 """
 
 import json
@@ -58,6 +60,7 @@ def main() -> None:
     settings, rest = mode_settings(mode, out, sys.argv[4:])
     overrides = parse_overrides(rest)
     check_syncs = overrides.pop("check_syncs", True)
+    lora = overrides.pop("lora", None)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -77,9 +80,15 @@ def main() -> None:
     )
     settings.update(overrides)
     rows = [{"prompt": f"What is {i} plus {i % 7}?", "solution": str(i + i % 7)} for i in range(64)]
+    peft_config = None
+    if lora is not None:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = DAPOTrainer(
-        model=model_dir, reward_funcs=parity_reward, args=DAPOConfig(**settings), train_dataset=Dataset.from_list(rows)
-    )
+        model=model_dir, reward_funcs=parity_reward, args=DAPOConfig(**settings), train_dataset=Dataset.from_list(rows),
+        peft_config=peft_config,
+    )  # fmt: skip
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
         trainer.train()
         return
@@ -129,8 +138,11 @@ def main() -> None:
     moved = [check["gap_before_sync"] for check in checks[1:]]
     passed = worst <= TOLERANCE and all(gap > TOLERANCE for gap in moved)
     if trainer.accelerator.is_main_process:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        trained = sorted(name for name, parameter in model.named_parameters() if parameter.requires_grad)
         result = {"train_seconds": train_seconds, "backend": type(backend).__name__, "checks": checks,
-                  "log_history": trainer.state.log_history, "tolerance": TOLERANCE}  # fmt: skip
+                  "log_history": trainer.state.log_history, "tolerance": TOLERANCE,
+                  "model_class": type(model).__name__, "trained_parameters": trained}  # fmt: skip
         (out / "sync_checks.json").write_text(json.dumps(result, indent=2, default=float))
         print(f"train {train_seconds:.1f} s; worst gap after sync {worst:.3g}; gaps before sync {moved}")
     sys.exit(0 if passed else 1)
