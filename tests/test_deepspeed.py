@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO-3 under Accelerate with two real processes on CPU (DeepSpeed falls back to gloo).
 
 The config shards every parameter (`stage3_param_persistence_threshold: 0`; the test checks each process holds
-none of them whole). The optimizer update must equal paper Eq. 11's gradient and the 1-process DDP update, and
-dynamic sampling must take the same decisions as a one-process run.
+none of them whole). The optimizer update must equal paper Eq. 11's gradient and the 1-process DDP update,
+dynamic sampling must take the same decisions as a one-process run, and a LoRA run must train the adapter alone.
 """
 
 import importlib.util
@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from .helpers import (
     REPO,
@@ -65,6 +66,27 @@ def test_zero3_dynamic_sampling_matches_one_process(tmp_path):
     for a, b in zip(step_metrics(one), step_metrics(zero3), strict=True):
         assert a["dynamic_sampling/groups_kept"] == b["dynamic_sampling/groups_kept"]
         assert a["dynamic_sampling/rounds"] == b["dynamic_sampling/rounds"]
+
+
+def test_zero3_lora_trains_only_the_adapter(tmp_path):
+    """A LoRA adapter under ZeRO-3 (base and adapter sharded alike): after two DAPO steps the gathered base weights
+    are bit-identical to the model on disk and every adapter tensor trained (lora_B starts at zero)."""
+    out = tmp_path / "zero3"
+    script = str(SCRIPTS / "dynamic_sampling_run.py")
+    run_command(
+        python_command(script, str(out), "4", "2", "mixed_share=0.3", "lora=8", "learning_rate=1e-3",
+                       num_processes=2, deepspeed_config=ZERO3)
+    )  # fmt: skip
+    final = torch.load(out / "final_params.pt")  # gathered from the shards
+    on_disk = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").named_parameters())
+    base = {name.replace("base_model.model.", "", 1).replace(".base_layer", ""): value
+            for name, value in final.items() if "lora_" not in name}  # fmt: skip
+    assert base.keys() == on_disk.keys()
+    for name, value in base.items():
+        assert torch.equal(value, on_disk[name].detach()), name
+    lora_b = [value for name, value in final.items() if "lora_B" in name]
+    assert lora_b and all(value.abs().max() > 1e-4 for value in lora_b)
+    assert sorted(trained_by_step(out, processes=2)) == [0, 1]
 
 
 def test_zero3_token_budget_splits_backward_passes_exactly(tmp_path):
