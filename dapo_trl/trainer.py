@@ -163,6 +163,8 @@ class DAPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         self._token_metrics.apply(mode, trl_seam.metrics(self, mode))
+        if mode == "eval":  # one of several eval sets: TRL's metrics under its name (eval_<set>_reward)
+            evaluation.name_eval_metrics(self, trl_seam.metrics(self, mode))
         super().log(logs, start_time)
 
     # ----------------------------------------------------------------------------------- padding-free forwards

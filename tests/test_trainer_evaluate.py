@@ -106,19 +106,27 @@ def test_iterable_eval_set(tmp_path):
     assert_validated(metrics)
 
 
-def test_dict_of_eval_sets_with_and_without_answers(tmp_path):
+def test_dict_of_eval_sets_each_under_its_own_name(tmp_path):
+    hard_chat = [{"prompt": [{"role": "user", "content": f"c{i}"}], "data_source": "hard"} for i in range(2)]
     eval_sets = {
-        "math": Dataset.from_list(eval_rows()),
-        "chat": Dataset.from_list(eval_rows(with_answers=False)).to_iterable_dataset(),
+        "math": Dataset.from_list(eval_rows()),  # rewards 1, -1, 1: mean 1/3
+        "chat": Dataset.from_list(hard_chat).to_iterable_dataset(),  # no answers, every reward -1
     }
     trainer = build_trainer(tmp_path, eval_dataset=eval_sets)
     metrics = trainer.evaluate()
-    assert "eval_math_loss" in metrics and "eval_chat_loss" in metrics and "eval_reward" in metrics
+    # reward = source_reward + the overlong penalty (-1: TRL's eval completions all reach max_completion_length)
+    assert metrics["eval_math_reward"] == pytest.approx(1 / 3 - 1) and metrics["eval_chat_reward"] == -2.0
+    assert metrics["eval_math_rewards/source_reward/mean"] == pytest.approx(1 / 3)
+    assert metrics["eval_chat_rewards/source_reward/mean"] == -1.0
+    assert metrics["eval_math_completions/mean_length"] == metrics["eval_chat_completions/mean_length"] == 8
+    # nothing un-prefixed that a later set would overwrite
+    assert all(key == "epoch" or key.startswith(("eval_math_", "eval_chat_")) for key in metrics), sorted(metrics)
     assert_validated(metrics, "eval_math")
     assert not validation_keys(metrics, "eval_chat") and not validation_keys(metrics, "eval_all")
     math, chat = [entry for entry in trainer.state.log_history if any(key.endswith("_loss") for key in entry)]
-    assert "eval_math_easy/avg@2" in math and "eval_rewards/source_reward/mean" in math
-    assert "eval_chat_loss" in chat and "eval_rewards/source_reward/mean" in chat and not validation_keys(chat)
+    assert "eval_math_easy/avg@2" in math and math["eval_math_reward"] == pytest.approx(1 / 3 - 1)
+    assert chat["eval_chat_reward"] == -2.0 and not validation_keys(chat)
+    assert not any(key.startswith("eval_math_") for key in chat) and not any("chat" in key for key in math)
     assert (tmp_path / "out" / "eval_samples" / "step_000000_math.jsonl").exists()
 
 

@@ -80,6 +80,27 @@ def _info_once(message: str) -> None:
         logger.info(message)
 
 
+def eval_set_prefix(metric_key_prefix: str) -> str:
+    """What TRL's eval metrics of one evaluation are prefixed with before GRPOTrainer.log adds `eval_`: nothing for
+    "eval" (one eval set), `math_` for "eval_math" (the set "math" of a dict), `test_` for a prefix "test"."""
+    return f"{metric_key_prefix}_".removeprefix("eval_")
+
+
+def name_eval_metrics(trainer: DAPOTrainer, pending: dict[str, list[float]]) -> None:
+    """Prefix the pending eval metrics (`_metrics["eval"]`, about to be logged) with the eval set's name, in place.
+
+    GRPOTrainer.log adds its averaged metrics, prefixed `eval_` whatever the evaluation's metric_key_prefix, to the
+    log entry and to the dict `evaluate()` returns: with a dict of eval sets every set would log `eval_reward`, and
+    the combined dict would keep the last set's. Called by `DAPOTrainer.log` in eval mode; a no-op outside an
+    evaluation and for the prefix "eval".
+    """
+    prefix = getattr(trainer, "_eval_metric_prefix", "")
+    if prefix:
+        named = {f"{prefix}{key}": values for key, values in pending.items()}
+        pending.clear()
+        pending.update(named)
+
+
 def evaluate_with_validation(
     trainer: DAPOTrainer,
     trl_evaluate: Callable[..., dict[str, float]],
@@ -99,21 +120,29 @@ def evaluate_with_validation(
        `num_generations_eval` and the training sampling parameters, every reward function or model, sync or async,
        the loss), then logs once. GRPOTrainer's `log` averages `_metrics["eval"]` into that log entry, prefixed
        `eval_`, and into the returned dict: the validation metrics are logged with TRL's, as one entry.
+    TRL's own metrics (reward, rewards/<fn>/mean, completions/..., ...) follow the prefix too (`name_eval_metrics`):
+    `eval_reward` for one eval set, `eval_math_reward` for the set "math" of a dict, so no set's metrics overwrite
+    another's. Because GRPOTrainer.log always adds `eval_`, a prefix not starting with "eval" gives `eval_{prefix}_`
+    (`eval_test_reward` for "test"; Trainer's own loss and speed metrics are `test_loss`, ...).
     `eval_on_start`, `eval_strategy` and `metric_for_best_model` all go through here.
     """
     dataset = eval_dataset if eval_dataset is not None else trainer.eval_dataset
     if isinstance(dataset, str) and isinstance(trainer.eval_dataset, dict):
         dataset = trainer.eval_dataset[dataset]
-    metrics = {} if dataset is None or isinstance(dataset, dict) else validate(trainer, dataset, metric_key_prefix)
-    # GRPOTrainer.log prefixes what it averages from `_metrics["eval"]` with "eval_", whatever metric_key_prefix is
-    # (so with a prefix not starting with "eval", these land under eval_{prefix}_..., as TRL's own land under eval_).
-    queued = {name.removeprefix("eval_"): value for name, value in metrics.items()}
+    if isinstance(dataset, dict):  # Trainer.evaluate calls back here once per set, with the set's prefix
+        return trl_evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+    metrics = {} if dataset is None else validate(trainer, dataset, metric_key_prefix)
+    # Queued under their bare names (`all/avg@2`): `name_eval_metrics` prefixes them with TRL's at log time.
+    queued = {name.removeprefix(f"{metric_key_prefix}_"): value for name, value in metrics.items()}
     pending = trl_seam.metrics(trainer, "eval")
     for key, value in queued.items():
         pending[key] = [value]
+    outer_prefix = getattr(trainer, "_eval_metric_prefix", "")
+    trainer._eval_metric_prefix = eval_set_prefix(metric_key_prefix)
     try:
         return trl_evaluate(eval_dataset, ignore_keys, metric_key_prefix)
     finally:
+        trainer._eval_metric_prefix = outer_prefix
         for key in queued:  # logged (and cleared) by now, unless TRL's evaluation failed
             pending.pop(key, None)
 
