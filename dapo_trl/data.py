@@ -7,6 +7,7 @@ built-in generated arithmetic problems for offline runs.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import random
@@ -271,6 +272,66 @@ def prompt_token_length(
     return len(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
+# How many rows of a streamed train set `filter_overlong_prompts` reads up front, looking for a prompt that fits.
+STREAM_LOOKAHEAD_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class StreamPeek:
+    """What the look-ahead over a streamed train set's first rows found (one per process, compared across them)."""
+
+    rows: int  # rows read: up to the first prompt that fits, the look-ahead bound or the end of the stream
+    fits: bool  # a prompt within max_prompt_length was found
+    ended: bool  # the stream ended before a prompt fitting or the look-ahead bound
+    shortest: int | None  # the fewest tokens among the overlong rows read
+    first_overlong: tuple[int, int] | None  # (row, tokens) of the first overlong row read
+
+
+def peek_stream(dataset: IterableDataset, length_of: Callable[[Any], int], max_length: int, lookahead: int):
+    """Read a stream's rows until one's prompt fits in `max_length` tokens, `lookahead` rows are read, or it ends."""
+    rows, shortest, first_overlong = 0, None, None
+    for row in itertools.islice(dataset, lookahead):
+        length = length_of(row["prompt"])
+        if length <= max_length:
+            return StreamPeek(rows + 1, True, False, shortest, first_overlong)
+        shortest = length if shortest is None else min(shortest, length)
+        first_overlong = first_overlong or (rows, length)
+        rows += 1
+    return StreamPeek(rows, False, rows < lookahead, shortest, first_overlong)
+
+
+def check_stream_start(
+    peeks: list[StreamPeek], max_prompt_length: int, policy: str, lookahead: int, num_processes: int = 1
+) -> None:
+    """Raise when the look-ahead (every process's: `peeks`, gathered, so that all processes raise together) found no
+    prompt that fits, or, with policy 'error', an overlong prompt before the first that fits."""
+    for process, peek in enumerate(peeks):
+        where = f" (process {process}'s stream)" if num_processes > 1 and len(set(peeks)) > 1 else ""
+        if peek.rows == 0:
+            raise ValueError(f"the streamed train_dataset yielded no rows{where}: nothing to train on.")
+        if peek.fits:
+            continue
+        if peek.ended:
+            raise ValueError(
+                f"all {peek.rows} prompts of the streamed train_dataset{where} exceed max_prompt_length="
+                f"{max_prompt_length} tokens (the shortest has {peek.shortest}): nothing is left to train on; raise "
+                "max_prompt_length."
+            )
+        raise ValueError(
+            f"the first {peek.rows} prompts of the streamed train_dataset{where} all exceed max_prompt_length="
+            f"{max_prompt_length} tokens (the shortest has {peek.shortest}): raise max_prompt_length. The check reads "
+            f"at most {lookahead} rows ahead (dapo_trl.data.STREAM_LOOKAHEAD_ROWS); if the prompts that fit come "
+            "later in the stream, shuffle it or filter it before training."
+        )
+    overlong = [peek.first_overlong for peek in peeks if peek.first_overlong is not None]
+    if policy == "error" and overlong:
+        row, length = overlong[0]
+        raise ValueError(
+            f"a streamed prompt has {length} tokens > max_prompt_length={max_prompt_length} (row {row}); raise "
+            "max_prompt_length or use overlong_prompt_policy='filter'."
+        )
+
+
 def filter_overlong_prompts(
     dataset: Dataset,
     tokenizer: Any,
@@ -279,14 +340,26 @@ def filter_overlong_prompts(
     chat_template_kwargs: dict[str, Any] | None = None,
     tools: list | None = None,
     chat_template: str | None = None,
+    lookahead: int | None = None,
+    gather: Callable[[list[Any]], list[Any]] | None = None,
 ) -> Dataset:
     """Drop (policy 'filter', logged) or reject (policy 'error') prompts longer than max_prompt_length tokens,
-    like verl's filter_overlong_prompts / truncation='error'. A streamed (iterable) dataset is filtered lazily, as it
-    is read: nothing is counted up front, and 'error' stops the run at the first overlong prompt it meets."""
+    like verl's filter_overlong_prompts / truncation='error'. When no prompt is left, this raises instead of letting
+    the run train 0 steps.
+
+    A streamed (iterable) dataset is filtered lazily, as it is read: nothing is counted up front. It is checked up
+    front, though: its first rows are read until a prompt fits, up to `lookahead` rows (default
+    `STREAM_LOOKAHEAD_ROWS`, 1000) or the end of the stream. If none fits, or the stream has no rows, this raises; so
+    does an overlong prompt met before the first that fits under policy 'error' (later ones stop the run when they are
+    read). `gather` (accelerate's `gather_object`, in a run with several processes; every process must call this then)
+    gathers every process's look-ahead, so that all processes raise, or none."""
     if isinstance(dataset, IterableDataset):
 
+        def length_of(prompt: Any) -> int:
+            return prompt_token_length(tokenizer, prompt, chat_template_kwargs, tools, chat_template)
+
         def fits(row: dict[str, Any]) -> bool:
-            length = prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs, tools, chat_template)
+            length = length_of(row["prompt"])
             if length > max_prompt_length and policy == "error":
                 raise ValueError(
                     f"a streamed prompt has {length} tokens > max_prompt_length={max_prompt_length}; raise "
@@ -294,6 +367,12 @@ def filter_overlong_prompts(
                 )
             return length <= max_prompt_length
 
+        lookahead = STREAM_LOOKAHEAD_ROWS if lookahead is None else lookahead
+        if lookahead < 1:
+            raise ValueError(f"lookahead={lookahead} must be >= 1")
+        peeks = [peek_stream(dataset, length_of, max_prompt_length, lookahead)]
+        peeks = gather(peeks) if gather is not None else peeks
+        check_stream_start(peeks, max_prompt_length, policy, lookahead, len(peeks))
         return dataset.filter(fits)
     lengths = [
         prompt_token_length(tokenizer, row["prompt"], chat_template_kwargs, tools, chat_template) for row in dataset

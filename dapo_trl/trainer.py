@@ -103,7 +103,7 @@ class DAPOTrainer(GRPOTrainer):
             self.train_dataset = filter_overlong_prompts(
                 self.train_dataset, self.processing_class, args.max_prompt_length, policy=args.overlong_prompt_policy,
                 chat_template_kwargs=self.chat_template_kwargs, tools=self.tools or None,
-                chat_template=self.chat_template,
+                chat_template=self.chat_template, gather=gather_object if self.accelerator.num_processes > 1 else None,
             )  # fmt: skip
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset

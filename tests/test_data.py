@@ -8,7 +8,9 @@ from datasets import Dataset
 
 from dapo_trl.data import (
     DAPO_PROMPT_TEMPLATE,
+    STREAM_LOOKAHEAD_ROWS,
     MalformedRowError,
+    StreamPeek,
     filter_overlong_prompts,
     load_prompt_dataset,
     make_arithmetic_dataset,
@@ -16,6 +18,8 @@ from dapo_trl.data import (
 )
 from dapo_trl.rewards import dapo_math_reward
 from dapo_trl.tiny_model import build_tiny_model
+
+from .helpers import SCRIPTS, python_command, run_command, tiny_config
 
 
 def test_arithmetic_answers_are_right():
@@ -132,3 +136,59 @@ def test_overlong_prompts_filtered_or_rejected(tmp_path):
     assert [row["prompt"] for row in filter_overlong_prompts(streamed, tokenizer, 50)] == [short["prompt"]] * 2
     with pytest.raises(ValueError, match="streamed prompt has"):
         list(filter_overlong_prompts(streamed, tokenizer, 50, policy="error"))
+
+
+SHORT = {"prompt": [{"role": "user", "content": "hi"}], "solution": "1"}
+LONG = {"prompt": [{"role": "user", "content": "word " * 200}], "solution": "1"}
+
+
+def test_a_stream_without_a_prompt_that_fits_is_an_error_up_front(tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path / "tiny"))
+
+    def stream(*rows):
+        if not rows:  # a stream that ends at once
+            return Dataset.from_list([SHORT]).to_iterable_dataset().filter(lambda row: False)
+        return Dataset.from_list(list(rows)).to_iterable_dataset()
+
+    assert STREAM_LOOKAHEAD_ROWS == 1000  # the README documents it
+    # the stream ends first: every prompt read is too long
+    with pytest.raises(ValueError, match=r"all 2 prompts of the streamed train_dataset exceed max_prompt_length=50 "):
+        filter_overlong_prompts(stream(LONG, LONG), tokenizer, 50)  # at the call, not 0 steps once training starts
+    # the look-ahead ends first
+    late = stream(LONG, LONG, LONG, SHORT)
+    with pytest.raises(ValueError, match=r"the first 3 prompts .* all exceed max_prompt_length=50 .*at most 3 rows"):
+        filter_overlong_prompts(late, tokenizer, 50, lookahead=3)
+    assert [row["prompt"] for row in filter_overlong_prompts(late, tokenizer, 50, lookahead=4)] == [SHORT["prompt"]]
+    with pytest.raises(ValueError, match="the streamed train_dataset yielded no rows"):
+        filter_overlong_prompts(stream(), tokenizer, 50)
+    # policy 'error': an overlong prompt before the first that fits stops the run at the call
+    with pytest.raises(ValueError, match=r"a streamed prompt has \d+ tokens > max_prompt_length=50 \(row 0\)"):
+        filter_overlong_prompts(stream(LONG, SHORT), tokenizer, 50, policy="error")
+    # every process raises, or none: here another process's stream has no prompt that fits
+    other = StreamPeek(rows=5, fits=False, ended=True, shortest=99, first_overlong=(0, 120))
+    with pytest.raises(ValueError, match=r"all 5 prompts .* \(process 1's stream\) exceed .*the shortest has 99"):
+        filter_overlong_prompts(stream(SHORT), tokenizer, 50, gather=lambda peeks: peeks + [other])
+    fine = filter_overlong_prompts(stream(SHORT, LONG), tokenizer, 50, gather=lambda peeks: peeks + peeks)
+    assert [row["prompt"] for row in fine] == [SHORT["prompt"]]  # the look-ahead stopped at the first row
+
+
+def test_trainer_stops_on_a_stream_whose_prompts_are_all_too_long(tmp_path):
+    from dapo_trl import DAPOTrainer
+
+    config = tiny_config(tmp_path / "out", max_prompt_length=20)
+    with pytest.raises(ValueError, match="all 3 prompts of the streamed train_dataset exceed max_prompt_length=20"):
+        DAPOTrainer(
+            model=str(build_tiny_model(tmp_path / "tiny")),
+            args=config,
+            train_dataset=Dataset.from_list([LONG] * 3).to_iterable_dataset(),
+        )
+
+
+@pytest.mark.e2e
+def test_every_process_decides_the_same_on_a_stream_split_by_process(tmp_path):
+    """Process 1's stream has no prompt that fits, process 0's does: both raise the same error, none hangs."""
+    run_command(python_command(str(SCRIPTS / "overlong_stream_run.py"), str(tmp_path), "20", num_processes=2))
+    outcomes = {(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
+    assert len(outcomes) == 1 and "all 4 prompts of the streamed train_dataset (process 1's stream)" in outcomes.pop()
