@@ -26,6 +26,7 @@ DATA = Path(__file__).resolve().parent / "data" / "verl"
 DAPO_SCRIPT = DATA / "dapo_recipe.sh"
 RETOOL_SCRIPT = DATA / "retool_recipe.sh"
 GRPO_SCRIPT = DATA / "grpo_kl.sh"
+LORA_SCRIPT = DATA / "grpo_lora.sh"  # verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, unchanged
 TOOL_CONFIG = DATA / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
 ENVIRONMENT = {"HOME": "/home/user", "PWD": "/data"}
 
@@ -342,7 +343,51 @@ def test_k3_is_accepted_and_kl_in_reward_off_is_not_blocking():
     assert t.entries["algorithm.kl_ctrl.kl_coef"].status == NOT_NEEDED
 
 
-@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT], ids=lambda p: p.stem)
+def test_verl_lora_example_maps_lora_as_verl_builds_it():
+    t = translated(LORA_SCRIPT)
+    assert not t.blocking
+    lora = {key: t.recipe[key] for key in ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")}
+    assert lora == {"use_peft": True, "lora_r": 64, "lora_alpha": 32, "lora_target_modules": ["all-linear"],
+                    "lora_dropout": 0.0}  # fmt: skip
+    assert "lora_exclude_modules" not in t.recipe
+    assert t.recipe["learning_rate"] == 3e-6 and t.recipe["beta"] == 0.001  # verl's lr as is; the KL loss
+    for key in ("lora_rank", "lora_alpha"):
+        assert t.entries[f"actor_rollout_ref.model.{key}"].status == "mapped"
+    assert [entry.key for entry in t.defaults if "target_modules" in entry.key] == [
+        "actor_rollout_ref.model.target_modules"
+    ]  # not in the script: verl's default all-linear, listed among the defaults applied
+    assert "adapter off" in t.entries["actor_rollout_ref.model.lora_rank"].how
+    assert any(note.startswith("LoRA: learning_rate is verl's actor.optim.lr (3e-06) unchanged") for note in t.notes)
+    t = translated(LORA_SCRIPT, "actor_rollout_ref.model.exclude_modules=.*mlp.*")
+    assert t.recipe["lora_exclude_modules"] == [".*mlp.*"] and not t.blocking
+    assert t.entries["actor_rollout_ref.model.exclude_modules"].status == "mapped"
+    t = translated(LORA_SCRIPT, "actor_rollout_ref.model.lora_adapter_path=/adapters/step_100")
+    assert [entry.key for entry in t.blocking] == ["actor_rollout_ref.model.lora_adapter_path"]
+    t = translated(LORA_SCRIPT, "actor_rollout_ref.model.lora_rank=0")
+    assert "use_peft" not in t.recipe and t.entries["actor_rollout_ref.model.lora_alpha"].status == NOT_NEEDED
+
+
+def test_lora_exclude_modules_reaches_the_peft_config(tmp_path):
+    """--lora_exclude_modules (verl's exclude_modules) is passed into TRL's LoraConfig: one value is a regular
+    expression, several are names; without --use_peft it is refused."""
+    from dapo_trl.cli import DAPOParser
+    from dapo_trl.cli.components import UserFacingError
+    from dapo_trl.cli.train import peft_config
+
+    def config(*flags):
+        script_args, _, model_args = DAPOParser().parse_args_and_config(["--output_dir", str(tmp_path), *flags])
+        return peft_config(model_args, script_args)
+
+    lora = config("--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_exclude_modules", ".*mlp.*")
+    assert (lora.target_modules, lora.exclude_modules) == ("all-linear", ".*mlp.*")
+    assert config("--use_peft", "true", "--lora_exclude_modules", "up_proj", "down_proj").exclude_modules == {
+        "up_proj", "down_proj"
+    }  # fmt: skip
+    with pytest.raises(UserFacingError, match="--lora_exclude_modules needs --use_peft true"):
+        config("--lora_exclude_modules", "up_proj")
+
+
+@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT], ids=lambda p: p.stem)
 def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     result = run_translator(script, tmp_path, "--allow-unsupported")
     assert result.returncode == 0, result.stderr
@@ -366,7 +411,10 @@ def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     assert accelerate.num_processes == t.batch.world_size
     deepspeed = (accelerate.deepspeed_config or {}).get("deepspeed_config_file")
     # verl's FSDP runs with parameter offload (DAPO, ReTool) become ZeRO-3 with offload; the GRPO script is plain DDP.
-    expected = {GRPO_SCRIPT: None}.get(script, "configs/deepspeed/zero3_offload.json")
+    # The LoRA example (Qwen2.5-3B, no offload) becomes ZeRO-3 without offload.
+    expected = {GRPO_SCRIPT: None, LORA_SCRIPT: "configs/deepspeed/zero3.json"}.get(
+        script, "configs/deepspeed/zero3_offload.json"
+    )
     assert deepspeed == expected and (deepspeed is None or (REPO / deepspeed).is_file())
     vllm = (tmp_path / "vllm_server.sh").read_text()
     assert subprocess.run(["bash", "-n", str(tmp_path / "vllm_server.sh")]).returncode == 0
@@ -411,9 +459,11 @@ E2E_OVERRIDES = [
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT], ids=lambda p: p.stem)
+@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT], ids=lambda p: p.stem)
 def test_translated_recipe_trains_two_steps(tmp_path, script):
-    result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the three
+    """verl's LoRA example trains its adapter through train_dapo.py's ModelConfig flags (use_peft, lora_r 64, ...),
+    on one process, on verl-format rows (GSM8K's among them): only the adapter is saved, and it trained."""
+    result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the four
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
     data = str(write_verl_parquet(tmp_path / "train.parquet", VERL_SOURCES))  # each source scored by its own scorer
@@ -424,11 +474,22 @@ def test_translated_recipe_trains_two_steps(tmp_path, script):
     run = run_command([sys.executable, "train_dapo.py", "--config", str(tmp_path / "recipe" / "recipe.yaml"),
                        *overrides], timeout=300)  # fmt: skip
     assert "step 2" in run.stdout, run.stdout[-2000:]
-    assert (tmp_path / "run" / "model.safetensors").exists()
+    assert (tmp_path / "run" / "model.safetensors").exists() == (script != LORA_SCRIPT)
     assert ("'kl/in_reward'" in run.stdout) == (script == GRPO_SCRIPT)  # the GRPO script's KL in the reward ran
     if script != RETOOL_SCRIPT:  # verl_default scored each data source with its own scorer
         logged = set(re.findall(r"'rewards/verl_default/acc/([^']+)'", run.stdout))
         assert len(logged) >= 2 and logged <= set(VERL_SOURCES), run.stdout[-3000:]
+    if script == LORA_SCRIPT:
+        import json
+
+        from safetensors.torch import load_file
+
+        adapter = json.loads((tmp_path / "run" / "adapter_config.json").read_text())
+        assert (adapter["r"], adapter["lora_alpha"], adapter["lora_dropout"]) == (64, 32, 0.0)
+        weights = load_file(tmp_path / "run" / "adapter_model.safetensors")
+        assert weights and all("lora_A" in name or "lora_B" in name for name in weights)  # the adapter alone
+        assert any(value.abs().max() > 0 for name, value in weights.items() if "lora_B" in name)  # B left zero
+        assert "'kl'" in run.stdout  # verl's KL loss, against the adapter-off reference
 
 
 def test_default_reward_is_verls_scorer_per_data_source(tmp_path):

@@ -124,6 +124,14 @@ class DAPOScriptArguments(ScriptArguments):
             "format) or a .jinja file. Tools need a template that renders tool calls."
         },
     )
+    lora_exclude_modules: list[str] | None = field(
+        default=None,
+        metadata={
+            "help": "With --use_peft: modules LoRA leaves out although --lora_target_modules matches them (PEFT's "
+            "LoraConfig.exclude_modules; verl's actor_rollout_ref.model.exclude_modules). One value is a regular "
+            "expression the full module name must match, several are names or name suffixes."
+        },
+    )
     plot: bool = field(
         default=True,
         metadata={

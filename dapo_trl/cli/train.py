@@ -76,6 +76,18 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     return model, tokenizer
 
 
+def peft_config(model_args: ModelConfig, script_args: Any) -> Any:
+    """TRL's LoRA config from the ModelConfig flags (None without --use_peft), with --lora_exclude_modules added."""
+    config = get_peft_config(model_args)
+    excluded = script_args.lora_exclude_modules
+    if excluded and config is None:
+        raise UserFacingError("--lora_exclude_modules needs --use_peft true: it names modules LoRA leaves out.")
+    if excluded:
+        # As TRL treats --lora_target_modules: one value is PEFT's regular expression, several are names.
+        config.exclude_modules = excluded[0] if len(excluded) == 1 else set(excluded)
+    return config
+
+
 def main(argv: list[str] | None = None) -> int:
     # TRL 1.16 calls transformers 5's deprecated gradient-checkpointing methods around every generation: a
     # FutureWarning per step that no flag can fix. A user's own deprecated --gradient_checkpointing still warns.
@@ -134,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             train_dataset=train_dataset,
             eval_dataset=eval_dataset,
             processing_class=tokenizer,
-            peft_config=get_peft_config(model_args),
+            peft_config=peft_config(model_args, script_args),
             tools=tools or None,
         )
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)

@@ -49,20 +49,7 @@ def map_model(t: Translation) -> None:
         "verl keeps fp32 master weights and computes in bf16: weights loaded in float32, accelerate's "
         "mixed_precision bf16",
     )
-    rank = int(t.value("actor_rollout_ref.model.lora_rank") or 0)
-    if rank > 0:
-        alpha = t.value("actor_rollout_ref.model.lora_alpha")
-        modules = t.value("actor_rollout_ref.model.target_modules")
-        modules = [modules] if isinstance(modules, str) else list(modules)
-        t.set(use_peft=True, lora_r=rank, lora_alpha=int(alpha), lora_target_modules=modules)
-        t.mark("actor_rollout_ref.model.lora_rank", MAPPED, f"use_peft: true, lora_r: {rank}", "LoRA through PEFT")
-        t.mark("actor_rollout_ref.model.lora_alpha", MAPPED, recipe_line("lora_alpha", alpha))
-        t.mark("actor_rollout_ref.model.target_modules", MAPPED, recipe_line("lora_target_modules", modules))
-    else:
-        for name in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path"):
-            t.mark(f"actor_rollout_ref.model.{name}", NOT_NEEDED, how="LoRA is off (lora_rank 0)")
-    for name in ("exclude_modules", "lora_adapter_path"):
-        t.mark(f"actor_rollout_ref.model.{name}", UNSUPPORTED, how="no counterpart in TRL's ModelConfig")
+    map_lora(t)
     template = t.value("actor_rollout_ref.model.custom_chat_template")
     if template:
         t.files["chat_template.jinja"] = str(template)
@@ -75,6 +62,65 @@ def map_model(t: Translation) -> None:
         )
     if t.value("actor_rollout_ref.model.tokenizer_path"):
         t.mark("actor_rollout_ref.model.tokenizer_path", UNSUPPORTED, how="the tokenizer is loaded from the model path")
+
+
+def map_lora(t: Translation) -> None:
+    """verl's FSDP LoRA (`model.lora_rank` > 0): PEFT's LoraConfig as verl builds it (rank, alpha, target and excluded
+    modules, no dropout, no bias), through TRL's ModelConfig flags and dapo-trl's --lora_exclude_modules."""
+    rank = int(t.value("actor_rollout_ref.model.lora_rank") or 0)
+    adapter_path = t.value("actor_rollout_ref.model.lora_adapter_path")
+    if adapter_path:  # verl trains LoRA whenever an adapter path is given, whatever lora_rank says
+        t.mark(
+            "actor_rollout_ref.model.lora_adapter_path",
+            UNSUPPORTED,
+            how="train_dapo.py starts a new adapter: to continue a saved one, load it with "
+            "peft.PeftModel.from_pretrained(model, path, is_trainable=True) and pass that model to DAPOTrainer",
+            blocking=True,
+        )
+    if rank <= 0:
+        for name in ("lora_rank", "lora_alpha", "target_modules", "exclude_modules", "lora_adapter_path"):
+            t.mark(f"actor_rollout_ref.model.{name}", NOT_NEEDED, how="LoRA is off (lora_rank 0)")
+        return
+    alpha = t.value("actor_rollout_ref.model.lora_alpha")
+    modules = t.value("actor_rollout_ref.model.target_modules")
+    modules = [modules] if isinstance(modules, str) else list(modules)
+    # verl's LoraConfig sets no dropout (PEFT's default, 0.0); TRL's ModelConfig defaults to 0.05.
+    t.set(use_peft=True, lora_r=rank, lora_alpha=int(alpha), lora_target_modules=modules, lora_dropout=0.0)
+    t.mark(
+        "actor_rollout_ref.model.lora_rank",
+        MAPPED,
+        f"use_peft: true, lora_r: {rank}, lora_dropout: 0.0",
+        "LoRA through PEFT, as verl builds it (no dropout, bias none); the reference of the KL loss and of KL in the "
+        "reward is the base model with the adapter off, as verl's (its ref log-probs run on the actor with "
+        "disable_adapter()); vLLM gets the base with the adapter merged at every sync",
+    )
+    t.record("actor_rollout_ref.model.lora_alpha", MAPPED, recipe_line("lora_alpha", alpha), "LoRA's scaling alpha")
+    t.record(
+        "actor_rollout_ref.model.target_modules",
+        MAPPED,
+        recipe_line("lora_target_modules", modules),
+        "PEFT's 'all-linear' is every linear layer but the output head (verl's default)",
+    )
+    excluded = t.value("actor_rollout_ref.model.exclude_modules")
+    if excluded:
+        excluded = [excluded] if isinstance(excluded, str) else list(excluded)
+        t.set(lora_exclude_modules=excluded)
+        t.mark(
+            "actor_rollout_ref.model.exclude_modules",
+            MAPPED,
+            recipe_line("lora_exclude_modules", excluded),
+            "dapo-trl's flag for PEFT's LoraConfig.exclude_modules (TRL's ModelConfig has none); one value is a "
+            "regular expression, as verl passes its string",
+        )
+    t.mark("actor_rollout_ref.model.exclude_modules", NOT_NEEDED, how="no module excluded")
+    t.mark("actor_rollout_ref.model.lora_adapter_path", NOT_NEEDED, how="a new adapter")
+    lr = t.value("actor_rollout_ref.actor.optim.lr")
+    t.notes.append(
+        f"LoRA: learning_rate is verl's actor.optim.lr ({lr}) unchanged. verl applies it as is to the adapter (no "
+        "LoRA-specific scaling of its own); its LoRA guide (docs/advance/ppo_lora.rst) recommends about 10x the "
+        "full-parameter rate, which is why its LoRA examples set a larger optim.lr themselves (e.g. 3e-6 for "
+        "Qwen2.5-3B on GSM8K, against verl's default 1e-6)."
+    )
 
 
 def dataset_name_for(path: Any) -> tuple[str, str, str]:

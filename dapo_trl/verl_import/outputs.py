@@ -21,6 +21,8 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "lora_r",
             "lora_alpha",
             "lora_target_modules",
+            "lora_exclude_modules",
+            "lora_dropout",
             "trust_remote_code",
             "use_liger_kernel",
             "dataset_name",

@@ -34,6 +34,8 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.model.lora_rank": 0,
     "actor_rollout_ref.model.lora_alpha": 16,
     "actor_rollout_ref.model.target_modules": "all-linear",
+    "actor_rollout_ref.model.exclude_modules": None,
+    "actor_rollout_ref.model.lora_adapter_path": None,
     "actor_rollout_ref.actor.strategy": "fsdp",
     "actor_rollout_ref.actor.ppo_mini_batch_size": 256,
     "actor_rollout_ref.actor.ppo_micro_batch_size": None,
