@@ -31,7 +31,7 @@ from .training.batching import (
     process_rows,
     select_rows,
 )
-from .training.packing import forward_count_agreement, packing_mode, padding_free_per_token
+from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.shaping import GenerationRecord, ShapingColumns
@@ -89,6 +89,7 @@ class DAPOTrainer(GRPOTrainer):
         self._captured_rewards: list[torch.Tensor] | None = None
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
+        self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
         self._token_metrics = TokenWeightedMetrics()
         self._planner = StepPlanner(args, self.accelerator, self.loss_type)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
@@ -204,7 +205,7 @@ class DAPOTrainer(GRPOTrainer):
             packed_forward=packed_forward if self._packing else None, padded_forward=padded_forward,
             max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
             one_sequence=self._packing == "sequence", pad_token_id=trl_seam.tokenizer(self).pad_token_id,
-            agree_count=self._agree_forwards,
+            agree_count=self._agree_forwards, one_forward=self._one_forward and torch.is_grad_enabled(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ tool use

@@ -210,6 +210,20 @@ def test_sharded_weights_run_forwards_in_lockstep_with_exact_results(budget, mod
     assert none.shape == (0, keep) and empty.calls == 3  # a process without rows still runs the agreed forwards
 
 
+@pytest.mark.parametrize("mode", ["sequence", "bins", "trimmed"])
+def test_one_forward_runs_every_row_at_once_with_exact_results(mode):
+    """ZeRO-3 with reentrant checkpointing (PEFT's, forced by TRL): one forward per backward, whatever the budget."""
+    ids, mask, keep = fake_rows()
+    reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
+    forwards = CountedForwards()
+    logps, entropy, _ = padding_free_per_token(
+        ids, mask, keep, packed_forward=None if mode == "trimmed" else forwards.packed, padded_forward=forwards.padded,
+        max_tokens=5, max_rows=2, one_sequence=mode == "sequence", agree_count=lambda count: count, one_forward=True,
+    )  # fmt: skip
+    assert forwards.calls == 1
+    assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
+
+
 def test_pack_rows_into_bins_of_the_longest_row():
     batch = padded_rows([3, 1, 2, 2], [4, 1, 0, 1])  # real lengths 7, 2, 2, 3
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)

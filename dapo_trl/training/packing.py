@@ -158,6 +158,7 @@ def padding_free_per_token(
     one_sequence: bool = False,
     pad_token_id: int = 0,
     agree_count: Callable[[int], int] | None = None,
+    one_forward: bool = False,
 ) -> PerTokenOutput:
     """Per-token log-probs (and entropies) of padded rows, computed by forwards that feed real tokens only.
 
@@ -172,6 +173,9 @@ def padding_free_per_token(
     many: `agree_count` (the max over processes) says how many, and a process with fewer chunks runs its first row
     alone for the missing ones, results dropped but kept in the autograd graph at zero weight (the backward passes
     gather too).
+
+    `one_forward` runs every row in a single forward (bins as wide as the longest row): where one backward pass may
+    not see a module run twice (`one_forward_per_backward`), whatever the budget.
     """
     if input_ids.size(0) == 0:
         for _ in range(agree_count(1) - 1 if agree_count else 0):
@@ -180,7 +184,10 @@ def padding_free_per_token(
     lengths = attention_mask.sum(dim=1).tolist()  # real tokens per row: what a padding-free forward feeds
     if max_tokens is None and max_rows is not None:  # TRL's row chunks bound memory by rows x widest: keep that
         max_tokens = max_rows * max(lengths)
-    if packed_forward is None:
+    if one_forward:
+        every_row = list(range(len(lengths)))
+        units = [(every_row, None if packed_forward is None or one_sequence else max(lengths))]
+    elif packed_forward is None:
         units = [(chunk, None) for chunk in token_budget_chunks(lengths, max_tokens)]
     elif one_sequence:
         units = [(chunk, None) for chunk in balanced_chunks(lengths, max_tokens)]
@@ -223,6 +230,17 @@ def padding_free_per_token(
     entropy = None if entropies[0] is None else torch.cat(entropies)[inverse]
     aux_loss = None if aux_losses[0] is None else torch.stack(aux_losses).mean()
     return torch.cat(logps)[inverse], entropy, aux_loss
+
+
+def one_forward_per_backward(accelerator: Any, args: Any) -> bool:
+    """DeepSpeed ZeRO-3 with reentrant activation checkpointing (what TRL forces for a PEFT model under ZeRO-3) fails
+    when a backward pass meets a module that ran more than once ("assert len(set(p.ds_id for p in params_in_bucket))
+    == len(params_in_bucket)"): each reentrant segment reports its parameters' gradients again. Training forwards
+    then run all their rows at once."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    if plugin is None or plugin.zero_stage != 3 or not args.gradient_checkpointing:
+        return False
+    return bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
 
 
 def packing_mode(model: torch.nn.Module) -> str | None:
