@@ -316,7 +316,8 @@ def _column(values: Sequence[Any] | None, length: int, name: str) -> Sequence[An
     if values is None:
         raise ValueError(
             f"reward verl_default reads each row's {name!r} column and the dataset has none: load it with "
-            "dapo_trl.data.load_prompt_dataset (it keeps verl's data_source), or add the column"
+            "dapo_trl.data.load_prompt_dataset (it keeps verl's data_source and reads reward_model.ground_truth "
+            "into solution), or add the column"
         )
     if len(values) != length:
         raise ValueError(f"reward verl_default: {len(values)} values of {name!r} for {length} completions")
