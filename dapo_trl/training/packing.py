@@ -240,7 +240,15 @@ def one_forward_per_backward(accelerator: Any, args: Any) -> bool:
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
     if plugin is None or plugin.zero_stage != 3 or not args.gradient_checkpointing:
         return False
-    return bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+    reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
+    if reentrant and getattr(args, "max_tokens_per_microbatch", None):
+        logger.warning(
+            "max_tokens_per_microbatch=%s is not applied to training forwards: under ZeRO-3 with reentrant "
+            "activation checkpointing (TRL's choice for PEFT models) each micro-batch runs as one forward, as "
+            "GRPOTrainer's does; lower per_device_train_batch_size to bound its memory",
+            args.max_tokens_per_microbatch,
+        )
+    return reentrant
 
 
 def packing_mode(model: torch.nn.Module) -> str | None:
