@@ -70,12 +70,12 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
 from dapo_trl.algorithm import soft_overlong_penalty  # noqa: E402
-from dapo_trl.training.batching import StepPlanner, loss_mask  # noqa: E402
 from dapo_trl.data import make_arithmetic_dataset  # noqa: E402
 from dapo_trl.rewards import dapo_math_reward  # noqa: E402
+from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
+from dapo_trl.training.batching import StepPlanner, loss_mask  # noqa: E402
 from dapo_trl.training.overlong import SoftOverlongPenalty  # noqa: E402
 from dapo_trl.training.steps import OptimizerSteps  # noqa: E402
-from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
 
 SEED = 42
 GOAL_RATIO = 1.03

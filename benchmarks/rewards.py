@@ -44,8 +44,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dapo_trl.utils.killable_pool import DEFAULT_TIMEOUT_S, default_num_workers  # noqa: E402
 from dapo_trl.rewards import Verdict, math_verify_pool, score_math_verify  # noqa: E402
+from dapo_trl.utils.killable_pool import DEFAULT_TIMEOUT_S, default_num_workers  # noqa: E402
 
 # (truth, equivalent forms a response may box) for the non-integer truths
 _EQUIVALENT_FORMS = [
