@@ -200,9 +200,18 @@ def call_reward(
     return rewards
 
 
-def correct_per_prompt(rewards: Sequence[float | None], num_samples: int) -> list[list[bool]]:
-    """Rewards of consecutive groups of `num_samples` responses -> correct (reward > 0; None and NaN are wrong)."""
-    marks = [reward is not None and reward > 0 for reward in rewards]
+def is_correct(reward_func: Any, reward: float | None) -> bool:
+    """Whether a reward means correct: the reward function's own `is_correct(reward)` where it has one (verl's code
+    scorer: every test passes), else reward > 0. None and NaN are wrong."""
+    if reward is None or reward != reward:
+        return False
+    judge = getattr(reward_func, "is_correct", None)
+    return bool(judge(reward)) if callable(judge) else reward > 0
+
+
+def correct_per_prompt(rewards: Sequence[float | None], num_samples: int, reward_func: Any = None) -> list[list[bool]]:
+    """Rewards of consecutive groups of `num_samples` responses -> correct (`is_correct`)."""
+    marks = [is_correct(reward_func, reward) for reward in rewards]
     return [marks[start : start + num_samples] for start in range(0, len(marks), num_samples)]
 
 
@@ -212,7 +221,7 @@ def score_responses(
     completions: Sequence[Sequence[str]],
     extra_kwargs: dict[str, Any] | None = None,
 ) -> list[list[bool]]:
-    """Correct (reward > 0) per response of text `completions` (as messages for chat prompts), scored like TRL."""
+    """Correct (`is_correct`) per response of text `completions` (as messages for chat prompts), scored like TRL."""
     flat_rows = [row for row, responses in zip(rows, completions, strict=True) for _ in responses]
     flat = [text for responses in completions for text in responses]
     conversational = bool(flat_rows) and not isinstance(flat_rows[0]["prompt"], str)
@@ -220,7 +229,7 @@ def score_responses(
     rewards = call_reward(reward_func, flat_rows, formatted, extra_kwargs)
     correct, position = [], 0
     for responses in completions:
-        correct.append([reward is not None and reward > 0 for reward in rewards[position : position + len(responses)]])
+        correct.append([is_correct(reward_func, reward) for reward in rewards[position : position + len(responses)]])
         position += len(responses)
     return correct
 

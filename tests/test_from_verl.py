@@ -361,6 +361,11 @@ def test_verl_lora_example_maps_lora_as_verl_builds_it():
     t = translated(LORA_SCRIPT, "actor_rollout_ref.model.exclude_modules=.*mlp.*")
     assert t.recipe["lora_exclude_modules"] == [".*mlp.*"] and not t.blocking
     assert t.entries["actor_rollout_ref.model.exclude_modules"].status == "mapped"
+    # A one-name list keeps PEFT's suffix matching (one flag value would be a regex the full name must match).
+    t = translated(LORA_SCRIPT, "actor_rollout_ref.model.exclude_modules=[q_proj]")
+    assert t.recipe["lora_exclude_modules"] == [r"(.*\.)?q_proj"]
+    t = translated(LORA_SCRIPT, "actor_rollout_ref.model.exclude_modules=[q_proj,v_proj]")
+    assert t.recipe["lora_exclude_modules"] == ["q_proj", "v_proj"]
     t = translated(LORA_SCRIPT, "actor_rollout_ref.model.lora_adapter_path=/adapters/step_100")
     assert [entry.key for entry in t.blocking] == ["actor_rollout_ref.model.lora_adapter_path"]
     t = translated(LORA_SCRIPT, "actor_rollout_ref.model.lora_rank=0")

@@ -197,3 +197,21 @@ def test_the_command_line_builds_verl_default_with_the_sandbox_url():
     assert build_reward("verl_default", SimpleNamespace(sandbox_url=None)) is verl_default_reward
     reward = build_reward("verl_default", SimpleNamespace(sandbox_url="http://sandbox:8080"))
     assert reward.sandbox.url == "http://sandbox:8080/run_code" and reward.scorer("taco") == "sandbox_fusion"
+
+
+def test_validation_counts_a_code_answer_correct_only_when_every_test_passes():
+    from dapo_trl.validation import correct_per_prompt, is_correct
+
+    assert correct_per_prompt([1.0, 0.5, 0.0, -1.0], 2, verl_default_reward) == [[True, False], [False, False]]
+    assert correct_per_prompt([1.0, 0.5], 2) == [[True, True]]  # a reward without is_correct: reward > 0
+    assert not is_correct(verl_default_reward, None) and not is_correct(None, float("nan"))
+
+
+def test_a_reply_that_is_not_sandbox_fusions_fails_the_case_not_the_run():
+    replies = [{"status": "Success", "run_result": "oops"}, ["not", "a", "dict"], {"status": "Success"}]
+
+    with StubServer(lambda index, body: (200, replies[index % 3], {}, 0.0)) as server:
+        reward = VerlDefaultReward(sandbox_url=server.base_url)
+        truth = json.dumps({"inputs": ["1", "2", "3"], "outputs": ["1", "2", "3"]})
+        assert reward(completions=["```python\nprint(input())\n```"], solution=[truth], data_source=["apps"]) == [0.0]
+        reward.close()

@@ -191,8 +191,8 @@ class SandboxFusionScorer:
             logger.warning("sandbox service at %s failed: %s", self.url, error)
             return None
         run = reply.get("run_result") if isinstance(reply, dict) else None
-        if not isinstance(reply, dict) or reply.get("status") != "Success" or not run:
-            return False
+        if not isinstance(reply, dict) or reply.get("status") != "Success" or not isinstance(run, dict):
+            return False  # an error reply, or one that is not SandboxFusion's (a proxy's page): not passed, as verl
         if run.get("status") != "Finished":
             return False
         stdout = run.get("stdout")

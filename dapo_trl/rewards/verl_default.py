@@ -349,10 +349,21 @@ class VerlDefaultReward:
         self.pool = pool
         self.sandbox: Any = None
         if sandbox_url:
-            from ..tools.remote import run_code_url  # checks the URL; the HTTP client loads only for code runs
+            from ..utils.http import run_code_url  # checks the URL; the HTTP client loads only for code runs
             from .verl_code import SandboxFusionScorer
 
             self.sandbox = SandboxFusionScorer(run_code_url(sandbox_url))
+
+    @staticmethod
+    def is_correct(reward: float) -> bool:
+        """Correct as each scorer means it, from the reward alone: DAPO's +1, a full 1 for GSM8K, MATH, math-verify
+        and code (every test case passes). What validation's avg@n and pass@k count."""
+        return reward >= 1.0
+
+    def close(self) -> None:
+        """Close the SandboxFusion client's connections (a no-op without a sandbox)."""
+        if self.sandbox is not None:
+            self.sandbox.close()
 
     def scorer(self, data_source: Any) -> str | None:
         """The verl scorer this reward applies to `data_source` (None: no scorer here)."""

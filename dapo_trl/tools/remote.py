@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import logging
 import signal
-import urllib.parse
 from typing import Any
 
 import requests
 
-from ..utils.http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, checked_service_path
+from ..utils.http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy, run_code_url
 from .sandbox_base import (
     RUNNER_SOURCE,
     ExecutionResult,
@@ -34,19 +33,6 @@ logger = logging.getLogger(__name__)
 
 MAX_DELAY_S = 30.0  # the longest wait before one retry, Retry-After included
 CONNECT_TIMEOUT_S = 10.0
-_URL_EXAMPLE = "'http://127.0.0.1:8080' (the SandboxFusion server's root; a trailing '/run_code' is accepted)"
-
-
-def run_code_url(base_url: str) -> str:
-    """`{base_url}/run_code`, after checking that `base_url` is an http(s) URL of the service."""
-
-    def bad(problem: str) -> ValueError:
-        return ValueError(f"sandbox_url={base_url!r} {problem}; give the sandbox service's URL, e.g. {_URL_EXAMPLE}")
-
-    scheme, netloc, path = checked_service_path(base_url, bad)
-    if path.endswith("/run_code"):
-        path = path[: -len("/run_code")]
-    return urllib.parse.urlunsplit((scheme, netloc, f"{path}/run_code", "", ""))
 
 
 class _Fatal(Exception):

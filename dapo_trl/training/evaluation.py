@@ -266,7 +266,7 @@ def _sample_and_score(
                 rows = [batch[position][1] for position in real for _ in range(n)]
                 extra = {**context, "completion_ids": [completion_ids[i] for i in picked]}
                 rewards = call_reward(reward, rows, [completions[i] for i in picked], extra, async_loop)
-                marks = correct_per_prompt(rewards, n)
+                marks = correct_per_prompt(rewards, n, reward)
                 for position, correct in zip(real, marks, strict=True):
                     index, row = batch[position]
                     responses = texts[position * n : (position + 1) * n]

@@ -303,3 +303,20 @@ class TimeoutAdapter(HTTPAdapter):
             if self.wrap_error is None:
                 raise
             raise self.wrap_error(request, error) from error
+
+
+_RUN_CODE_URL_EXAMPLE = "'http://127.0.0.1:8080' (the SandboxFusion server's root; a trailing '/run_code' is accepted)"
+
+
+def run_code_url(base_url: str) -> str:
+    """A SandboxFusion service's `{base_url}/run_code`, after checking that `base_url` is an http(s) URL."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(
+            f"sandbox_url={base_url!r} {problem}; give the sandbox service's URL, e.g. {_RUN_CODE_URL_EXAMPLE}"
+        )
+
+    scheme, netloc, path = checked_service_path(base_url, bad)
+    if path.endswith("/run_code"):
+        path = path[: -len("/run_code")]
+    return urllib.parse.urlunsplit((scheme, netloc, f"{path}/run_code", "", ""))

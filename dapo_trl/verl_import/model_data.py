@@ -103,7 +103,12 @@ def map_lora(t: Translation) -> None:
     )
     excluded = t.value("actor_rollout_ref.model.exclude_modules")
     if excluded:
-        excluded = [excluded] if isinstance(excluded, str) else list(excluded)
+        if isinstance(excluded, str):
+            excluded = [excluded]
+        elif len(excluded) == 1:  # PEFT matches a list's names as suffixes; one flag value would be a regex
+            excluded = [rf"(.*\.)?{re.escape(str(excluded[0]))}"]
+        else:
+            excluded = list(excluded)
         t.set(lora_exclude_modules=excluded)
         t.mark(
             "actor_rollout_ref.model.exclude_modules",
