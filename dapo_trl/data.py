@@ -27,7 +27,7 @@ DAPO_PROMPT_TEMPLATE = (
     'Remember to put your answer on its own line after "Answer:".'
 )
 PROMPT_TEMPLATES = {"dapo": DAPO_PROMPT_TEMPLATE, "none": "{problem}"}
-_LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+LOCAL_FORMATS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 # Tried in order when no column is named: the first present one wins.
 _PROBLEM_COLUMNS = ("prompt", "problem", "question", "Problem", "Question")
 _ANSWER_COLUMNS = ("reward_model.ground_truth", "answer", "Answer", "ground_truth", "solution")
@@ -223,11 +223,11 @@ def load_prompt_dataset(
     source = path or (preset.hub_id if preset else name)
     if os.path.isfile(source):
         extension = os.path.splitext(source)[1].lower()
-        if extension not in _LOCAL_FORMATS:
+        if extension not in LOCAL_FORMATS:
             raise DatasetLoadError(
-                f"dataset file {source!r}: unsupported extension; use one of {sorted(_LOCAL_FORMATS)}."
+                f"dataset file {source!r}: unsupported extension; use one of {sorted(LOCAL_FORMATS)}."
             )
-        dataset = load_dataset(_LOCAL_FORMATS[extension], data_files=source, split="train")
+        dataset = load_dataset(LOCAL_FORMATS[extension], data_files=source, split="train")
     else:
         split = split or (preset.split if preset else "train")
         try:

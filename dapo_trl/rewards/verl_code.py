@@ -33,7 +33,6 @@ from ..utils.http import RETRY_STATUSES, HTTPClient, RequestFailed, RetryPolicy
 
 logger = logging.getLogger(__name__)
 
-CODE_SOURCES = ("codecontests", "apps", "codeforces", "taco")
 CASES_SCORED = 10  # verl's continuous score: the pass rate of the first 10 test cases
 RUN_TIMEOUT_S = 10  # verl's per-case compile and run timeout
 MEMORY_LIMIT_MB = 1024  # verl's reward_model.sandbox_fusion.memory_limit_mb default

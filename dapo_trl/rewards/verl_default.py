@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from ..utils.killable_pool import KillableProcessPool, default_timeout, shared_pool
@@ -369,15 +369,19 @@ class VerlDefaultReward:
         """The verl scorer this reward applies to `data_source` (None: no scorer here)."""
         return scorer_name(data_source, self.math_sets, sandbox=self.sandbox is not None)
 
+    def check_sources(self, sources: Iterable[Any]) -> None:
+        """Raise UnsupportedDataSource naming every one of `sources` without a scorer here (each once)."""
+        missing = [source for source in dict.fromkeys(sources) if self.scorer(source) is None]
+        if missing:
+            raise UnsupportedDataSource(missing)
+
     def scores(
         self, completions: Sequence[Any], solution: Sequence[Any], data_source: Sequence[Any] | None
     ) -> list[VerlScore]:
         """Every completion's VerlScore; raises UnsupportedDataSource naming every source without a scorer."""
         sources = _column(data_source, len(completions), "data_source")
         _column(solution, len(completions), "solution")
-        missing = [source for source in dict.fromkeys(sources) if self.scorer(source) is None]
-        if missing:
-            raise UnsupportedDataSource(missing)
+        self.check_sources(sources)
         texts = [completion_text(completion) for completion in completions]
         results: list[VerlScore | None] = [None] * len(texts)
         batched: dict[str, list[int]] = defaultdict(list)  # scorers that run outside this process, batch at once
@@ -438,9 +442,7 @@ def check_dataset_sources(reward_funcs: Any, *datasets: Any) -> None:
         if "data_source" not in (table.column_names or []):
             _column(None, 0, "data_source")
         for reward in rewards:
-            missing = [source for source in table.unique("data_source") if reward.scorer(source) is None]
-            if missing:
-                raise UnsupportedDataSource(missing)
+            reward.check_sources(table.unique("data_source"))
 
 
 verl_default_reward = VerlDefaultReward()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 from ..rewards.verl_default import NOT_HERE, scorer_name
@@ -161,24 +162,23 @@ def data_sources(path: Any) -> dict[str, int] | None:
     text = os.path.expanduser(str(path))
     if "://" in text or not os.path.isfile(text):
         return None
+    from ..data import LOCAL_FORMATS  # loads `datasets`: only when a data file is here to read
+
     try:
-        if text.endswith(".parquet"):
+        kind = LOCAL_FORMATS.get(os.path.splitext(text)[1].lower())  # what --dataset_name reads, by extension
+        if kind is None:
+            return None
+        if kind == "parquet":  # the one column only: a training set's parquet can be large
             import pyarrow.parquet as pq
 
             table = pq.read_table(text, columns=["data_source"])
         else:
             from datasets import load_dataset
 
-            kind = {".jsonl": "json", ".json": "json", ".csv": "csv"}.get(os.path.splitext(text)[1].lower())
-            if kind is None:
-                return None
             table = load_dataset(kind, data_files=text, split="train").select_columns(["data_source"]).data.table
     except Exception:  # noqa: BLE001 - no data_source column, or a file the loaders cannot read: the report says so
         return {}
-    counts: dict[str, int] = {}
-    for source in table.column("data_source").to_pylist():
-        counts[str(source)] = counts.get(str(source), 0) + 1
-    return counts
+    return dict(Counter(str(source) for source in table.column("data_source").to_pylist()))
 
 
 def map_default_reward(t: Translation) -> None:
