@@ -267,6 +267,19 @@ class DAPOConfig(GRPOConfig):
         metadata={"help": "Alias of entropy_coef (verl's spelling). Entropy bonus coefficient; DAPO uses 0."},
     )
 
+    # Sequence parallelism (long responses).
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size, DeepSpeed's "
+            "sequence_parallel_size): every training-phase forward runs the rows of N consecutive processes as one "
+            "packed sequence cut into N shards, one per process, with DeepSpeed's Ulysses attention (heads split "
+            "across the group inside attention). Each process then holds about 1/N of a long row's activations. "
+            "Exact: the same log-probs, loss and gradient as 1. Needs padding_free, a world size divisible by N, "
+            "query heads divisible by N and KV heads divisible by N (or N by them). 1 = off."
+        },
+    )
+
     def __post_init__(self):
         self._derive_platform_defaults()
         super().__post_init__()
@@ -409,6 +422,18 @@ class DAPOConfig(GRPOConfig):
             )
         if self.max_tokens_per_microbatch is not None and not self.padding_free:
             raise ValueError("max_tokens_per_microbatch needs padding_free=true (it splits rows by real tokens).")
+        if not isinstance(self.sequence_parallel_size, int) or self.sequence_parallel_size < 1:
+            raise ValueError(f"sequence_parallel_size={self.sequence_parallel_size} must be an integer >= 1 (1 = off).")
+        if self.sequence_parallel_size > 1 and not self.padding_free:
+            raise ValueError(
+                "sequence_parallel_size > 1 needs padding_free=true: sequence parallelism shards each forward's "
+                "packed sequence of real tokens (remove --padding_free false)."
+            )
+        if self.sequence_parallel_size > 1 and self.use_liger_kernel:
+            raise ValueError(
+                "sequence_parallel_size > 1 does not run with use_liger_kernel: Liger's GRPO loss runs its own "
+                "forward, which sequence parallelism cannot shard (set use_liger_kernel=false)."
+            )
 
     def _validate_dynamic_sampling(self) -> None:
         if self.max_filter_gen_batches < 0:

@@ -33,6 +33,7 @@ from .training.batching import (
 )
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
+from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import backend_for
@@ -90,6 +91,7 @@ class DAPOTrainer(GRPOTrainer):
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
         self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
+        self._sequence_parallel = self._build_sequence_parallel(args)
         self._token_metrics = TokenWeightedMetrics()
         self._planner = StepPlanner(args, self.accelerator, self.loss_type)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
@@ -182,8 +184,22 @@ class DAPOTrainer(GRPOTrainer):
             self._generation.record_forward(self, model, input_ids, attention_mask, logps)
         return (logps if self._ratio_anchor is None else clamp_log_ratio(logps, self._ratio_anchor), *rest)
 
+    def _build_sequence_parallel(self, args: DAPOConfig) -> SequenceParallel | None:
+        if args.sequence_parallel_size == 1:
+            return None
+        size, config = args.sequence_parallel_size, self.model.config
+        distributed = str(self.accelerator.distributed_type)
+        attention = check_sequence_parallel(
+            size, config, self.accelerator.num_processes, distributed, getattr(self, "aux_loss_enabled", False)
+        )
+        return SequenceParallel(size, config, attention)
+
     def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
-        """TRL's forward, fed real tokens only when `padding_free` is on."""
+        """TRL's forward, fed real tokens only when `padding_free` is on (sharded across the sequence-parallel
+        group when there is one)."""
+        if self._sequence_parallel is not None:
+            return self._sequence_parallel_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
+                                                   multimodal)  # fmt: skip
         if not self.args.padding_free or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
@@ -206,6 +222,33 @@ class DAPOTrainer(GRPOTrainer):
             max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
             one_sequence=self._packing == "sequence", pad_token_id=trl_seam.tokenizer(self).pad_token_id,
             agree_count=self._agree_forwards, one_forward=self._one_forward and torch.is_grad_enabled(),
+        )  # fmt: skip
+
+    def _sequence_parallel_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
+                                   multimodal):  # fmt: skip
+        """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
+        attention = getattr(self.accelerator.unwrap_model(model).config, "_attn_implementation", None)
+        if attention != self._sequence_parallel.attention:
+            raise ValueError(
+                f"sequence parallelism was set up for {self._sequence_parallel.attention} attention, but a forward "
+                f"runs a model with {attention!r}: load the reference model with the policy's attn_implementation."
+            )
+
+        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
+            return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
+
+        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor):
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+            return out.log_probs, out.entropy if flags["compute_entropy"] else None
+
+        return self._sequence_parallel.per_token(
+            input_ids, attention_mask, logits_to_keep, shard_forward=shard_forward, padded_forward=padded_forward,
+            max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
+            pad_token_id=trl_seam.tokenizer(self).pad_token_id, agree_count=self._agree_forwards,
+            one_forward=self._one_forward and torch.is_grad_enabled(),
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ tool use

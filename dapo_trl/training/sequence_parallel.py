@@ -1,0 +1,348 @@
+"""Ulysses sequence parallelism for the training-phase forwards: N consecutive processes run their rows as one packed
+sequence cut into N shards, each process computing one shard, with DeepSpeed's Ulysses attention in between.
+
+How a forward runs on a group of N processes (`SequenceParallel.per_token`):
+1. The group gathers its processes' rows (token ids only): every process of the group holds the same rows.
+2. They are packed padding-free into sequences (position ids restarting per row), at most N x the per-process token
+   budget each, exactly as a single process packs its own rows (`packing.padding_free_per_token`).
+3. Each sequence's labels are shifted by one *before* it is cut, so a row cut at a shard boundary keeps its next
+   token; the sequence is padded to a multiple of N (the padding is a block of its own) and process r takes shard r.
+4. Inside attention, DeepSpeed's `UlyssesSPAttentionHF` all-to-alls the shards' queries, keys and values into whole
+   sequences of 1/N of the heads, gathers the position ids, runs the core attention, and all-to-alls back. The core
+   attention keeps packed rows apart: flash-attention's varlen kernels (from the position ids), or, for models loaded
+   with sdpa / eager, causal SDPA run row by row (`segment_causal_attention`, any device, no L x L mask).
+5. TRL's fused LM head scores each shard (no full logits); the per-token log-probs (and entropies) are gathered over
+   the group, and each process keeps its own rows. The gather's backward sums every process's gradient and keeps the
+   local shard, so each process's parameter gradient is its shard's share of the group's loss: summed by the usual
+   data-parallel average (DDP, ZeRO), the update equals the one without sequence parallelism.
+
+Generation, rewards, dynamic sampling, token counts and the loss stay per process as without sequence parallelism:
+only the forwards are shared, so every decision and metric keeps its meaning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as torch_dist
+
+from .packing import IGNORE_INDEX, PackedRows, PerTokenOutput, padding_free_per_token
+
+logger = logging.getLogger(__name__)
+
+# Core attentions inside Ulysses that keep packed rows apart: flash attention from the gathered position ids (varlen);
+# models loaded with sdpa / eager get `segment_causal_attention`, which does the same with SDPA, row by row.
+VARLEN_CORE = ("flash_attention_2", "flash_attention_3")
+SEGMENT_CORE = ("sdpa", "eager")
+
+# The Ulysses attention of the sharded forward running now, by attention implementation; empty outside one, so every
+# other forward (generation, evaluation outside training, other models) runs its attention unchanged.
+_ACTIVE: dict[str, Any] = {}
+_INSTALLED: set[str] = set()
+
+# (one shard's input ids, position ids, pre-shifted labels) -> (its per-token log-probs, entropies or None)
+ShardForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def valid_sizes(query_heads: int, kv_heads: int, world_size: int) -> list[int]:
+    """Sequence-parallel sizes Ulysses can run: dividing the world size and the query heads, with KV heads divisible
+    by the size or the size by them (KV heads are then replicated)."""
+    return [
+        size
+        for size in range(1, world_size + 1)
+        if world_size % size == 0 and query_heads % size == 0 and (kv_heads % size == 0 or size % kv_heads == 0)
+    ]
+
+
+def check_sequence_parallel(
+    size: int, model_config: Any, world_size: int, distributed_type: str, router_aux_loss: bool = False
+) -> str:
+    """Refuse a layout Ulysses cannot run, naming the fix; return the model's attention implementation."""
+    text_config = model_config.get_text_config()
+    query_heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
+    if world_size % size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"sequence_parallel_size={size} does not divide the world size {world_size}: groups of {size} processes "
+            f"must tile all processes. Launch a multiple of {size} processes, or choose one of {divisors}."
+        )
+    if query_heads % size or not (kv_heads % size == 0 or size % kv_heads == 0):
+        raise ValueError(
+            f"sequence_parallel_size={size} does not fit the model's {query_heads} query heads and {kv_heads} KV "
+            f"heads: Ulysses gives each process of a group 1/{size} of the heads, so query heads must be divisible "
+            f"by it, and KV heads by it (or it by them). Valid sizes with {world_size} processes: "
+            f"{valid_sizes(query_heads, kv_heads, world_size)}."
+        )
+    if "FSDP" in distributed_type:
+        raise ValueError(
+            "sequence_parallel_size > 1 runs on DeepSpeed (any ZeRO stage) or DDP, not FSDP: launch with a DeepSpeed "
+            "config (e.g. accelerate launch --config_file configs/deepspeed_zero3.yaml)."
+        )
+    attention = getattr(model_config, "_attn_implementation", None)
+    if attention not in VARLEN_CORE + SEGMENT_CORE:
+        raise ValueError(
+            f"sequence_parallel_size > 1 cannot run {attention!r} attention: inside Ulysses it would treat the packed "
+            "rows of a forward as one sequence and let them attend to each other. Load the model with "
+            "attn_implementation='flash_attention_2' (GPU, fastest) or 'sdpa'."
+        )
+    if router_aux_loss:
+        raise ValueError(
+            "sequence_parallel_size > 1 does not compute a mixture-of-experts router's auxiliary loss (each process "
+            "sees 1/N of a sequence's tokens): set router_aux_loss_coef=0."
+        )
+    return attention
+
+
+def segment_causal_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    position_ids: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of each packed row on its own (rows start where the position ids restart at 0).
+
+    query (1, heads, L, head_dim), key / value (1, kv_heads, L, head_dim); returns (1, L, heads, head_dim) as
+    transformers' attention functions do. Exact (each row attends to its own past only) with no L x L mask.
+    """
+    if sliding_window is not None:
+        raise NotImplementedError("sequence parallelism with sliding-window attention: use flash_attention_2")
+    if position_ids is None or query.size(0) != 1:
+        raise ValueError("segment_causal_attention needs one packed sequence (batch 1) and its position ids")
+    length = query.size(2)
+    starts = (position_ids.reshape(-1) == 0).nonzero().flatten().tolist()
+    bounds = ([0] if not starts or starts[0] != 0 else []) + starts + [length]
+    grouped = query.size(1) != key.size(1)
+    outputs = [
+        torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped,
+        )  # fmt: skip
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True)
+        if end > start
+    ]
+    return torch.cat(outputs, dim=2).transpose(1, 2).contiguous(), None
+
+
+def _install_dispatch(attention: str) -> None:
+    """Route transformers' `attention` implementation through Ulysses while a sharded forward is active (`_ACTIVE`),
+    and to the original function otherwise; skip building its mask then (Ulysses attends from position ids)."""
+    if attention in _INSTALLED:
+        return
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    original = ALL_ATTENTION_FUNCTIONS.get(attention)
+    if original is None:  # eager is the models' own default function, not a registered one
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward as original
+    original_mask = ALL_MASK_ATTENTION_FUNCTIONS[attention]
+
+    def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
+        ulysses = _ACTIVE.get(attention)
+        if ulysses is None:
+            return original(module, query, key, value, attention_mask, *args, **kwargs)
+        groups = getattr(module, "num_key_value_groups", None)
+        try:  # Ulysses rewrites num_key_value_groups when it replicates KV heads: restore it for later forwards
+            return ulysses(module, query, key, value, None, *args, **kwargs)
+        finally:
+            if groups is not None:
+                module.num_key_value_groups = groups
+
+    def mask_function(*args, **kwargs):
+        return None if attention in _ACTIVE else original_mask(*args, **kwargs)
+
+    ALL_ATTENTION_FUNCTIONS[attention] = attention_function
+    ALL_MASK_ATTENTION_FUNCTIONS[attention] = mask_function
+    _INSTALLED.add(attention)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of equal-length shards along dim 1 over a group; the backward sums every process's gradient and
+    keeps the local shard (each process's loss may read any shard)."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
+        ctx.group, ctx.rank, ctx.width = group, rank, local.size(1)
+        shards = [torch.empty_like(local) for _ in range(size)]
+        torch_dist.all_gather(shards, local.contiguous(), group=group)
+        return torch.cat(shards, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        torch_dist.all_reduce(grad, group=ctx.group)
+        return grad[:, ctx.rank * ctx.width : (ctx.rank + 1) * ctx.width], None, None, None
+
+
+@dataclass
+class GroupRows:
+    """A group's rows in TRL's layout (prompts left-padded | completions right-padded), and where this process's are."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    logits_to_keep: int
+    own_rows: slice
+    own_keep: int
+
+
+def shard_bounds(length: int, size: int, rank: int) -> tuple[int, int]:
+    """The [start, end) of shard `rank` once a sequence of `length` tokens is padded to a multiple of `size`."""
+    width = -(-length // size)
+    return rank * width, (rank + 1) * width
+
+
+def shard_packed(packed: PackedRows, size: int, rank: int, pad_token_id: int) -> tuple[torch.Tensor, ...]:
+    """Shard `rank` of a one-sequence pack: (input ids, position ids, next-token labels), each (1, ceil(L / size)).
+
+    Labels are shifted before the cut (label j is token j + 1's, IGNORE_INDEX where unscored), so the last position
+    of a shard scores the first token of the next; padding to a multiple of `size` is a block of its own (position
+    ids from 0), never scored.
+    """
+    ids, positions, labels = packed.input_ids, packed.position_ids, packed.labels
+    if ids.size(0) != 1:
+        raise ValueError("sequence parallelism shards one packed sequence at a time (batch 1)")
+    length = ids.size(1)
+    shifted = torch.cat([labels[:, 1:], labels.new_full((1, 1), IGNORE_INDEX)], dim=1)
+    start, end = shard_bounds(length, size, rank)
+    padding = shard_bounds(length, size, size - 1)[1] - length
+    if padding:
+        ids = torch.cat([ids, ids.new_full((1, padding), pad_token_id)], dim=1)
+        positions = torch.cat([positions, torch.arange(padding, device=ids.device).unsqueeze(0)], dim=1)
+        shifted = torch.cat([shifted, shifted.new_full((1, padding), IGNORE_INDEX)], dim=1)
+    return ids[:, start:end], positions[:, start:end], shifted[:, start:end]
+
+
+class SequenceParallel:
+    """The group of N processes this process shares its training forwards with, and those forwards."""
+
+    def __init__(self, size: int, model_config: Any, attention: str):
+        if not torch_dist.is_initialized():
+            raise RuntimeError("sequence_parallel_size > 1 needs a distributed launch (accelerate launch / torchrun)")
+        import deepspeed.comm as ds_comm
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        ds_comm.init_distributed(dist_backend=torch_dist.get_backend(), auto_mpi_discovery=False)  # wraps torch's
+        world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
+        self.size, self.rank = size, rank % size
+        self.group = None
+        for first in range(0, world, size):  # every process creates every group, in the same order
+            group = torch_dist.new_group(list(range(first, first + size)))
+            if first <= rank < first + size:
+                self.group = group
+        self.attention = attention
+        text_config = model_config.get_text_config()
+        core = segment_causal_attention if attention in SEGMENT_CORE else None
+        if core is None:
+            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+            core = ALL_ATTENTION_FUNCTIONS[attention]
+        self.ulysses = UlyssesSPAttentionHF(
+            attn=core, batch_size=1, attn_head_count=text_config.num_attention_heads,
+            attn_head_size=getattr(text_config, "head_dim", None)
+            or text_config.hidden_size // text_config.num_attention_heads,
+            kv_head_count=text_config.num_key_value_heads, num_hidden_layers=text_config.num_hidden_layers,
+            process_group=self.group, seq_length_is_variable=True, disable_in_eval=False,
+        )  # fmt: skip
+        _install_dispatch(attention)
+        logger.info(
+            "sequence parallelism: groups of %d processes (this one: shard %d), %s attention inside Ulysses",
+            size, self.rank, "row-by-row SDPA" if attention in SEGMENT_CORE else attention,
+        )  # fmt: skip
+
+    @contextlib.contextmanager
+    def sharded(self) -> Iterator[None]:
+        """Within the block, the model's attention runs through Ulysses (see `_install_dispatch`)."""
+        _ACTIVE[self.attention] = self.ulysses
+        try:
+            yield
+        finally:
+            _ACTIVE.pop(self.attention, None)
+
+    # ---------------------------------------------------------------------------------------- collectives
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        torch_dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        return parts
+
+    def gather_sequence(self, local: torch.Tensor) -> torch.Tensor:
+        """(1, L/N) per process -> (1, L) everywhere; differentiable (see `_GatherSequence`)."""
+        return _GatherSequence.apply(local, self.group, self.rank, self.size)
+
+    def gather_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> GroupRows:
+        """The group's rows, in rank order, prompts left-padded and completions right-padded to the group's widest."""
+        rows, width = input_ids.shape
+        shape = torch.tensor([rows, width - logits_to_keep, logits_to_keep], device=input_ids.device)
+        shapes = [part.tolist() for part in self._all_gather(shape)]
+        max_rows = max(shape[0] for shape in shapes)
+        prompt_width = max(shape[1] for shape in shapes)
+        keep = max(shape[2] for shape in shapes)
+
+        def aligned(tensor: torch.Tensor, fill: int) -> torch.Tensor:
+            prompt, completion = tensor[:, : width - logits_to_keep], tensor[:, width - logits_to_keep :]
+            left, right = prompt_width - prompt.size(1), keep - completion.size(1)
+            tensor = torch.nn.functional.pad(torch.cat([prompt.new_full((rows, left), fill), prompt, completion,
+                                                        completion.new_full((rows, right), fill)], dim=1),
+                                             (0, 0, 0, max_rows - rows), value=fill)  # fmt: skip
+            return tensor
+
+        ids = self._all_gather(aligned(input_ids, 0))
+        masks = self._all_gather(aligned(attention_mask, 0))
+        counts = [shape[0] for shape in shapes]
+        start = sum(counts[: self.rank])
+        return GroupRows(
+            torch.cat([part[:count] for part, count in zip(ids, counts, strict=True)]),
+            torch.cat([part[:count] for part, count in zip(masks, counts, strict=True)]),
+            keep,
+            slice(start, start + rows),
+            logits_to_keep,
+        )
+
+    # -------------------------------------------------------------------------------------------- forwards
+    def per_token(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        *,
+        shard_forward: ShardForward,
+        padded_forward: Callable[[torch.Tensor, torch.Tensor, int], PerTokenOutput],
+        max_tokens: int | None,
+        max_rows: int | None,
+        pad_token_id: int,
+        agree_count: Callable[[int], int] | None,
+        one_forward: bool,
+    ) -> PerTokenOutput:
+        """This process's rows' per-token log-probs (and entropies), (rows, logits_to_keep), computed by the group's
+        sharded forwards. `max_tokens` / `max_rows` are per process: a group's forward holds N times as many, so
+        each process holds about as many tokens as without sequence parallelism."""
+        group_rows = self.gather_rows(input_ids, attention_mask, logits_to_keep)
+
+        def packed_forward(packed: PackedRows) -> PerTokenOutput:
+            length = packed.input_ids.size(1)
+            ids, positions, labels = shard_packed(packed, self.size, self.rank, pad_token_id)
+            with self.sharded():
+                logps, entropy = shard_forward(ids, positions, labels)
+            logps = self.gather_sequence(logps)[:, : length - 1]
+            if entropy is not None:
+                entropy = self.gather_sequence(entropy)[:, : length - 1]
+            return logps, entropy, None
+
+        logps, entropy, _ = padding_free_per_token(
+            group_rows.input_ids, group_rows.attention_mask, group_rows.logits_to_keep,
+            packed_forward=packed_forward, padded_forward=padded_forward,
+            max_tokens=None if max_tokens is None else max_tokens * self.size,
+            max_rows=None if max_rows is None else max_rows * self.size,
+            one_sequence=True, pad_token_id=pad_token_id, agree_count=agree_count, one_forward=one_forward,
+        )  # fmt: skip
+        own, keep = group_rows.own_rows, group_rows.own_keep
+        return logps[own, :keep], None if entropy is None else entropy[own, :keep], None
