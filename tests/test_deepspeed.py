@@ -94,9 +94,14 @@ def test_zero3_lora_trains_only_the_adapter(tmp_path):
     assert sorted(trained_by_step(out, processes=2)) == [0, 1]
 
 
-def test_zero3_token_budget_splits_backward_passes_exactly(tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [1, 2], ids=["sp1", "sp2"])
+def test_zero3_token_budget_splits_backward_passes_exactly(tmp_path, sequence_parallel):
     """Under ZeRO-3 a token budget of 10 splits micro-batches into several backward passes (rows longer than the
-    budget alone, equal passes and rows on both processes); the update still equals Eq. 11's gradient."""
-    delta, rows, model_dir = run_layout(tmp_path, 2, 2, 2, "max_tokens_per_microbatch=10", deepspeed_config=ZERO3)
+    budget alone, equal passes and rows on both processes); the update still equals Eq. 11's gradient, also with
+    every forward sharded across the 2 processes (sequence parallelism: the group's forwards hold 2 x 10 tokens)."""
+    extra = ("max_tokens_per_microbatch=10", f"sequence_parallel_size={sequence_parallel}")
+    delta, rows, model_dir = run_layout(tmp_path, 2, 2, 2, *extra, deepspeed_config=ZERO3)
     assert sorted(rows) == list(range(16))
     assert_update_is_minus_gradient(delta, reference_gradient(model_dir, rows))
+    sharded = [torch.load(model_dir.parent / f"rows_rank{rank}.pt")["sharded_forwards"] for rank in range(2)]
+    assert (sharded[0] > 0) == (sequence_parallel > 1) and sharded[0] == sharded[1]

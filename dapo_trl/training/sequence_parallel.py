@@ -240,6 +240,7 @@ class SequenceParallel:
             if first <= rank < first + size:
                 self.group = group
         self.attention = attention
+        self.sharded_forwards = 0  # forwards run sharded so far (each shard is one forward on every process)
         text_config = model_config.get_text_config()
         core = segment_causal_attention if attention in SEGMENT_CORE else None
         if core is None:
@@ -329,6 +330,7 @@ class SequenceParallel:
 
         def packed_forward(packed: PackedRows) -> PerTokenOutput:
             length = packed.input_ids.size(1)
+            self.sharded_forwards += 1
             ids, positions, labels = shard_packed(packed, self.size, self.rank, pad_token_id)
             with self.sharded():
                 logps, entropy = shard_forward(ids, positions, labels)

@@ -170,6 +170,8 @@ def main() -> None:
         trainer.add_callback(CrashAfterSave(crash_after))
     trainer.train(resume_from_checkpoint=resume)
     final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))  # ZeRO-3 shards gathered on every rank
+    sharded = getattr(trainer._sequence_parallel, "sharded_forwards", 0)  # forwards run with sequence parallelism
+    (out / f"sharded_forwards_rank{trainer.accelerator.process_index}.txt").write_text(str(sharded))
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         torch.save({name: p.cpu() for name, p in final.items()}, out / "final_params.pt")
