@@ -239,9 +239,9 @@ class DAPOTrainer(GRPOTrainer):
         def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
             return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
 
-        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor):
+        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict):
             with self.accelerator.autocast():
-                out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+                out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
             return out.log_probs, out.entropy if flags["compute_entropy"] else None
 
         return self._sequence_parallel.per_token(

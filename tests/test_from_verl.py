@@ -17,10 +17,10 @@ from dapo_trl.verl_import.model_data import model_size_billions
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.script import read_shell_script
 from dapo_trl.verl_import.translate import translate
-from dapo_trl.verl_import.translation import APPROXIMATED, NOT_NEEDED, UNSUPPORTED
+from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED
 from dapo_trl.verl_import.yaml_config import read_verl_yaml
 
-from .helpers import REPO, offline_environment, run_command
+from .helpers import REPO, offline_environment, python_command, run_command
 
 DATA = Path(__file__).resolve().parent / "data" / "verl"
 DAPO_SCRIPT = DATA / "dapo_recipe.sh"
@@ -178,6 +178,24 @@ def test_batch_plan_keeps_verls_responses_per_update_and_per_rollout(train, n, m
         assert plan.per_device_train_batch_size <= micro and plan.max_tokens_per_microbatch is None
 
 
+def test_batch_plan_with_ulysses_runs_verls_micro_batch_per_group():
+    """verl's ppo_micro_batch_size_per_gpu under SP is what a group of sp GPUs runs together; here a group runs its
+    processes' micro-batches together, so each process takes micro / sp, and accumulation stays verl's."""
+    plan = plan_batches(train_batch_size=256, num_generations=8, ppo_mini_batch_size=64, world_size=8,
+                        micro_batch_per_gpu=8, sequence_parallel_size=4)  # fmt: skip
+    # verl: 2 groups of 4, 64 x 8 / 2 = 256 responses per group and update, micro 8: 32 accumulation steps.
+    assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps) == (2, 32) and not plan.notes
+    plan = plan_batches(train_batch_size=256, num_generations=8, ppo_mini_batch_size=64, world_size=8,
+                        micro_batch_per_gpu=6, sequence_parallel_size=4)  # fmt: skip
+    assert plan.per_device_train_batch_size == 1 and "per Ulysses group" in plan.notes[0]
+
+
+def test_ulysses_size_that_does_not_divide_the_world_blocks(tmp_path):
+    t = translated(RETOOL_SCRIPT, "actor_rollout_ref.actor.ulysses_sequence_parallel_size=3")
+    entry = t.entries["actor_rollout_ref.actor.ulysses_sequence_parallel_size"]
+    assert entry.blocking and "does not divide the world size 8" in entry.how
+
+
 def test_batch_plan_refuses_what_verl_refuses():
     plan = plan_batches(train_batch_size=30, num_generations=3, ppo_mini_batch_size=10, world_size=4)
     assert plan.errors and "not divisible by the world size 4" in plan.errors[0]
@@ -231,7 +249,12 @@ def test_dapo_recipe():
     assert (env["TP"], env["GPU_MEMORY_UTILIZATION"], env["MAX_MODEL_LEN"]) == ("4", "0.8", "22528")
     assert t.vllm.extra_args == ["--max-num-batched-tokens", "22528", "--enable-chunked-prefill"]
     assert not t.blocking
-    assert t.entries["actor_rollout_ref.actor.ulysses_sequence_parallel_size"].status == UNSUPPORTED
+    # Ulysses 8 (actor and reference): sharded forwards over groups of 8; the budget stays per GPU (verl's len x sp).
+    assert r["sequence_parallel_size"] == 8 and r["max_tokens_per_microbatch"] == plan.max_tokens_per_microbatch
+    for role in ("actor", "ref"):
+        entry = t.entries[f"actor_rollout_ref.{role}.ulysses_sequence_parallel_size"]
+        assert (entry.status, entry.target) == (MAPPED, "sequence_parallel_size: 8")
+    assert "8 x" in t.entries["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"].how
     assert t.entries["trainer.total_epochs"].status == APPROXIMATED
 
 
@@ -254,6 +277,7 @@ def test_retool_recipe():
     assert (r["save_steps"], r["eval_steps"], r["eval_samples_to_log"]) == (80, 40, 20)
     assert t.accelerate["deepspeed_config"]["deepspeed_config_file"] == "configs/deepspeed/zero3_offload.json"
     assert t.accelerate["num_processes"] == 8 and t.vllm.environment()["MAX_MODEL_LEN"] == "18432"
+    assert r["sequence_parallel_size"] == 4 and r["max_tokens_per_microbatch"] == 18432  # verl's len x sp per group
     assert "$@" in " ".join(t.notes)
     assert not t.blocking
 
@@ -466,8 +490,9 @@ E2E_OVERRIDES = [
 @pytest.mark.e2e
 @pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT], ids=lambda p: p.stem)
 def test_translated_recipe_trains_two_steps(tmp_path, script):
-    """verl's LoRA example trains its adapter through train_dapo.py's ModelConfig flags (use_peft, lora_r 64, ...),
-    on one process, on verl-format rows (GSM8K's among them): only the adapter is saved, and it trained."""
+    """Each translated recipe trains 2 steps on verl-format rows (GSM8K's among them): DAPO's with its Ulysses
+    sequence parallelism on 2 processes (one group of 2); verl's LoRA example through train_dapo.py's ModelConfig
+    flags (use_peft, lora_r 64, ...): only the adapter is saved, and it trained."""
     result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the four
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
@@ -476,8 +501,16 @@ def test_translated_recipe_trains_two_steps(tmp_path, script):
     overrides += ["--dataset_name", data, "--eval_dataset_name", data]
     if recipe.get("apply_overlong_penalty"):
         overrides += ["--overlong_buffer_len", "8"]
-    run = run_command([sys.executable, "train_dapo.py", "--config", str(tmp_path / "recipe" / "recipe.yaml"),
-                       *overrides], timeout=300)  # fmt: skip
+    command = ["train_dapo.py", "--config", str(tmp_path / "recipe" / "recipe.yaml"), *overrides]
+    if recipe.get("sequence_parallel_size", 1) > 1:  # verl's Ulysses 8 (DAPO) or 4 (ReTool)
+        if script == DAPO_SCRIPT:  # on 2 processes, one group of 2, every forward sharded
+            overrides = ["--sequence_parallel_size", "2", "--per_device_train_batch_size", "4"]
+            command = python_command(*command, *overrides, num_processes=2)
+        else:
+            command = [sys.executable, *command, "--sequence_parallel_size", "1"]
+    else:
+        command = [sys.executable, *command]
+    run = run_command(command, timeout=300)
     assert "step 2" in run.stdout, run.stdout[-2000:]
     assert (tmp_path / "run" / "model.safetensors").exists() == (script != LORA_SCRIPT)
     assert ("'kl/in_reward'" in run.stdout) == (script == GRPO_SCRIPT)  # the GRPO script's KL in the reward ran

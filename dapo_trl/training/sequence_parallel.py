@@ -40,13 +40,20 @@ logger = logging.getLogger(__name__)
 VARLEN_CORE = ("flash_attention_2", "flash_attention_3")
 SEGMENT_CORE = ("sdpa", "eager")
 
-# The Ulysses attention of the sharded forward running now, by attention implementation; empty outside one, so every
-# other forward (generation, evaluation outside training, other models) runs its attention unchanged.
-_ACTIVE: dict[str, Any] = {}
+# A sharded forward passes its Ulysses attention down to the attention functions as this keyword argument
+# (transformers forwards a model's extra keyword arguments to attention), so activation checkpointing's recomputation,
+# which runs outside any context, attends the same way; every other forward (generation, other models) is unchanged.
+ULYSSES_KWARG = "ulysses_attention"
+# Attention implementations whose masks are skipped while a sharded forward builds them (Ulysses attends from the
+# gathered position ids): non-empty only inside `SequenceParallel.sharded`.
+_ACTIVE: set[str] = set()
 _INSTALLED: set[str] = set()
 
-# (one shard's input ids, position ids, pre-shifted labels) -> (its per-token log-probs, entropies or None)
-ShardForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
+# (one shard's input ids, position ids, pre-shifted labels, keyword arguments for the model) -> (its per-token
+# log-probs, entropies or None)
+ShardForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]], tuple[torch.Tensor, torch.Tensor | None]
+]
 
 
 def valid_sizes(query_heads: int, kv_heads: int, world_size: int) -> list[int]:
@@ -135,8 +142,8 @@ def segment_causal_attention(
 
 
 def _install_dispatch(attention: str) -> None:
-    """Route transformers' `attention` implementation through Ulysses while a sharded forward is active (`_ACTIVE`),
-    and to the original function otherwise; skip building its mask then (Ulysses attends from position ids)."""
+    """Route transformers' `attention` implementation through the Ulysses attention a forward passes as
+    `ULYSSES_KWARG`, and to the original function otherwise; skip building its mask while a sharded forward runs."""
     if attention in _INSTALLED:
         return
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -148,7 +155,7 @@ def _install_dispatch(attention: str) -> None:
     original_mask = ALL_MASK_ATTENTION_FUNCTIONS[attention]
 
     def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
-        ulysses = _ACTIVE.get(attention)
+        ulysses = kwargs.pop(ULYSSES_KWARG, None)
         if ulysses is None:
             return original(module, query, key, value, attention_mask, *args, **kwargs)
         groups = getattr(module, "num_key_value_groups", None)
@@ -261,13 +268,14 @@ class SequenceParallel:
         )  # fmt: skip
 
     @contextlib.contextmanager
-    def sharded(self) -> Iterator[None]:
-        """Within the block, the model's attention runs through Ulysses (see `_install_dispatch`)."""
-        _ACTIVE[self.attention] = self.ulysses
+    def sharded(self) -> Iterator[dict[str, Any]]:
+        """Within the block, the model builds no attention mask; pass the yielded keyword arguments to the model so
+        its attention runs through Ulysses (see `_install_dispatch`)."""
+        _ACTIVE.add(self.attention)
         try:
-            yield
+            yield {ULYSSES_KWARG: self.ulysses}
         finally:
-            _ACTIVE.pop(self.attention, None)
+            _ACTIVE.discard(self.attention)
 
     # ---------------------------------------------------------------------------------------- collectives
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -332,8 +340,8 @@ class SequenceParallel:
             length = packed.input_ids.size(1)
             self.sharded_forwards += 1
             ids, positions, labels = shard_packed(packed, self.size, self.rank, pad_token_id)
-            with self.sharded():
-                logps, entropy = shard_forward(ids, positions, labels)
+            with self.sharded() as attention_kwargs:
+                logps, entropy = shard_forward(ids, positions, labels, attention_kwargs)
             logps = self.gather_sequence(logps)[:, : length - 1]
             if entropy is not None:
                 entropy = self.gather_sequence(entropy)[:, : length - 1]

@@ -23,6 +23,7 @@ def plan_batches(
     use_dynamic_bsz: bool = False,
     max_token_len_per_gpu: int | None = None,
     gen_batch_size: int | None = None,
+    sequence_parallel_size: int = 1,
 ) -> BatchPlan:
     """TRL's batch layout for verl's sizes.
 
@@ -35,6 +36,9 @@ def plan_batches(
     Each process takes mini x n / W responses per update: in micro-batches of `ppo_micro_batch_size_per_gpu`
     (gradient accumulation over them), or, with `use_dynamic_bsz`, all at once with
     `max_tokens_per_microbatch = ppo_max_token_len_per_gpu` splitting them into token-bounded forwards.
+    With Ulysses (sp > 1) a verl micro-batch is what one group of sp GPUs runs together, and a group here runs the
+    micro-batches of its sp processes together: per_device_train_batch_size = ppo_micro_batch_size_per_gpu / sp (the
+    token budget is already per GPU on both sides: a group's forward holds sp x it).
     """
     notes: list[str] = []
     errors: list[str] = []
@@ -67,11 +71,13 @@ def plan_batches(
                 "of all the process's responses per update"
             )
         else:
-            micro = _largest_divisor_at_most(per_process, micro_batch_per_gpu)
-            if micro != micro_batch_per_gpu:
+            wanted = max(1, micro_batch_per_gpu // sequence_parallel_size)
+            micro = _largest_divisor_at_most(per_process, wanted)
+            if micro * sequence_parallel_size != micro_batch_per_gpu:
+                group = f" ({micro} x sp {sequence_parallel_size} per Ulysses group)" if sequence_parallel_size > 1 else ""
                 notes.append(
-                    f"micro-batch {micro} responses instead of {micro_batch_per_gpu}: each process takes "
-                    f"{per_process} responses per update, and the micro-batch must divide them"
+                    f"micro-batch {micro} responses per process{group} instead of {micro_batch_per_gpu}: each "
+                    f"process takes {per_process} responses per update, and the micro-batch must divide them"
                 )
         accumulation = per_process // micro
     updates = train_batch_size // mini
@@ -127,6 +133,7 @@ def map_batches(t: Translation) -> BatchPlan:
         use_dynamic_bsz=dynamic,
         max_token_len_per_gpu=budget,
         gen_batch_size=None if gen is None else int(gen),
+        sequence_parallel_size=sequence_parallel,
     )
     t.batch = plan
     t.set(
@@ -178,8 +185,8 @@ def map_batches(t: Translation) -> BatchPlan:
             recipe_line("max_tokens_per_microbatch", budget),
             "real tokens per forward and process"
             + (
-                f" (verl's Ulysses groups of {sequence_parallel} GPUs "
-                "share a budget of len x sp; here each process has its own)"
+                f" (as verl's len x sp: a Ulysses group of {sequence_parallel} processes runs forwards of up to "
+                f"{sequence_parallel} x {budget} tokens, each process holding about {budget})"
                 if sequence_parallel > 1
                 else ""
             ),
@@ -196,16 +203,7 @@ def map_batches(t: Translation) -> BatchPlan:
             recipe_line("per_device_train_batch_size", plan.per_device_train_batch_size),
             "responses per forward and process" + (f"; {notes}" if notes else ""),
         )
-    if sequence_parallel > 1:
-        t.mark(
-            actor + "ulysses_sequence_parallel_size",
-            UNSUPPORTED,
-            "",
-            "no sequence parallelism here: every process holds whole sequences (the same loss and gradient; "
-            "more memory per GPU for long responses: lower max_tokens_per_microbatch if it runs out)",
-        )
-    else:
-        t.mark(actor + "ulysses_sequence_parallel_size", NOT_NEEDED, how="1: no sequence parallelism")
+    map_sequence_parallel(t, sequence_parallel, world)
     t.step_rows += [
         ("world size", f"nnodes x n_gpus_per_node = {nnodes} x {gpus}", f"{world} processes"),
         (
@@ -234,3 +232,31 @@ def map_batches(t: Translation) -> BatchPlan:
             "holds whole groups, and advantages are computed before the split)"
         )
     return plan
+
+
+def map_sequence_parallel(t: Translation, size: int, world: int) -> None:
+    """verl's Ulysses size (actor; the reference's runs in the same groups here) as `sequence_parallel_size`."""
+    actor, ref = "actor_rollout_ref.actor.", "actor_rollout_ref.ref."
+    ref_value = t.value(ref + "ulysses_sequence_parallel_size")
+    if size == 1:
+        t.mark(actor + "ulysses_sequence_parallel_size", NOT_NEEDED, how="1: no sequence parallelism")
+    elif world % size:
+        t.mark(actor + "ulysses_sequence_parallel_size", UNSUPPORTED, "",
+               f"{size} does not divide the world size {world} (verl refuses it too)", blocking=True)  # fmt: skip
+    else:
+        t.set(sequence_parallel_size=size)
+        t.mark(
+            actor + "ulysses_sequence_parallel_size",
+            MAPPED,
+            recipe_line("sequence_parallel_size", size),
+            f"Ulysses over groups of {size} processes: every training forward (policy, old and reference "
+            "log-probs) is sharded across its group with DeepSpeed's Ulysses attention; the model's query heads "
+            f"must be divisible by {size} (checked at start, with the valid sizes listed)",
+        )
+    if ref_value is not None:
+        ref_size = int(ref_value)
+        how = "the reference model's forwards run in the policy's sequence-parallel groups"
+        if ref_size != size:
+            how += f" (sequence_parallel_size {size}, not {ref_size}: the same log-probs, split differently)"
+        status = MAPPED if ref_size == size else APPROXIMATED
+        t.mark(ref + "ulysses_sequence_parallel_size", status, recipe_line("sequence_parallel_size", size), how)

@@ -5,7 +5,7 @@ Run under `accelerate launch --multi_gpu --num_processes 2`:
 Each process holds its own rows (TRL's layout: prompts left-padded, completions right-padded; odd lengths; one row
 longer than half the group's tokens, so it straddles the shard boundary, and a long prompt first, so shard 0 holds
 no loss token). The group's per-token log-probs come from `SequenceParallel.per_token` (DeepSpeed's Ulysses attention,
-the model wrapped in DDP), the loss is DAPO's token-level sum over the process's rows divided by the tokens of all
+the model wrapped in DDP, with activation checkpointing), the loss is DAPO's token-level sum over the process's rows divided by the tokens of all
 processes (times the process count, as TRL's normaliser), and DDP averages the gradients. The reference is an
 independent padded forward of every process's rows on one process, without sequence parallelism. Writes
 OUT/result_rank{r}.json: the largest log-prob, loss and gradient differences, and which cases the batch covered.
@@ -65,6 +65,8 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(kv_heads)
+    model.gradient_checkpointing_enable({"use_reentrant": False})  # recomputation must shard the same way
+    model.train()
     add_fused_lm_head(model)
     reference = build_model(kv_heads)
     sp = SequenceParallel(2, model.config, "sdpa")
@@ -73,8 +75,8 @@ def main() -> None:
     everyone = [rows_of(r) for r in range(world)]
     total_tokens = sum(float(rows["completion_mask"].sum()) for rows in everyone)
 
-    def shard_forward(ids, positions, labels):
-        out = ddp(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True)
+    def shard_forward(ids, positions, labels, attention):
+        out = ddp(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
         return out.log_probs, None
 
     def unused_padded_forward(*args):
