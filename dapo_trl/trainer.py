@@ -33,8 +33,8 @@ from .training.batching import (
 )
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
-from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
+from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import backend_for
 

@@ -17,7 +17,7 @@ from dapo_trl.verl_import.model_data import model_size_billions
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.script import read_shell_script
 from dapo_trl.verl_import.translate import translate
-from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED
+from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED
 from dapo_trl.verl_import.yaml_config import read_verl_yaml
 
 from .helpers import REPO, offline_environment, python_command, run_command

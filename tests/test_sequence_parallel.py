@@ -123,8 +123,9 @@ def test_attention_runs_unchanged_outside_a_sharded_forward():
     from dapo_trl.training import sequence_parallel
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa"))  # fmt: skip
+    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    model = Qwen2ForCausalLM(config)
     ids = torch.randint(0, 50, (2, 7))
     before = model(input_ids=ids).logits
     sequence_parallel._install_dispatch("sdpa")

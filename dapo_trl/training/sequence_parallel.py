@@ -132,8 +132,13 @@ def segment_causal_attention(
     grouped = query.size(1) != key.size(1)
     outputs = [
         torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
-            dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=grouped,
+            query[:, :, start:end],
+            key[:, :, start:end],
+            value[:, :, start:end],
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=grouped,
         )  # fmt: skip
         for start, end in zip(bounds[:-1], bounds[1:], strict=True)
         if end > start

@@ -74,7 +74,8 @@ def plan_batches(
             wanted = max(1, micro_batch_per_gpu // sequence_parallel_size)
             micro = _largest_divisor_at_most(per_process, wanted)
             if micro * sequence_parallel_size != micro_batch_per_gpu:
-                group = f" ({micro} x sp {sequence_parallel_size} per Ulysses group)" if sequence_parallel_size > 1 else ""
+                sp = sequence_parallel_size
+                group = f" ({micro} x sp {sp} per Ulysses group)" if sp > 1 else ""
                 notes.append(
                     f"micro-batch {micro} responses per process{group} instead of {micro_batch_per_gpu}: each "
                     f"process takes {per_process} responses per update, and the micro-batch must divide them"

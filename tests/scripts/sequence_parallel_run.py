@@ -4,11 +4,12 @@ Run under `accelerate launch --multi_gpu --num_processes 2`:
   python sequence_parallel_run.py OUT KV_HEADS
 Each process holds its own rows (TRL's layout: prompts left-padded, completions right-padded; odd lengths; one row
 longer than half the group's tokens, so it straddles the shard boundary, and a long prompt first, so shard 0 holds
-no loss token). The group's per-token log-probs come from `SequenceParallel.per_token` (DeepSpeed's Ulysses attention,
-the model wrapped in DDP, with activation checkpointing), the loss is DAPO's token-level sum over the process's rows divided by the tokens of all
-processes (times the process count, as TRL's normaliser), and DDP averages the gradients. The reference is an
-independent padded forward of every process's rows on one process, without sequence parallelism. Writes
-OUT/result_rank{r}.json: the largest log-prob, loss and gradient differences, and which cases the batch covered.
+no loss token). The group's per-token log-probs come from `SequenceParallel.per_token` (DeepSpeed's Ulysses
+attention, the model wrapped in DDP, with activation checkpointing), the loss is DAPO's token-level sum over the
+process's rows divided by the tokens of all processes (times the process count, as TRL's normaliser), and DDP
+averages the gradients. The reference is an independent padded forward of every process's rows on one process,
+without sequence parallelism. Writes OUT/result_rank{r}.json: the largest log-prob, loss and gradient differences,
+and which cases the batch covered.
 """
 
 import json
@@ -97,8 +98,7 @@ def main() -> None:
     ) / total_tokens  # fmt: skip
     full.backward()
     gradient_error = max(
-        float((p.grad - q.grad).abs().max())
-        for p, q in zip(model.parameters(), reference.parameters(), strict=True)
+        float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters(), strict=True)
     )
 
     # Which cases the group's packed sequence covered (rank 0's layout decides them: the same on both processes).
@@ -114,7 +114,7 @@ def main() -> None:
         "gradient_error": gradient_error,
         "gradient_scale": max(float(p.grad.abs().max()) for p in reference.parameters()),
         "odd_length": length % 2 == 1,
-        "row_straddles_boundary": any(s < boundary < e for s, e in zip(starts, starts[1:])),
+        "row_straddles_boundary": any(s < boundary < e for s, e in zip(starts[:-1], starts[1:], strict=True)),
         "shard_without_loss_token": any(bool((labels == -100).all()) for _, _, labels in shards),
         "kv_replicated": sp.ulysses.kv_replication_factor > 1,
         "groups_restored": all(
