@@ -93,7 +93,8 @@ class DAPOTrainer(GRPOTrainer):
         self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
         self._sequence_parallel = self._build_sequence_parallel(args)
         self._token_metrics = TokenWeightedMetrics()
-        self._planner = StepPlanner(args, self.accelerator, self.loss_type)
+        group_passes = None if self._sequence_parallel is None else self._sequence_parallel.group_passes
+        self._planner = StepPlanner(args, self.accelerator, self.loss_type, group_passes)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
         self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
         if args.val_before_train:

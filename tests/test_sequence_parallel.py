@@ -16,6 +16,7 @@ from transformers import Qwen2Config
 from dapo_trl.training.packing import IGNORE_INDEX, pack_rows, unpack_per_token
 from dapo_trl.training.sequence_parallel import (
     check_sequence_parallel,
+    group_pass_rows,
     segment_causal_attention,
     shard_packed,
     valid_sizes,
@@ -96,6 +97,17 @@ def test_shards_keep_each_boundary_tokens_next_label():
     out = unpack_per_token(packed, scores, logits_to_keep=3)
     # Row 1 (longest) is packed first, at 0..4; row 0's tokens 5, 6, 7 at 5..7, its completion columns hold 6, 7, pad.
     assert out.tolist() == [[6.0, 7.0, 0.0], [2.0, 3.0, 4.0]]
+
+
+def test_passes_are_planned_over_the_group_rows():
+    """A budget of 10 per process is 20 per pass of a group of 2: each long row alone (the other process runs a masked
+    row), short rows packed together; both processes derive the same passes."""
+    members = [[30, 4, 6], [25, 3, 9]]  # token counts of each process's rows
+    plans = [group_pass_rows(members, rank, 20) for rank in range(2)]
+    assert plans[0] == [[0], [], [1, 2], []] and plans[1] == [[], [0], [2], [1]]  # first-fit decreasing: 9+6+4, 3
+    for chunk in zip(*plans, strict=True):  # every pass but the long rows' holds at most 20 tokens
+        tokens = sum(members[rank][row] for rank, rows in enumerate(chunk) for row in rows)
+        assert tokens <= 20 or sum(map(len, chunk)) == 1
 
 
 def test_segment_attention_keeps_packed_rows_apart():

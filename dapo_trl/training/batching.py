@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -250,6 +250,11 @@ class TokenWeightedMetrics:
         self.weights[mode] = []
 
 
+# (this process's rows' token counts, token budget per process) -> this process's rows in each backward pass its
+# sequence-parallel group plans over all its processes' rows (`SequenceParallel.group_passes`)
+GroupPasses = Callable[[list[int], int], list[list[int]]]
+
+
 class StepPlanner:
     """Prepares a generation batch's micro-batches for training and splits them under the token budget.
 
@@ -259,12 +264,16 @@ class StepPlanner:
     optimizer step's exact denominator, where TRL scales one generation-wide count by K / S, exact only when S == K:
     TRL #5619, #6024, #5890, #6439) and agrees on how many backward passes each needs under
     `max_tokens_per_microbatch`; `parts` cuts one micro-batch into those passes, with equal rows on every process.
+    With sequence parallelism the passes are planned over the rows of the whole group (`group_passes`): a pass holds
+    at most N x the budget of the group's tokens, so each process holds about the budget, and a row longer than the
+    budget gets a pass of its own, split N ways, while the group's other processes run a masked row.
     """
 
-    def __init__(self, args: Any, accelerator: Any, loss_type: str):
+    def __init__(self, args: Any, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
         self.args = args
         self.accelerator = accelerator
         self.exact_denominator = loss_type in ("dapo", "cispo", "vespo")
+        self.group_passes = group_passes  # with sequence parallelism: passes planned over the group's rows
 
     def plan(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
         window = self.args.gradient_accumulation_steps
@@ -278,16 +287,24 @@ class StepPlanner:
             batch["loss_tokens"] = count
         budget = self.args.max_tokens_per_microbatch
         if budget:
-            local = torch.tensor([budget_passes(batch, budget) for batch in micro_batches], device=device)
+            if self.group_passes is not None:
+                for batch in micro_batches:
+                    batch["pass_rows"] = self.group_passes(fed_tokens(batch).tolist(), budget)
+                local = torch.tensor([len(batch["pass_rows"]) for batch in micro_batches], device=device)
+            else:
+                local = torch.tensor([budget_passes(batch, budget) for batch in micro_batches], device=device)
             agreed = self.accelerator.reduce(local, reduction="max").tolist()
             for batch, passes in zip(micro_batches, agreed, strict=True):
                 batch["backward_passes"] = passes
             longest = max(int(fed_tokens(batch).max()) for batch in micro_batches)
-            if longest > budget:
+            sequence_parallel = getattr(self.args, "sequence_parallel_size", 1)
+            limit = budget * sequence_parallel  # a sequence-parallel group shares its forwards
+            if longest > limit:
                 logger.warning(
-                    "a row of %d tokens exceeds max_tokens_per_microbatch=%d: it trains alone in its own pass "
-                    "(nothing is dropped or truncated); raise max_tokens_per_microbatch to bound memory by it",
-                    longest, budget,
+                    "a row of %d tokens exceeds max_tokens_per_microbatch=%d x sequence_parallel_size=%d: it "
+                    "trains alone in its own pass (nothing is dropped or truncated); raise max_tokens_per_microbatch "
+                    "(or sequence_parallel_size) to bound memory by it",
+                    longest, budget, sequence_parallel,
                 )  # fmt: skip
         return micro_batches
 
@@ -296,7 +313,12 @@ class StepPlanner:
         passes = batch.get("backward_passes", 1)
         if passes == 1:
             return [batch]
-        parts = split_for_budget(batch, self.args.max_tokens_per_microbatch, passes)
+        if "pass_rows" in batch:  # the group's plan: this process's rows of each pass (a masked row when none)
+            planned = [select_rows(batch, rows) if rows else masked_rows(batch, 1) for rows in batch["pass_rows"]]
+            planned += [masked_rows(batch, 1)] * (passes - len(planned))
+            parts = [trim_micro_batch(part) for part in planned]
+        else:
+            parts = split_for_budget(batch, self.args.max_tokens_per_microbatch, passes)
         rows = torch.tensor([part["prompt_ids"].size(0) for part in parts], device=self.accelerator.device)
         rows = self.accelerator.reduce(rows, reduction="max").tolist()
         return [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]

@@ -4,7 +4,9 @@ sequence cut into N shards, each process computing one shard, with DeepSpeed's U
 How a forward runs on a group of N processes (`SequenceParallel.per_token`):
 1. The group gathers its processes' rows (token ids only): every process of the group holds the same rows.
 2. They are packed padding-free into sequences (position ids restarting per row), at most N x the per-process token
-   budget each, exactly as a single process packs its own rows (`packing.padding_free_per_token`).
+   budget each, exactly as a single process packs its own rows (`packing.padding_free_per_token`). Under a token
+   budget the training passes are planned over the group's rows (`group_passes`), so a row longer than the budget
+   gets a pass of its own, split N ways: each process holds about the budget, however long the row.
 3. Each sequence's labels are shifted by one *before* it is cut, so a row cut at a shard boundary keeps its next
    token; the sequence is padded to a multiple of N (the padding is a block of its own) and process r takes shard r.
 4. Inside attention, DeepSpeed's `UlyssesSPAttentionHF` all-to-alls the shards' queries, keys and values into whole
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from .batching import token_budget_chunks
 from .packing import IGNORE_INDEX, PackedRows, PerTokenOutput, padding_free_per_token
 
 logger = logging.getLogger(__name__)
@@ -234,6 +237,14 @@ def shard_packed(packed: PackedRows, size: int, rank: int, pad_token_id: int) ->
     return ids[:, start:end], positions[:, start:end], shifted[:, start:end]
 
 
+def group_pass_rows(members: list[list[int]], rank: int, max_tokens: int) -> list[list[int]]:
+    """Process `rank`'s rows in each pass when the rows of all `members` (their token counts, by process) are cut
+    into passes of at most `max_tokens` tokens, longest first, a longer row alone (`token_budget_chunks`)."""
+    owners = [(member, row) for member, rows in enumerate(members) for row in range(len(rows))]
+    chunks = token_budget_chunks([length for rows in members for length in rows], max_tokens)
+    return [sorted(owners[i][1] for i in chunk if owners[i][0] == rank) for chunk in chunks]
+
+
 class SequenceParallel:
     """The group of N processes this process shares its training forwards with, and those forwards."""
 
@@ -320,6 +331,15 @@ class SequenceParallel:
             slice(start, start + rows),
             logits_to_keep,
         )
+
+    def group_passes(self, lengths: list[int], budget: int) -> list[list[int]]:
+        """Backward passes planned over the group's rows (`StepPlanner`): the group's rows (every process's token
+        counts, gathered) cut into passes of at most N x `budget` tokens, a longer row alone; returns this process's
+        rows in each pass (empty where it has none: it then runs a masked row). The same plan on every process of
+        the group, so each pass's sharded forward holds at most about `budget` tokens per process."""
+        members: list[list[int]] = [[] for _ in range(self.size)]
+        torch_dist.all_gather_object(members, list(lengths), group=self.group)
+        return group_pass_rows(members, self.rank, budget * self.size)
 
     # -------------------------------------------------------------------------------------------- forwards
     def per_token(
