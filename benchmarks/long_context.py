@@ -1,0 +1,284 @@
+"""Long responses: peak memory and real tokens per second against response length, DAPOTrainer vs TRL's GRPOTrainer,
+and the memory split of Ulysses sequence parallelism on two processes.
+
+What is measured
+----------------
+`curve` (the default): for each response length L (doubling), one process trains `--steps` optimizer steps of
+`--rows` rows whose completions are exactly L tokens (a scripted rollout, TRL's `rollout_func`: no generation; the
+reward gives every group spread, so every row trains) with activation checkpointing, on a random-init model of the
+chosen config. Each (trainer, L) runs in its own process. Peak memory is `torch.cuda.max_memory_allocated` on CUDA
+or the process's peak RSS on CPU; `real tokens / s` counts the tokens of every training-phase forward (policy loss
+and old log-probs) over the summed step times; a run that raises out-of-memory prints `OOM`, and the table ends
+with the longest L each trainer trained.
+
+`--sp-split`: DAPOTrainer on two gloo CPU processes (`accelerate launch --multi_gpu --num_processes 2`), one row of
+L tokens per process, `max_tokens_per_microbatch` = L / 2, without activation checkpointing, at
+`sequence_parallel_size` 1 and 2, two optimizer steps. Printed per process: peak RSS, and how far RSS rises above
+its level at the start of the last step (generation is scripted, so that is the training forwards' activations and
+the gradients). With SP = 2 each long row is split across both processes, so the rise is about half.
+
+Run from the repository root:
+
+    python benchmarks/long_context.py                                           # CPU, scaled down
+    python benchmarks/long_context.py --sp-split                                # SP memory split, 2 CPU processes
+    python benchmarks/long_context.py --device cuda --model qwen2.5-1.5b --dtype bf16 \\
+        --lengths 2048 4096 8192 16384 32768 65536 --attn flash_attention_2      # one GPU: the curve at SP 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+TRAINERS = ("GRPOTrainer", "DAPOTrainer")
+MODELS = {  # real dimensions, random weights
+    "qwen2.5-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
+                     "tie_word_embeddings": True},
+    "qwen2.5-1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
+                     "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
+                     "tie_word_embeddings": True},
+    "qwen2.5-7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
+                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
+                   "tie_word_embeddings": False},
+    # Small enough for CPU, large enough that activations dominate a long row's memory.
+    "cpu-mid": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
+                "intermediate_size": 1408, "vocab_size": 8192, "tie_word_embeddings": False},
+}  # fmt: skip
+
+
+def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
+    """(model path, tokenizer): the built-in tiny model, or a config of `MODELS` with the tiny tokenizer."""
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from dapo_trl.tiny_model import build_tiny_model
+
+    tiny = build_tiny_model(work / "tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    if kind == "tiny":
+        return str(tiny), tokenizer
+    path = work / f"{kind}-{dtype}"
+    if not (path / "config.json").exists():
+        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        config = Qwen2Config(**MODELS[kind], max_position_embeddings=131072, rope_theta=1e6, dtype=torch_dtype)
+        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).to(torch_dtype).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path), tokenizer
+
+
+def memory_status_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (peak since the last `reset_peak_rss`) of this process, from /proc/self/status."""
+    with open("/proc/self/status") as status:
+        line = next(line for line in status if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
+def reset_peak_rss() -> None:
+    """Linux: the peak RSS (VmHWM) restarts from the current RSS."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """One configuration in this process (or in each of the launched processes)."""
+    import torch
+    from common import quiet
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from dapo_trl import DAPOConfig, DAPOTrainer
+
+    quiet()
+    work = Path(options["work"])
+    model_path, tokenizer = build_model(options["model"], work, options["dtype"])
+    length = options["length"]
+    special = set(tokenizer.all_special_ids)
+    normal_ids = [i for i in range(min(len(tokenizer), 700)) if i not in special]
+
+    def rollout(prompts: list, trainer: Any) -> dict[str, list]:
+        generator = torch.Generator().manual_seed(len(prompts))
+        prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+        picks = torch.randint(len(normal_ids), (len(prompts), length), generator=generator).tolist()
+        completions = [[normal_ids[i] for i in row] for row in picks]  # exactly `length` tokens, no EOS
+        return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+
+    rank = int(os.environ.get("RANK", "0"))
+
+    def spread_reward(completions: list, **kwargs: Any) -> list[float]:  # +1 / -1 alternating over all processes
+        return [1.0 if (i + rank * len(completions)) % 2 == 0 else -1.0 for i in range(len(completions))]
+
+    dataset = Dataset.from_list([{"prompt": f"Question {i}: add {i} and {i + 1}.", "solution": "0"} for i in range(64)])
+    common = dict(
+        output_dir=str(work / "out" / trainer_name), per_device_train_batch_size=options["rows"],
+        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=2, max_completion_length=length,
+        max_steps=options["steps"], learning_rate=1e-6, loss_type="dapo", epsilon_high=0.28, report_to="none",
+        logging_steps=1, save_strategy="no", seed=0, bf16=options["dtype"] == "bf16",
+        use_cpu=options["device"] == "cpu", activation_checkpointing=options["checkpointing"], disable_tqdm=True,
+        model_init_kwargs={"attn_implementation": options["attn"]},
+    )  # fmt: skip
+    if trainer_name == "GRPOTrainer":
+        trainer_class, config = GRPOTrainer, GRPOConfig(**common)
+    else:
+        trainer_class = DAPOTrainer
+        config = DAPOConfig(**common, max_filter_gen_batches=1, apply_overlong_penalty=False,
+                            sequence_parallel_size=options.get("sequence_parallel_size", 1),
+                            max_tokens_per_microbatch=options.get("budget"))  # fmt: skip
+    trainer = trainer_class(model=model_path, reward_funcs=spread_reward, args=config, train_dataset=dataset,
+                            processing_class=tokenizer, rollout_func=rollout)  # fmt: skip
+    counts = {"real": 0}
+    pad_id = tokenizer.pad_token_id
+
+    def count_tokens(module: Any, args: tuple) -> None:
+        counts["real"] += int((args[0] != pad_id).sum())
+
+    trainer.model.get_input_embeddings().register_forward_pre_hook(count_tokens)
+    step_growth: list[float] = []
+    start = {"rss_mb": 0.0}
+
+    class StepPeak(TrainerCallback):  # CPU: how far RSS rises above its level at each step's start
+        def on_step_begin(self, args, state, control, **kwargs):
+            reset_peak_rss()
+            start["rss_mb"] = memory_status_mb("VmRSS")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            step_growth.append(memory_status_mb("VmHWM") - start["rss_mb"])
+
+    if options["device"] == "cpu":
+        trainer.add_callback(StepPeak())
+    if options["device"] == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        trainer.train()
+    except torch.OutOfMemoryError:
+        return {"oom": True}
+    step_times = [log["step_time"] for log in trainer.state.log_history if "step_time" in log]
+    if options["device"] == "cuda":
+        peak_mb = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "oom": False,
+        "peak_mb": peak_mb,
+        "step_growth_mb": step_growth[-1] if step_growth else None,  # the last step: optimizer state already there
+        "step_time": statistics.median(step_times[1:] or step_times),
+        "tokens_per_s": counts["real"] / max(sum(step_times), 1e-9),
+    }
+
+
+def curve(args: argparse.Namespace, work: Path) -> None:
+    print(f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} rows={args.rows} "
+          f"steps={args.steps} activation checkpointing=on")  # fmt: skip
+    print("| response tokens | trainer | peak MB | real tokens / s | time / step (s) | DAPO / GRPO memory |")
+    print("|---|---|---|---|---|---|")
+    longest = dict.fromkeys(TRAINERS, 0)
+    for length in args.lengths:
+        peaks = {}
+        for trainer_name in TRAINERS:
+            options = {"work": str(work), "model": args.model, "dtype": args.dtype, "device": args.device,
+                       "length": length, "rows": args.rows, "steps": args.steps, "checkpointing": True,
+                       "attn": args.attn}  # fmt: skip
+            env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options)}
+            done = subprocess.run([sys.executable, __file__, "--run-one", trainer_name], env=env,
+                                  capture_output=True, text=True)  # fmt: skip
+            lines = done.stdout.strip().splitlines()
+            if done.returncode != 0 or not lines:
+                oom = "out of memory" in done.stderr.lower() or done.returncode in (-9, 137)
+                print(f"| {length} | {trainer_name} | {'OOM' if oom else 'failed: ' + done.stderr[-200:]} |")
+                continue
+            result = json.loads(lines[-1])
+            if result["oom"]:
+                print(f"| {length} | {trainer_name} | OOM | | | |", flush=True)
+                continue
+            longest[trainer_name] = length
+            peaks[trainer_name] = result["peak_mb"]
+            ratio = f"{peaks['DAPOTrainer'] / peaks['GRPOTrainer']:.2f}" if len(peaks) == 2 else ""
+            print(f"| {length} | {trainer_name} | {result['peak_mb']:.0f} | {result['tokens_per_s']:.0f} | "
+                  f"{result['step_time']:.2f} | {ratio} |", flush=True)  # fmt: skip
+    print("longest response trained: " + ", ".join(f"{name} {tokens}" for name, tokens in longest.items()))
+
+
+def sp_split(args: argparse.Namespace, work: Path) -> None:
+    length = args.sp_length
+    print(f"DAPOTrainer, 2 gloo CPU processes, one row of {length} response tokens per process, model={args.model}, "
+          f"max_tokens_per_microbatch={length // 2}, no activation checkpointing")  # fmt: skip
+    print("| sequence_parallel_size | process | peak RSS MB | rise during a training step MB | time / step (s) |")
+    print("|---|---|---|---|---|")
+    growth = {}
+    for size in (1, 2):
+        out = work / f"sp{size}"
+        out.mkdir(parents=True, exist_ok=True)
+        options = {"work": str(work), "model": args.model, "dtype": "fp32", "device": "cpu", "length": length,
+                   "rows": 1, "steps": 2, "checkpointing": False, "attn": "sdpa", "sequence_parallel_size": size,
+                   "budget": length // 2, "out": str(out)}  # fmt: skip
+        build_model(args.model, work, "fp32")  # once, before the processes start
+        env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                   "--main_process_port", str(29500 + os.getpid() % 1000), __file__, "--run-one", "DAPOTrainer"]  # fmt: skip
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"| {size} | failed: {done.stderr.strip()[-400:]} |")
+            continue
+        for rank in range(2):
+            result = json.loads((out / f"rank{rank}.json").read_text())
+            growth[size, rank] = result["step_growth_mb"]
+            print(f"| {size} | {rank} | {result['peak_mb']:.0f} | {result['step_growth_mb']:.0f} | "
+                  f"{result['step_time']:.1f} |", flush=True)  # fmt: skip
+    if len(growth) == 4:
+        ratio = max(growth[2, r] for r in range(2)) / max(growth[1, r] for r in range(2))
+        print(f"sequence parallelism: a training step's largest per-process memory rise at SP 2 is {ratio:.2f}x that "
+              "at SP 1")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", choices=("tiny", *MODELS), default=None, help="default: tiny (curve), cpu-mid")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--rows", type=int, default=2, help="rows per optimizer step (one prompt x 2 generations)")
+    parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is not timed)")
+    parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, flash_attention_2, ...")
+    parser.add_argument("--sp-split", action="store_true", help="the SP 1 vs 2 memory split on 2 CPU processes")
+    parser.add_argument("--sp-length", type=int, default=8192, help="response tokens per process for --sp-split")
+    parser.add_argument("--work", default=None, help="folder for models and outputs (default: a temp dir)")
+    parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_one:
+        options = json.loads(os.environ["LONG_CONTEXT_OPTIONS"])
+        result = run_one(args.run_one, options)
+        if "out" in options:
+            rank = int(os.environ.get("RANK", "0"))
+            (Path(options["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
+        else:
+            print(json.dumps(result))
+        return
+    work = Path(args.work or tempfile.mkdtemp(prefix="long-context-bench-"))
+    if args.sp_split:
+        args.model = args.model or "cpu-mid"
+        sp_split(args, work)
+    else:
+        args.model = args.model or "tiny"
+        curve(args, work)
+
+
+if __name__ == "__main__":
+    main()
