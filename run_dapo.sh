@@ -41,6 +41,10 @@ CLIP_RATIO_C="${CLIP_RATIO_C:-None}"
 # Dynamic sampling.
 FILTER_GROUPS_ENABLE="${FILTER_GROUPS_ENABLE:-true}"
 MAX_FILTER_GEN_BATCHES="${MAX_FILTER_GEN_BATCHES:-10}"
+# Long responses (docs/long-context.md): real tokens per forward and GPU (verl's ppo_max_token_len_per_gpu; empty =
+# no budget), and Ulysses sequence parallelism over groups of that many processes (1 = off).
+MAX_TOKENS_PER_MICROBATCH="${MAX_TOKENS_PER_MICROBATCH:-}"
+SEQUENCE_PARALLEL_SIZE="${SEQUENCE_PARALLEL_SIZE:-1}"
 # Infrastructure.
 BF16="${BF16:-true}"
 REPORT_TO="${REPORT_TO:-tensorboard}"
@@ -66,8 +70,10 @@ args=(
   --loss_type "$LOSS_TYPE" --epsilon "$EPSILON" --epsilon_high "$EPSILON_HIGH" --beta "$BETA"
   --entropy_coeff "$ENTROPY_COEFF" --temperature "$TEMPERATURE" --top_p "$TOP_P" --clip_ratio_c "$CLIP_RATIO_C"
   --filter_groups_enable "$FILTER_GROUPS_ENABLE" --max_filter_gen_batches "$MAX_FILTER_GEN_BATCHES"
+  --sequence_parallel_size "$SEQUENCE_PARALLEL_SIZE"
   --bf16 "$BF16" --report_to "$REPORT_TO" --save_steps "$SAVE_STEPS" --logging_steps 1
 )
+[[ -n "$MAX_TOKENS_PER_MICROBATCH" ]] && args+=(--max_tokens_per_microbatch "$MAX_TOKENS_PER_MICROBATCH")
 
 if [[ -n "$VLLM_SERVER_HOST" ]]; then
   args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT")

@@ -76,6 +76,9 @@ def test_run_dapo_defaults_are_the_papers():
     for name, value in expected.items():
         assert flag(words, name) == value
     assert words[-2:] == ["--max_steps", "3"]  # extra arguments come last and win
+    assert flag(words, "--sequence_parallel_size") == "1" and "--max_tokens_per_microbatch" not in words
+    words = dry_run(SEQUENCE_PARALLEL_SIZE="4", MAX_TOKENS_PER_MICROBATCH="18432")
+    assert flag(words, "--sequence_parallel_size") == "4" and flag(words, "--max_tokens_per_microbatch") == "18432"
 
 
 def test_run_dapo_multi_node_with_a_vllm_server():
