@@ -13,9 +13,12 @@ with the longest L each trainer trained.
 
 `--sp-split`: DAPOTrainer on two gloo CPU processes (`accelerate launch --multi_gpu --num_processes 2`), one row of
 L tokens per process, `max_tokens_per_microbatch` = L / 2, without activation checkpointing, at
-`sequence_parallel_size` 1 and 2, two optimizer steps. Printed per process: peak RSS, and how far RSS rises above
-its level at the start of the last step (generation is scripted, so that is the training forwards' activations and
-the gradients). With SP = 2 each long row is split across both processes, so the rise is about half.
+`sequence_parallel_size` 1 and 2, two optimizer steps. Printed per process, in RSS above its level when the call
+starts: what a training forward keeps for the backward (its activations), the forward's peak (with its temporaries,
+which grow slower than the row: measured on this model without SP, 528 MB at both 4k and 8k tokens), a training
+micro-step's peak (forwards, backwards, gradients); and the peak RSS. With SP = 2 each process holds half of each
+long row. On CPU the child processes run with a fixed glibc mmap threshold so that RSS follows live tensors
+(`LIVE_RSS`).
 
 Run from the repository root:
 
@@ -45,6 +48,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TRAINERS = ("GRPOTrainer", "DAPOTrainer")
+# glibc keeps freed memory for reuse and raises its mmap threshold as large blocks come and go, so RSS would hold
+# the freed activations of an earlier pass; a fixed 64 KiB threshold returns every large block on free, and RSS
+# follows the live tensors (measured: the rise of each pass repeats to 1%).
+LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 MODELS = {  # real dimensions, random weights
     "qwen2.5-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
                      "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
@@ -101,7 +108,6 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     import torch
     from common import quiet
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_trl import DAPOConfig, DAPOTrainer
@@ -150,19 +156,27 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
         counts["real"] += int((args[0] != pad_id).sum())
 
     trainer.model.get_input_embeddings().register_forward_pre_hook(count_tokens)
-    step_growth: list[float] = []
-    start = {"rss_mb": 0.0}
+    rises: dict[str, list[float]] = {"forward": [], "kept": [], "micro_step": []}
 
-    class StepPeak(TrainerCallback):  # CPU: how far RSS rises above its level at each step's start
-        def on_step_begin(self, args, state, control, **kwargs):
+    def measured(function: Any, kind: str) -> Any:
+        """`function`, recording how far RSS rises above its level when it is called, at most and on return (CPU)."""
+
+        def call(*args: Any, **kwargs: Any) -> Any:
             reset_peak_rss()
-            start["rss_mb"] = memory_status_mb("VmRSS")
+            start = memory_status_mb("VmRSS")
+            try:
+                return function(*args, **kwargs)
+            finally:
+                rises[kind].append(memory_status_mb("VmHWM") - start)
+                if kind == "forward":  # what the forward keeps for the backward: its activations
+                    rises["kept"].append(memory_status_mb("VmRSS") - start)
 
-        def on_step_end(self, args, state, control, **kwargs):
-            step_growth.append(memory_status_mb("VmHWM") - start["rss_mb"])
+        return call
 
-    if options["device"] == "cpu":
-        trainer.add_callback(StepPeak())
+    if options["device"] == "cpu":  # each model forward (a shard, with SP), each micro-step (forwards + backwards)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        model.forward = measured(model.forward, "forward")
+        trainer.training_step = measured(trainer.training_step, "micro_step")
     if options["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
@@ -177,7 +191,9 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     return {
         "oom": False,
         "peak_mb": peak_mb,
-        "step_growth_mb": step_growth[-1] if step_growth else None,  # the last step: optimizer state already there
+        "forward_rise_mb": max(rises["forward"], default=None),
+        "kept_mb": max(rises["kept"], default=None),
+        "micro_step_rise_mb": max(rises["micro_step"], default=None),
         "step_time": statistics.median(step_times[1:] or step_times),
         "tokens_per_s": counts["real"] / max(sum(step_times), 1e-9),
     }
@@ -195,7 +211,7 @@ def curve(args: argparse.Namespace, work: Path) -> None:
             options = {"work": str(work), "model": args.model, "dtype": args.dtype, "device": args.device,
                        "length": length, "rows": args.rows, "steps": args.steps, "checkpointing": True,
                        "attn": args.attn}  # fmt: skip
-            env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options)}
+            env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
             done = subprocess.run([sys.executable, __file__, "--run-one", trainer_name], env=env,
                                   capture_output=True, text=True)  # fmt: skip
             lines = done.stdout.strip().splitlines()
@@ -219,9 +235,11 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
     length = args.sp_length
     print(f"DAPOTrainer, 2 gloo CPU processes, one row of {length} response tokens per process, model={args.model}, "
           f"max_tokens_per_microbatch={length // 2}, no activation checkpointing")  # fmt: skip
-    print("| sequence_parallel_size | process | peak RSS MB | rise during a training step MB | time / step (s) |")
-    print("|---|---|---|---|---|")
-    growth = {}
+    columns = ("sequence_parallel_size", "process", "activations kept MB", "forward peak MB", "forward + backward MB",
+               "peak RSS MB", "time / step (s)")  # fmt: skip
+    print("| " + " | ".join(columns) + " |")
+    print("|---|---|---|---|---|---|---|")
+    rises = {}
     for size in (1, 2):
         out = work / f"sp{size}"
         out.mkdir(parents=True, exist_ok=True)
@@ -229,23 +247,25 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
                    "rows": 1, "steps": 2, "checkpointing": False, "attn": "sdpa", "sequence_parallel_size": size,
                    "budget": length // 2, "out": str(out)}  # fmt: skip
         build_model(args.model, work, "fp32")  # once, before the processes start
-        env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
+        port = str(29500 + os.getpid() % 1000)
         command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", str(29500 + os.getpid() % 1000), __file__, "--run-one", "DAPOTrainer"]  # fmt: skip
+                   "--main_process_port", port, __file__, "--run-one", "DAPOTrainer"]  # fmt: skip
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"| {size} | failed: {done.stderr.strip()[-400:]} |")
             continue
         for rank in range(2):
             result = json.loads((out / f"rank{rank}.json").read_text())
-            growth[size, rank] = result["step_growth_mb"]
-            print(f"| {size} | {rank} | {result['peak_mb']:.0f} | {result['step_growth_mb']:.0f} | "
-                  f"{result['step_time']:.1f} |", flush=True)  # fmt: skip
-    if len(growth) == 4:
-        ratio = max(growth[2, r] for r in range(2)) / max(growth[1, r] for r in range(2))
-        print(f"sequence parallelism: a training step's largest per-process memory rise at SP 2 is {ratio:.2f}x that "
-              "at SP 1")  # fmt: skip
+            measures = ("kept_mb", "forward_rise_mb", "micro_step_rise_mb")
+            rises[size, rank] = [result[name] for name in measures]
+            print(f"| {size} | {rank} | " + " | ".join(f"{result[name]:.0f}" for name in measures)
+                  + f" | {result['peak_mb']:.0f} | {result['step_time']:.1f} |", flush=True)  # fmt: skip
+    if len(rises) == 4:
+        kept, forward, step = ([max(rises[size, r][i] for r in range(2)) for size in (1, 2)] for i in range(3))
+        print(f"sequence parallelism: per process, SP 2 keeps {kept[1] / kept[0]:.2f}x the activations of SP 1 "
+              f"(forward peak {forward[1] / forward[0]:.2f}x, with backward {step[1] / step[0]:.2f}x)")  # fmt: skip
 
 
 def main() -> None:

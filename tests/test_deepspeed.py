@@ -7,6 +7,7 @@ dynamic sampling must take the same decisions as a one-process run, and a LoRA r
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,13 +95,22 @@ def test_zero3_lora_trains_only_the_adapter(tmp_path):
     assert sorted(trained_by_step(out, processes=2)) == [0, 1]
 
 
-@pytest.mark.parametrize("sequence_parallel", [1, 2], ids=["sp1", "sp2"])
-def test_zero3_token_budget_splits_backward_passes_exactly(tmp_path, sequence_parallel):
+@pytest.mark.parametrize(
+    "stage,sequence_parallel", [(3, 1), (3, 2), (2, 2)], ids=["zero3-sp1", "zero3-sp2", "zero2-sp2"]
+)
+def test_deepspeed_token_budget_splits_backward_passes_exactly(tmp_path, stage, sequence_parallel):
     """Under ZeRO-3 a token budget of 10 splits micro-batches into several backward passes (rows longer than the
     budget alone, equal passes and rows on both processes); the update still equals Eq. 11's gradient, also with
-    every forward sharded across the 2 processes (sequence parallelism: the group's forwards hold 2 x 10 tokens)."""
+    every forward sharded across the 2 processes (sequence parallelism: the group's passes hold 2 x 10 tokens), and
+    under ZeRO-2."""
+    config = ZERO3
+    if stage == 2:
+        settings = json.loads(Path(ZERO3).read_text())
+        settings["zero_optimization"] = {"stage": 2, "overlap_comm": False, "contiguous_gradients": True}
+        config = str(tmp_path / "zero2.json")
+        Path(config).write_text(json.dumps(settings))
     extra = ("max_tokens_per_microbatch=10", f"sequence_parallel_size={sequence_parallel}")
-    delta, rows, model_dir = run_layout(tmp_path, 2, 2, 2, *extra, deepspeed_config=ZERO3)
+    delta, rows, model_dir = run_layout(tmp_path, 2, 2, 2, *extra, deepspeed_config=config)
     assert sorted(rows) == list(range(16))
     assert_update_is_minus_gradient(delta, reference_gradient(model_dir, rows))
     sharded = [torch.load(model_dir.parent / f"rows_rank{rank}.pt")["sharded_forwards"] for rank in range(2)]

@@ -237,3 +237,9 @@ def test_unknown_accuracy_reward_is_explained(tmp_path, model_dir):
 def test_grpo_config_is_refused_with_the_fix(tmp_path, model_dir):
     with pytest.raises(TypeError, match="DAPOConfig"):
         DAPOTrainer(model=model_dir, args=GRPOConfig(**common_args(tmp_path)))
+
+
+def test_sequence_parallelism_on_one_process_is_refused_with_the_fix(tmp_path, model_dir):
+    config = DAPOConfig(**common_args(tmp_path, sequence_parallel_size=2))
+    with pytest.raises(ValueError, match=r"sequence_parallel_size=2 does not divide the world size 1.*\[1\]"):
+        make_trainer(DAPOTrainer, config, model_dir)

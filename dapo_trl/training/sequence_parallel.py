@@ -91,7 +91,7 @@ def check_sequence_parallel(
     if "FSDP" in distributed_type:
         raise ValueError(
             "sequence_parallel_size > 1 runs on DeepSpeed (any ZeRO stage) or DDP, not FSDP: launch with a DeepSpeed "
-            "config (e.g. accelerate launch --config_file configs/deepspeed_zero3.yaml)."
+            "config (e.g. accelerate launch --config_file configs/accelerate/zero3_1node_8gpu.yaml)."
         )
     attention = getattr(model_config, "_attn_implementation", None)
     if attention not in VARLEN_CORE + SEGMENT_CORE:
