@@ -6,9 +6,10 @@ What is measured
 `curve` (the default): for each response length L (doubling), one process trains `--steps` optimizer steps of
 `--rows` rows whose completions are exactly L tokens (a scripted rollout, TRL's `rollout_func`: no generation; the
 reward gives every group spread, so every row trains) with activation checkpointing, on a random-init model of the
-chosen config. Each (trainer, L) runs in its own process. Peak memory is `torch.cuda.max_memory_allocated` on CUDA
-or the process's peak RSS on CPU; `real tokens / s` counts the tokens of every training-phase forward (policy loss
-and old log-probs) over the summed step times; a run that raises out-of-memory prints `OOM`, and the table ends
+chosen config. Each (trainer, L) runs in its own process. Memory is `torch.cuda.max_memory_allocated` on CUDA; on
+CPU, the most RSS rises during a training micro-step (see `--sp-split`), beside the process's peak RSS. `real
+tokens / s` counts the tokens of every training-phase forward (policy loss and old log-probs) over the summed step
+times; a run that raises out-of-memory prints `OOM`, and the table ends
 with the longest L each trainer trained.
 
 `--sp-split`: DAPOTrainer on two gloo CPU processes (`accelerate launch --multi_gpu --num_processes 2`), one row of
@@ -202,8 +203,11 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
 def curve(args: argparse.Namespace, work: Path) -> None:
     print(f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} rows={args.rows} "
           f"steps={args.steps} activation checkpointing=on")  # fmt: skip
-    print("| response tokens | trainer | peak MB | real tokens / s | time / step (s) | DAPO / GRPO memory |")
-    print("|---|---|---|---|---|---|")
+    memory = "peak GPU MB" if args.device == "cuda" else "micro-step rise MB"
+    print(
+        f"| response tokens | trainer | {memory} | peak MB | real tokens / s | time / step (s) | DAPO / GRPO memory |"
+    )
+    print("|---|---|---|---|---|---|---|")
     longest = dict.fromkeys(TRAINERS, 0)
     for length in args.lengths:
         peaks = {}
@@ -221,13 +225,14 @@ def curve(args: argparse.Namespace, work: Path) -> None:
                 continue
             result = json.loads(lines[-1])
             if result["oom"]:
-                print(f"| {length} | {trainer_name} | OOM | | | |", flush=True)
+                print(f"| {length} | {trainer_name} | OOM | | | | |", flush=True)
                 continue
             longest[trainer_name] = length
-            peaks[trainer_name] = result["peak_mb"]
+            used = result["peak_mb"] if args.device == "cuda" else result["micro_step_rise_mb"]
+            peaks[trainer_name] = used
             ratio = f"{peaks['DAPOTrainer'] / peaks['GRPOTrainer']:.2f}" if len(peaks) == 2 else ""
-            print(f"| {length} | {trainer_name} | {result['peak_mb']:.0f} | {result['tokens_per_s']:.0f} | "
-                  f"{result['step_time']:.2f} | {ratio} |", flush=True)  # fmt: skip
+            print(f"| {length} | {trainer_name} | {used:.0f} | {result['peak_mb']:.0f} | "
+                  f"{result['tokens_per_s']:.0f} | {result['step_time']:.2f} | {ratio} |", flush=True)  # fmt: skip
     print("longest response trained: " + ", ".join(f"{name} {tokens}" for name, tokens in longest.items()))
 
 
@@ -271,9 +276,9 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", choices=("tiny", *MODELS), default=None, help="default: tiny (curve), cpu-mid")
+    parser.add_argument("--model", choices=("tiny", *MODELS), default="cpu-mid")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     parser.add_argument("--rows", type=int, default=2, help="rows per optimizer step (one prompt x 2 generations)")
     parser.add_argument("--steps", type=int, default=2, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation: sdpa, flash_attention_2, ...")
@@ -293,10 +298,8 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="long-context-bench-"))
     if args.sp_split:
-        args.model = args.model or "cpu-mid"
         sp_split(args, work)
     else:
-        args.model = args.model or "tiny"
         curve(args, work)
 
 

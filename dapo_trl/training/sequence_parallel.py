@@ -251,8 +251,14 @@ class SequenceParallel:
     def __init__(self, size: int, model_config: Any, attention: str):
         if not torch_dist.is_initialized():
             raise RuntimeError("sequence_parallel_size > 1 needs a distributed launch (accelerate launch / torchrun)")
-        import deepspeed.comm as ds_comm
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        try:
+            import deepspeed.comm as ds_comm
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+        except ImportError as error:
+            raise ImportError(
+                "sequence_parallel_size > 1 runs DeepSpeed's Ulysses attention (DeepSpeed >= 0.19): "
+                "pip install 'dapo-trl[deepspeed]'"
+            ) from error
 
         ds_comm.init_distributed(dist_backend=torch_dist.get_backend(), auto_mpi_discovery=False)  # wraps torch's
         world, rank = torch_dist.get_world_size(), torch_dist.get_rank()
