@@ -146,12 +146,11 @@ def test_attention_runs_unchanged_outside_a_sharded_forward():
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-heads-divisible", "kv-heads-replicated"])
-def test_two_processes_equal_one_without_sequence_parallelism(tmp_path, kv_heads):
-    run_command(python_command(str(SCRIPTS / "sequence_parallel_run.py"), str(tmp_path), str(kv_heads),
-                               num_processes=2))  # fmt: skip
-    for rank in range(2):
-        result = json.loads((tmp_path / f"result_rank{rank}.json").read_text())
+def test_two_processes_equal_one_without_sequence_parallelism(tmp_path):
+    """KV heads divisible by 2, and a single KV head (replicated), in one launch."""
+    run_command(python_command(str(SCRIPTS / "sequence_parallel_run.py"), str(tmp_path), "2,1", num_processes=2))
+    for kv_heads, rank in [(2, 0), (2, 1), (1, 0), (1, 1)]:
+        result = json.loads((tmp_path / f"result_kv{kv_heads}_rank{rank}.json").read_text())
         assert result["logps_error"] < 1e-5 and result["loss_error"] < 1e-5
         assert result["gradient_error"] < 1e-5 < result["gradient_scale"]
         assert result["odd_length"] and result["row_straddles_boundary"] and result["shard_without_loss_token"]

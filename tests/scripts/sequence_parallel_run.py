@@ -1,14 +1,14 @@
 """Ulysses sequence parallelism against a plain forward, on two real processes (gloo, fp32).
 
 Run under `accelerate launch --multi_gpu --num_processes 2`:
-  python sequence_parallel_run.py OUT KV_HEADS
+  python sequence_parallel_run.py OUT KV_HEADS[,KV_HEADS...]
 Each process holds its own rows (TRL's layout: prompts left-padded, completions right-padded; odd lengths; one row
 longer than half the group's tokens, so it straddles the shard boundary, and a long prompt first, so shard 0 holds
 no loss token). The group's per-token log-probs come from `SequenceParallel.per_token` (DeepSpeed's Ulysses
 attention, the model wrapped in DDP, with activation checkpointing), the loss is DAPO's token-level sum over the
 process's rows divided by the tokens of all processes (times the process count, as TRL's normaliser), and DDP
 averages the gradients. The reference is an independent padded forward of every process's rows on one process,
-without sequence parallelism. Writes OUT/result_rank{r}.json: the largest log-prob, loss and gradient differences,
+without sequence parallelism. Writes OUT/result_kv{k}_rank{r}.json: the largest log-prob, loss and gradient differences,
 and which cases the batch covered.
 """
 
@@ -62,8 +62,14 @@ def reference_logps(model, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> 
 
 
 def main() -> None:
-    out, kv_heads = Path(sys.argv[1]), int(sys.argv[2])
+    out = Path(sys.argv[1])
     dist.init_process_group("gloo")
+    for kv_heads in map(int, sys.argv[2].split(",")):
+        compare(out, kv_heads)
+    dist.destroy_process_group()
+
+
+def compare(out: Path, kv_heads: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(kv_heads)
     model.gradient_checkpointing_enable({"use_reentrant": False})  # recomputation must shard the same way
@@ -122,8 +128,7 @@ def main() -> None:
             for layer in model.model.layers
         ),
     }
-    (out / f"result_rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+    (out / f"result_kv{kv_heads}_rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":
