@@ -277,7 +277,8 @@ class ForwardRecorder:
     """Stands in for the trainer: records the padded batch each forward sees and which model it ran."""
 
     def __init__(self):
-        self.accelerator = type("Accelerator", (), {"device": torch.device("cpu")})()
+        one_process = {"device": torch.device("cpu"), "state": None, "distributed_type": "NO", "num_processes": 1}
+        self.accelerator = type("Accelerator", (), one_process)()
         self._tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
         self.args = type("Args", (), {"per_device_train_batch_size": 2})()
         self.model, self.ref_model, self.beta, self.calls = "policy", "reference", 0.0, []
@@ -308,5 +309,13 @@ def test_the_kl_covers_the_models_own_tokens_and_attends_to_tool_outputs():
     trainer.calls.clear()
     policy_and_reference_log_probs(trainer, GenerationRecord(True, output, other))
     assert [call[0] for call in trainer.calls] == ["policy", "reference"]
+    # With collective forwards (here a sequence-parallel group) a recorded forward is reused only where every
+    # process can: another process without a match (the min over processes is 0) makes this one run its forward too.
+    trainer.args.sequence_parallel_size = 2
+    trainer.accelerator.reduce = lambda flag, reduction: torch.zeros_like(flag) if reduction == "min" else flag
+    trainer.calls.clear()
+    policy_and_reference_log_probs(trainer, GenerationRecord(True, output, recorded))
+    assert [call[0] for call in trainer.calls] == ["policy", "reference"]
+    trainer.args.sequence_parallel_size = 1
     with pytest.raises(ValueError, match="kl_in_reward does not support image inputs"):
         policy_and_reference_log_probs(trainer, GenerationRecord(True, output._replace(images=[["image"]])))

@@ -42,16 +42,30 @@ def test_valid_sizes_follow_the_head_counts():
     "size,config,world,distributed,fix",
     [
         (3, qwen_config(), 4, "MULTI_GPU", "choose one of [1, 2, 4]"),
+        (3, qwen_config(28, 4), 8, "MULTI_GPU", "choose one of [1, 2, 4] (the sizes this model"),  # not 8: 28 heads
         (8, qwen_config(28, 4), 8, "DEEPSPEED", "Valid sizes with 8 processes: [1, 2, 4]"),
         (2, qwen_config(attention="flex_attention"), 2, "DEEPSPEED", "attn_implementation='flash_attention_2'"),
+        (2, qwen_config(attention="eager"), 2, "DEEPSPEED", "or 'sdpa'"),
         (2, qwen_config(), 2, "FSDP", "not FSDP"),
     ],
-    ids=["world-size", "heads", "attention-mixing-rows", "fsdp"],
+    ids=["world-size", "world-size-and-heads", "heads", "attention-mixing-rows", "eager", "fsdp"],
 )
 def test_refusals_name_the_fix(size, config, world, distributed, fix):
     with pytest.raises(ValueError, match="sequence_parallel_size") as error:
         check_sequence_parallel(size, config, world, distributed)
     assert fix in str(error.value)
+
+
+def test_hybrid_and_sliding_window_models_are_refused():
+    config = qwen_config(kv_heads=8)
+    config.layer_types = ["linear_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match=r"cannot shard this model's \['linear_attention'\] layers"):
+        check_sequence_parallel(2, config, 2, "DEEPSPEED")
+    config.layer_types = ["sliding_attention", "full_attention"] * 2
+    with pytest.raises(ValueError, match="sliding-window attention layers needs"):
+        check_sequence_parallel(2, config, 2, "DEEPSPEED")
+    config._attn_implementation = "flash_attention_2"
+    assert check_sequence_parallel(2, config, 2, "DEEPSPEED") == "flash_attention_2"
 
 
 def test_router_aux_loss_and_flash_attention():

@@ -28,6 +28,7 @@ import torch
 
 from ..algorithm import adaptive_kl_coef, kl_penalty_per_token
 from . import trl_seam
+from .packing import forward_count_agreement
 from .trl_seam import trl_function
 
 KL_IN_REWARD_NAME = "kl_in_reward"
@@ -111,10 +112,17 @@ def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
     tool_mask = output.tool_mask
     mask = completion_mask if tool_mask is None else completion_mask * padded(tool_mask, 0, "right")
 
+    # Forwards that are collective (ZeRO-3 / FSDP gathers, a sequence-parallel group) must run on every process or on
+    # none: reuse a recorded forward only where every process can.
+    sequence_parallel = getattr(trainer.args, "sequence_parallel_size", 1) > 1
+    collective = sequence_parallel or forward_count_agreement(trainer.accelerator) is not None
+
     def recorded(forward: tuple | None) -> torch.Tensor | None:
-        if forward is not None and same_tensor(forward[0], input_ids) and same_tensor(forward[1], attention_mask):
-            return forward[2]
-        return None
+        found = forward is not None and same_tensor(forward[0], input_ids) and same_tensor(forward[1], attention_mask)
+        if collective:
+            flag = torch.tensor(int(found), device=device)
+            found = bool(trainer.accelerator.reduce(flag, reduction="min").item())
+        return forward[2] if found else None
 
     def forward(model: Any) -> torch.Tensor:
         return trl_seam.per_token_log_probs(trainer, model, input_ids, attention_mask, completions.size(1))

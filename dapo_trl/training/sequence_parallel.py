@@ -12,7 +12,7 @@ How a forward runs on a group of N processes (`SequenceParallel.per_token`):
 4. Inside attention, DeepSpeed's `UlyssesSPAttentionHF` all-to-alls the shards' queries, keys and values into whole
    sequences of 1/N of the heads, gathers the position ids, runs the core attention, and all-to-alls back. The core
    attention keeps packed rows apart: flash-attention's varlen kernels (from the position ids), or, for models loaded
-   with sdpa / eager, causal SDPA run row by row (`segment_causal_attention`, any device, no L x L mask).
+   with sdpa, causal SDPA run row by row (`segment_causal_attention`, any device, no L x L mask).
 5. TRL's fused LM head scores each shard (no full logits); the per-token log-probs (and entropies) are gathered over
    the group, and each process keeps its own rows. The gather's backward sums every process's gradient and keeps the
    local shard, so each process's parameter gradient is its shard's share of the group's loss: summed by the usual
@@ -39,9 +39,13 @@ from .packing import IGNORE_INDEX, PackedRows, PerTokenOutput, padding_free_per_
 logger = logging.getLogger(__name__)
 
 # Core attentions inside Ulysses that keep packed rows apart: flash attention from the gathered position ids (varlen);
-# models loaded with sdpa / eager get `segment_causal_attention`, which does the same with SDPA, row by row.
+# models loaded with sdpa get `segment_causal_attention`, which does the same with SDPA, row by row. (Eager is not
+# registered in transformers' attention table: each model brings its own, which the dispatch could not fall back to.)
 VARLEN_CORE = ("flash_attention_2", "flash_attention_3")
-SEGMENT_CORE = ("sdpa", "eager")
+SEGMENT_CORE = ("sdpa",)
+# Layers that mix tokens only through attention: what Ulysses shards exactly (linear attention, SSM or convolution
+# layers of hybrid models would mix each shard alone).
+ATTENTION_LAYERS = ("full_attention", "sliding_attention")
 
 # A sharded forward passes its Ulysses attention down to the attention functions as this keyword argument
 # (transformers forwards a model's extra keyword arguments to attention), so activation checkpointing's recomputation,
@@ -76,10 +80,10 @@ def check_sequence_parallel(
     text_config = model_config.get_text_config()
     query_heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
     if world_size % size:
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
             f"sequence_parallel_size={size} does not divide the world size {world_size}: groups of {size} processes "
-            f"must tile all processes. Launch a multiple of {size} processes, or choose one of {divisors}."
+            f"must tile all processes. Launch a multiple of {size} processes, or choose one of "
+            f"{valid_sizes(query_heads, kv_heads, world_size)} (the sizes this model and world size allow)."
         )
     if query_heads % size or not (kv_heads % size == 0 or size % kv_heads == 0):
         raise ValueError(
@@ -97,8 +101,21 @@ def check_sequence_parallel(
     if attention not in VARLEN_CORE + SEGMENT_CORE:
         raise ValueError(
             f"sequence_parallel_size > 1 cannot run {attention!r} attention: inside Ulysses it would treat the packed "
-            "rows of a forward as one sequence and let them attend to each other. Load the model with "
-            "attn_implementation='flash_attention_2' (GPU, fastest) or 'sdpa'."
+            "rows of a forward as one sequence and let them attend to each other (or, for eager, replace the "
+            "model's own attention everywhere). Load the model with attn_implementation='flash_attention_2' (GPU, "
+            "fastest) or 'sdpa'."
+        )
+    layer_types = set(getattr(text_config, "layer_types", None) or ["full_attention"])
+    if not layer_types <= set(ATTENTION_LAYERS):
+        raise ValueError(
+            f"sequence_parallel_size > 1 cannot shard this model's {sorted(layer_types - set(ATTENTION_LAYERS))} "
+            "layers: Ulysses gathers whole sequences inside attention only, so those layers would see 1/N of each "
+            "sequence. Use sequence_parallel_size=1 for hybrid models."
+        )
+    if "sliding_attention" in layer_types and attention in SEGMENT_CORE:
+        raise ValueError(
+            "sequence_parallel_size > 1 with sliding-window attention layers needs "
+            "attn_implementation='flash_attention_2' (the row-by-row SDPA core is full causal attention)."
         )
     if router_aux_loss:
         raise ValueError(
@@ -125,8 +142,11 @@ def segment_causal_attention(
     query (1, heads, L, head_dim), key / value (1, kv_heads, L, head_dim); returns (1, L, heads, head_dim) as
     transformers' attention functions do. Exact (each row attends to its own past only) with no L x L mask.
     """
-    if sliding_window is not None:
-        raise NotImplementedError("sequence parallelism with sliding-window attention: use flash_attention_2")
+    if sliding_window is not None or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "sequence parallelism's row-by-row SDPA is plain causal attention (no sliding window, logit soft-capping "
+            "or attention sinks): load the model with attn_implementation='flash_attention_2'"
+        )
     if position_ids is None or query.size(0) != 1:
         raise ValueError("segment_causal_attention needs one packed sequence (batch 1) and its position ids")
     length = query.size(2)
@@ -157,9 +177,7 @@ def _install_dispatch(attention: str) -> None:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    original = ALL_ATTENTION_FUNCTIONS.get(attention)
-    if original is None:  # eager is the models' own default function, not a registered one
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward as original
+    original = ALL_ATTENTION_FUNCTIONS[attention]
     original_mask = ALL_MASK_ATTENTION_FUNCTIONS[attention]
 
     def attention_function(module, query, key, value, attention_mask, *args, **kwargs):
@@ -364,7 +382,9 @@ class SequenceParallel:
     ) -> PerTokenOutput:
         """This process's rows' per-token log-probs (and entropies), (rows, logits_to_keep), computed by the group's
         sharded forwards. `max_tokens` / `max_rows` are per process: a group's forward holds N times as many, so
-        each process holds about as many tokens as without sequence parallelism."""
+        each process holds about as many tokens as without sequence parallelism. They chunk no-grad forwards only:
+        a training pass is one forward, its size planned over the group by `group_passes` (chunking it again would
+        run the masked rows of processes without a row in the pass as extra forwards)."""
         group_rows = self.gather_rows(input_ids, attention_mask, logits_to_keep)
 
         def packed_forward(packed: PackedRows) -> PerTokenOutput:
@@ -378,6 +398,8 @@ class SequenceParallel:
                 entropy = self.gather_sequence(entropy)[:, : length - 1]
             return logps, entropy, None
 
+        if torch.is_grad_enabled():  # a training pass: `group_passes` already bounded it (its masked rows aside)
+            max_tokens = max_rows = None
         logps, entropy, _ = padding_free_per_token(
             group_rows.input_ids, group_rows.attention_mask, group_rows.logits_to_keep,
             packed_forward=packed_forward, padded_forward=padded_forward,

@@ -53,9 +53,15 @@ def plan_batches(
         mini = mini_used
     per_update = mini * n
     if per_update % world:
+        why = (
+            "verl refuses such a layout too"
+            if sequence_parallel_size == 1
+            else f"verl's Ulysses groups need only {world // sequence_parallel_size} equal shares, but here every "
+            "process holds its own rows"
+        )
         errors.append(
             f"responses per update ppo_mini_batch_size x n = {mini} x {n} = {per_update} is not divisible by the "
-            f"world size {world} (verl refuses such a layout too)"
+            f"world size {world} ({why})"
         )
         per_process = max(1, round(per_update / world))
     else:

@@ -13,6 +13,7 @@ and which cases the batch covered.
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -66,7 +67,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     for kv_heads in map(int, sys.argv[2].split(",")):
         compare(out, kv_heads)
+    dist.barrier()  # leave together (see script_args.leave_together): a lone exit can abort the peer's gloo
     dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def compare(out: Path, kv_heads: int) -> None:
