@@ -29,3 +29,14 @@ def quiet() -> None:
         datasets.logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+def peak_memory_mb(device: str) -> float:
+    """Peak memory of this process: `torch.cuda.max_memory_allocated` on CUDA, peak RSS on CPU."""
+    import resource
+
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

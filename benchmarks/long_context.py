@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -107,7 +106,7 @@ def reset_peak_rss() -> None:
 def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     """One configuration in this process (or in each of the launched processes)."""
     import torch
-    from common import quiet
+    from common import peak_memory_mb, quiet
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -185,10 +184,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     except torch.OutOfMemoryError:
         return {"oom": True}
     step_times = [log["step_time"] for log in trainer.state.log_history if "step_time" in log]
-    if options["device"] == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_memory_mb(options["device"])
     return {
         "oom": False,
         "peak_mb": peak_mb,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -94,7 +93,7 @@ def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
 def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
     """One configuration, in this process: returns fed / real tokens, step time and peak memory."""
     import torch
-    from common import quiet
+    from common import peak_memory_mb, quiet
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
@@ -175,10 +174,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     step_times = [log["step_time"] for log in trainer.state.log_history if "step_time" in log]
-    if options["device"] == "cuda":
-        peak_mb = torch.cuda.max_memory_allocated() / 2**20
-    else:
-        peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak_mb = peak_memory_mb(options["device"])
     return {
         "fed_per_real": counts["fed"] / max(counts["real"], 1),
         "real_tokens": counts["real"],
