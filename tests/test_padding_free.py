@@ -28,14 +28,29 @@ def logged(out, names=LOGGED) -> list[dict]:
     return [{name: entry[name] for name in names if name in entry} for entry in history if "loss" in entry]
 
 
+@pytest.fixture(scope="module")
+def padded_layout(tmp_path_factory):
+    """TRL's padded run of a layout, run once per layout for the module (the budget cases share theirs)."""
+    runs = {}
+
+    def run(*layout: int):
+        if layout not in runs:
+            runs[layout] = run_layout(tmp_path_factory.mktemp("padded"), *layout, "padding_free=false")
+        return runs[layout]
+
+    return run
+
+
 @pytest.mark.parametrize(
     "processes,accumulation,steps_per_generation,budget",
     [(1, 4, 4, None), (1, 2, 4, None), (2, 2, 2, None), (1, 4, 4, 20), (2, 2, 2, 10)],
     ids=["1proc-K4-S4", "1proc-K2-S4", "2proc-K2-S2", "1proc-budget", "2proc-budget"],
 )
-def test_padding_free_update_equals_padded(tmp_path, processes, accumulation, steps_per_generation, budget):
+def test_padding_free_update_equals_padded(
+    tmp_path, padded_layout, processes, accumulation, steps_per_generation, budget
+):
     layout = (tmp_path, processes, accumulation, steps_per_generation)
-    padded, padded_rows, padded_model = run_layout(*layout, "padding_free=false")
+    padded, padded_rows, padded_model = padded_layout(processes, accumulation, steps_per_generation)
     extra = () if budget is None else (f"max_tokens_per_microbatch={budget}",)
     packed, packed_rows, packed_model = run_layout(*layout, *extra)
     assert sorted(padded_rows) == sorted(packed_rows)  # the same rows in the optimizer step
