@@ -198,16 +198,17 @@ class DAPOTrainer(GRPOTrainer):
     def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
         """TRL's forward, fed real tokens only when `padding_free` is on (sharded across the sequence-parallel
         group when there is one)."""
+
+        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
+            return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
+
         if self._sequence_parallel is not None:
             return self._sequence_parallel_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
-                                                   multimodal)  # fmt: skip
+                                                   multimodal, padded_forward)  # fmt: skip
         if not self.args.padding_free or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
             )
-
-        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
-            return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
 
         def packed_forward(packed):
             entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
@@ -226,7 +227,7 @@ class DAPOTrainer(GRPOTrainer):
         )  # fmt: skip
 
     def _sequence_parallel_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
-                                   multimodal):  # fmt: skip
+                                   multimodal, padded_forward):  # fmt: skip
         """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
         if any(value is not None for value in multimodal.values()):
             raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
@@ -236,9 +237,6 @@ class DAPOTrainer(GRPOTrainer):
                 f"sequence parallelism was set up for {self._sequence_parallel.attention} attention, but a forward "
                 f"runs a model with {attention!r}: load the reference model with the policy's attn_implementation."
             )
-
-        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
-            return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
 
         def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict):
             with self.accelerator.autocast():

@@ -199,6 +199,13 @@ def _install_dispatch(attention: str) -> None:
     _INSTALLED.add(attention)
 
 
+def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    """Every process's `tensor` (equal shapes), in rank order; the list form gloo supports."""
+    parts = [torch.empty_like(tensor) for _ in range(size)]
+    torch_dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather of equal-length shards along dim 1 over a group; the backward sums every process's gradient and
     keeps the local shard (each process's loss may read any shard)."""
@@ -206,9 +213,7 @@ class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: Any, rank: int, size: int) -> torch.Tensor:
         ctx.group, ctx.rank, ctx.width = group, rank, local.size(1)
-        shards = [torch.empty_like(local) for _ in range(size)]
-        torch_dist.all_gather(shards, local.contiguous(), group=group)
-        return torch.cat(shards, dim=1)
+        return torch.cat(_all_gather(local, group, size), dim=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -318,11 +323,6 @@ class SequenceParallel:
             _ACTIVE.discard(self.attention)
 
     # ---------------------------------------------------------------------------------------- collectives
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        torch_dist.all_gather(parts, tensor.contiguous(), group=self.group)
-        return parts
-
     def gather_sequence(self, local: torch.Tensor) -> torch.Tensor:
         """(1, L/N) per process -> (1, L) everywhere; differentiable (see `_GatherSequence`)."""
         return _GatherSequence.apply(local, self.group, self.rank, self.size)
@@ -331,26 +331,27 @@ class SequenceParallel:
         """The group's rows, in rank order, prompts left-padded and completions right-padded to the group's widest."""
         rows, width = input_ids.shape
         shape = torch.tensor([rows, width - logits_to_keep, logits_to_keep], device=input_ids.device)
-        shapes = [part.tolist() for part in self._all_gather(shape)]
+        shapes = [part.tolist() for part in _all_gather(shape, self.group, self.size)]
         max_rows = max(shape[0] for shape in shapes)
         prompt_width = max(shape[1] for shape in shapes)
         keep = max(shape[2] for shape in shapes)
 
-        def aligned(tensor: torch.Tensor, fill: int) -> torch.Tensor:
-            prompt, completion = tensor[:, : width - logits_to_keep], tensor[:, width - logits_to_keep :]
-            left, right = prompt_width - prompt.size(1), keep - completion.size(1)
-            tensor = torch.nn.functional.pad(torch.cat([prompt.new_full((rows, left), fill), prompt, completion,
-                                                        completion.new_full((rows, right), fill)], dim=1),
-                                             (0, 0, 0, max_rows - rows), value=fill)  # fmt: skip
-            return tensor
-
-        ids = self._all_gather(aligned(input_ids, 0))
-        masks = self._all_gather(aligned(attention_mask, 0))
+        # ids and mask as one (2, rows, width) tensor, zero-filled: prompts on the left, completions and rows after
+        both = torch.stack([input_ids, attention_mask.to(input_ids.dtype)])
+        prompt, completion = both[:, :, : width - logits_to_keep], both[:, :, width - logits_to_keep :]
+        left, right = prompt_width - prompt.size(2), keep - completion.size(2)
+        aligned = torch.nn.functional.pad(torch.cat([prompt.new_zeros(2, rows, left), prompt, completion,
+                                                     completion.new_zeros(2, rows, right)], dim=2),
+                                          (0, 0, 0, max_rows - rows))  # fmt: skip
         counts = [shape[0] for shape in shapes]
+        group = torch.cat(
+            [part[:, :count] for part, count in zip(_all_gather(aligned, self.group, self.size), counts, strict=True)],
+            dim=1,
+        )
         start = sum(counts[: self.rank])
         return GroupRows(
-            torch.cat([part[:count] for part, count in zip(ids, counts, strict=True)]),
-            torch.cat([part[:count] for part, count in zip(masks, counts, strict=True)]),
+            group[0],
+            group[1].to(attention_mask.dtype),
             keep,
             slice(start, start + rows),
             logits_to_keep,
