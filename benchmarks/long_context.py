@@ -47,47 +47,13 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from common import MODELS, build_model  # noqa: E402
+
 TRAINERS = ("GRPOTrainer", "DAPOTrainer")
 # glibc keeps freed memory for reuse and raises its mmap threshold as large blocks come and go, so RSS would hold
 # the freed activations of an earlier pass; a fixed 64 KiB threshold returns every large block on free, and RSS
 # follows the live tensors (measured: the rise of each pass repeats to 1%).
 LIVE_RSS = {"MALLOC_MMAP_THRESHOLD_": "65536"}
-MODELS = {  # real dimensions, random weights
-    "qwen2.5-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-                   "tie_word_embeddings": False},
-    # Small enough for CPU, large enough that activations dominate a long row's memory.
-    "cpu-mid": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-                "intermediate_size": 1408, "vocab_size": 8192, "tie_word_embeddings": False},
-}  # fmt: skip
-
-
-def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
-    """(model path, tokenizer): the built-in tiny model, or a config of `MODELS` with the tiny tokenizer."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from dapo_trl.tiny_model import build_tiny_model
-
-    tiny = build_tiny_model(work / "tiny")
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    if kind == "tiny":
-        return str(tiny), tokenizer
-    path = work / f"{kind}-{dtype}"
-    if not (path / "config.json").exists():
-        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        config = Qwen2Config(**MODELS[kind], max_position_embeddings=131072, rope_theta=1e6, dtype=torch_dtype)
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).to(torch_dtype).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path), tokenizer
 
 
 def memory_status_mb(field: str) -> float:

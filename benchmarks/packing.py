@@ -44,17 +44,6 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 TRAINERS = ("GRPOTrainer", "DAPOTrainer packing off", "DAPOTrainer packing on")
-QWEN25_05B = {  # Qwen2.5-0.5B's real dimensions (random weights)
-    "hidden_size": 896,
-    "num_hidden_layers": 24,
-    "num_attention_heads": 14,
-    "num_key_value_heads": 2,
-    "intermediate_size": 4864,
-    "vocab_size": 151936,
-    "max_position_embeddings": 32768,
-    "rope_theta": 1000000.0,
-    "tie_word_embeddings": True,
-}
 
 
 def completion_lengths(mix: str, count: int, max_length: int, seed: int) -> list[int]:
@@ -67,33 +56,10 @@ def completion_lengths(mix: str, count: int, max_length: int, seed: int) -> list
     return [max(1, min(max_length, round(rng.lognormvariate(0.0, 0.9) * median))) for _ in range(count)]
 
 
-def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
-    """(model path, tokenizer): the built-in tiny model, or Qwen2.5-0.5B's dimensions with the tiny tokenizer."""
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    from dapo_trl.tiny_model import build_tiny_model
-
-    tiny = build_tiny_model(work / "tiny")
-    tokenizer = AutoTokenizer.from_pretrained(tiny)
-    if kind == "tiny":
-        return str(tiny), tokenizer
-    import torch
-
-    path = work / kind
-    if not (path / "config.json").exists():
-        torch_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
-        config = Qwen2Config(**QWEN25_05B, dtype=torch_dtype)
-        config.pad_token_id, config.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-        torch.manual_seed(0)
-        Qwen2ForCausalLM(config).to(torch_dtype).save_pretrained(path)
-        tokenizer.save_pretrained(path)
-    return str(path), tokenizer
-
-
 def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
     """One configuration, in this process: returns fed / real tokens, step time and peak memory."""
     import torch
-    from common import peak_memory_mb, quiet
+    from common import build_model, peak_memory_mb, quiet
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
