@@ -280,6 +280,40 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # Streaming rollout (dynamic sampling group by group; generation overlapped with training).
+    rollout_streaming: bool = field(
+        default=False,
+        metadata={
+            "help": "Streaming dynamic sampling with a vLLM server: every group is its own seeded request, the engine "
+            "is kept full (the next round starts before the current one drains) and groups are scored as soon as "
+            "an in-order prefix of the round is done. The same batches as rounds (accepted in prompt-stream order), "
+            "without waiting on each round's longest response."
+        },
+    )
+    rollout_max_staleness: int = field(
+        default=0,
+        metadata={
+            "help": "With rollout_streaming: generate the next k batches while the trainer trains, batch j sampled "
+            "by the weights of step j - k (exactly k optimizer steps old; carried surplus one more), corrected by "
+            "TRL's truncated importance weight (vllm_importance_sampling_*). 0 = synchronous. k >= 1 needs "
+            "vllm_weight_sync='shared_storage' (the server loads the k-step-old weights from disk)."
+        },
+    )
+    rollout_max_in_flight_groups: int | None = field(
+        default=None,
+        metadata={
+            "help": "With rollout_streaming: most groups the vLLM server samples at once (each is num_generations "
+            "sequences). None = one round of groups (the generation batch x filter_groups_oversample)."
+        },
+    )
+    rollout_lookahead_rounds: int = field(
+        default=1,
+        metadata={
+            "help": "With rollout_streaming: rounds of prompts admitted beyond the current one while the batch may "
+            "still need them. Groups admitted but not needed are cancelled and regenerated, same seed, next step."
+        },
+    )
+
     def __post_init__(self):
         self._derive_platform_defaults()
         super().__post_init__()
@@ -292,6 +326,7 @@ class DAPOConfig(GRPOConfig):
         self._validate_dynamic_sampling()
         self._validate_validation()
         self._validate_vllm()
+        self._validate_rollout()
 
     def accuracy_reward_index(self, reward_func_names: list[str]) -> int:
         """Which reward column is raw accuracy (dynamic sampling and accuracy metrics read it)."""
@@ -468,3 +503,47 @@ class DAPOConfig(GRPOConfig):
             )
         if self.vllm_request_timeout <= 0:
             raise ValueError(f"vllm_request_timeout={self.vllm_request_timeout} must be > 0 seconds.")
+
+    def _validate_rollout(self) -> None:
+        if self.rollout_max_staleness < 0:
+            raise ValueError(f"rollout_max_staleness={self.rollout_max_staleness} must be >= 0 (0 = synchronous).")
+        if self.rollout_max_in_flight_groups is not None and self.rollout_max_in_flight_groups < 1:
+            raise ValueError(f"rollout_max_in_flight_groups={self.rollout_max_in_flight_groups} must be >= 1 or None.")
+        if self.rollout_lookahead_rounds < 0:
+            raise ValueError(f"rollout_lookahead_rounds={self.rollout_lookahead_rounds} must be >= 0.")
+        if not self.rollout_streaming:
+            if self.rollout_max_staleness > 0:
+                raise ValueError(
+                    "rollout_max_staleness > 0 overlaps streamed generation with training: also pass "
+                    "--rollout_streaming true (with a vLLM server)."
+                )
+            return
+        if not self.filter_groups_enable:
+            raise ValueError(
+                "rollout_streaming streams dynamic sampling's rounds: it needs filter_groups_enable=true "
+                "(without dynamic sampling a step is one generation request already)."
+            )
+        if self.use_vllm and self.vllm_mode != "server":
+            raise ValueError(
+                "rollout_streaming needs a vLLM server (--vllm_mode server): colocate mode shares the device with "
+                "the trainer, so nothing could generate while it trains."
+            )
+        if self.kl_in_reward and self.kl_in_reward_controller == "adaptive":
+            raise ValueError(
+                "rollout_streaming scores each round in parts as they finish, and the adaptive KL controller would "
+                "update once per part: use kl_in_reward_controller='fixed' with streaming."
+            )
+        if self.rollout_max_staleness > 0:
+            if self.use_vllm and self.vllm_weight_sync != "shared_storage":
+                raise ValueError(
+                    "rollout_max_staleness > 0 needs --vllm_weight_sync shared_storage: the server loads the weights "
+                    "of k steps ago, which the trainer writes to vllm_weight_sync_dir/v<step> (NCCL only pushes the "
+                    "current ones)."
+                )
+            if self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1:
+                raise ValueError(
+                    "rollout_max_staleness > 0 counts staleness in optimizer steps: it needs one optimizer step per "
+                    "generation batch (steps_per_generation == gradient_accumulation_steps, num_iterations=1); got "
+                    f"steps_per_generation={self.steps_per_generation}, gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps}, num_iterations={self.num_iterations}."
+                )

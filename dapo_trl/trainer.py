@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
+from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .algorithm import clamp_log_ratio, ratio_anchor
@@ -33,10 +34,19 @@ from .training.batching import (
 )
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
+from .training.rollout_engine import GroupEngine, SamplingSettings, VLLMServerEngine
+from .training.rollout_stream import ROLLOUT_STATE_FILE, RolloutDriver, StreamingRollout, driver_metrics
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.shaping import GenerationRecord, ShapingColumns
-from .training.vllm_backends import backend_for
+from .training.vllm_backends import (
+    backend_for,
+    prune_versions,
+    reload_server_weights,
+    restore_rollout_versions,
+    rollout_weights_dirs,
+    save_rollout_versions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +122,8 @@ class DAPOTrainer(GRPOTrainer):
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
+        self._prepared_completions: dict[str, list] | None = None  # a streamed wave's completions (`_score_wave`)
+        self._rollout = self._build_streaming_rollout(args) if args.rollout_streaming else None
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -267,6 +279,14 @@ class DAPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+        if self._prepared_completions is not None:  # a streamed wave: the engine already sampled these rows
+            prepared = self._prepared_completions
+            if len(prepared["completion_ids"]) != len(prompt_ids):
+                raise RuntimeError(
+                    f"streaming rollout prepared {len(prepared['completion_ids'])} completions for "
+                    f"{len(prompt_ids)} prompts"
+                )
+            return prepared["completion_ids"], prepared["logprobs"]
         completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
         return completion_ids, logprobs
@@ -276,7 +296,16 @@ class DAPOTrainer(GRPOTrainer):
         try:
             if not (self.model.training and self.args.filter_groups_enable):
                 return super()._generate_and_score_completions(inputs)
-            batch, metrics = self._sampler.sample(inputs, self._score_round)
+            if self._rollout is None:
+                batch, metrics = self._sampler.sample(inputs, self._score_round)
+            else:
+                self.publish_rollout_weights(self._rollout.generation)
+                batch, metrics = self._rollout.sample(inputs, self._score_wave)
+                if self._rollout.driver is not None:
+                    wait = metrics.pop("rollout/trainer_wait_seconds")
+                    metrics.update(driver_metrics(self._rollout.driver.take_metrics(), wait))
+                else:
+                    metrics.pop("rollout/trainer_wait_seconds")
             for name, value in metrics.items():
                 trl_seam.metrics(self, "train")[name].append(value)
             # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
@@ -314,26 +343,122 @@ class DAPOTrainer(GRPOTrainer):
             (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
         )
 
+    # -------------------------------------------------------------------------------------- streaming rollout
+    def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
+        """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
+        self._prepared_completions = prepared
+        try:
+            return self._score_round(rows)
+        finally:
+            self._prepared_completions = None
+
+    def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
+        if self.tools or getattr(self, "environment_factories", None):
+            raise ValueError(
+                "rollout_streaming does not run the tool loop yet (each group is one engine request): turn it off "
+                "for tool use."
+            )
+        round_groups = (
+            args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
+            * args.filter_groups_oversample // self.num_generations
+        )  # fmt: skip
+        driver = None
+        if self.accelerator.is_main_process:
+            engine = self.build_rollout_engine(args.rollout_max_in_flight_groups or round_groups)
+            driver = RolloutDriver(engine, args.rollout_max_in_flight_groups or round_groups, args.vllm_request_timeout)
+            self.add_callback(_CloseRollout(driver))
+
+        def broadcast(value: Any) -> Any:
+            from accelerate.utils import broadcast_object_list
+
+            box = [value]
+            if self.accelerator.num_processes > 1:
+                broadcast_object_list(box, from_process=0)
+            return box[0]
+
+        return StreamingRollout(
+            self._sampler, driver, lambda prompts: trl_seam.tokenize_prompts(self, prompts), broadcast,
+            lag=args.rollout_max_staleness, lookahead_rounds=args.rollout_lookahead_rounds,
+            wave_timeout=2 * args.vllm_request_timeout + 60,
+        )  # fmt: skip
+
+    def build_rollout_engine(self, max_in_flight: int) -> GroupEngine:
+        """The engine streaming dynamic sampling sends group requests to (main process only): the vLLM server of
+        `vllm_server_base_url` / `vllm_server_host:port`. Override to stream from another engine."""
+        args = self.args
+        if not (args.use_vllm and args.vllm_mode == "server"):
+            raise ValueError(
+                "rollout_streaming needs a vLLM server: pass --use_vllm true --vllm_mode server (and the server's "
+                "--vllm_server_host / --vllm_server_port)."
+            )
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+        sampling = SamplingSettings(
+            n=self.num_generations, max_tokens=args.max_completion_length, temperature=args.temperature,
+            top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
+            repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
+        )  # fmt: skip
+        _, server_root = rollout_weights_dirs(args)
+        return VLLMServerEngine(base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root,
+                                reload_server_weights)  # fmt: skip
+
+    def publish_rollout_weights(self, version: int) -> None:
+        """Make the current weights (`version` = generation batches trained so far) available to the engine.
+
+        Synchronous streaming (rollout_max_staleness 0) loads them now, as rounds do (TRL's sync: NCCL or shared
+        storage). With staleness k the trainer writes them to vllm_weight_sync_dir/v<version> and the engine
+        loads the version each batch needs when it starts that batch; versions no batch can need are deleted.
+        """
+        lag, driver = self.args.rollout_max_staleness, self._rollout.driver
+        if lag == 0:
+            trl_seam.vllm_backend(self).sync_weights()
+            if driver is not None:
+                driver.loaded_externally(version)
+            return
+        local_root, _ = rollout_weights_dirs(self.args)
+        trl_seam.vllm_backend(self).publish_weights(os.path.join(local_root, f"v{version}"))
+        if driver is not None:
+            prune_versions(local_root, keep_from=version + 1 - lag)
+            driver.publish(version)
+
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
         TRL's metrics: `dapo_trl.training.evaluation.evaluate_with_validation`."""
+        driver = None if self._rollout is None else self._rollout.driver
+        if driver is not None:  # evaluation syncs and samples the current weights: nothing streamed may run
+            driver.withdraw()
+            driver.loaded_externally(None)
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing
     def _checkpointed_state(self) -> dict[str, Any]:
         """{file: part} for the run state beyond TRL's: the prompt stream and carried groups, the KL coefficient."""
-        return {**self._sampler.checkpoint_files(), **self._shaping.checkpoint_files()}
+        rollout = {} if self._rollout is None else {ROLLOUT_STATE_FILE: self._rollout}
+        return {**self._sampler.checkpoint_files(), **self._shaping.checkpoint_files(), **rollout}
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = trl_seam.checkpoint_folder(self, trial)
         for file, part in self._checkpointed_state().items() if self.args.should_save else ():
             torch.save(part.state_dict(), os.path.join(folder, file))
+        if self._rollout is not None and self.args.should_save:  # the older weights a resumed run samples from
+            save_rollout_versions(self.args, self._rollout, folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         for file, part in self._checkpointed_state().items() if checkpoint is not None else ():
             if os.path.exists(path := os.path.join(checkpoint, file)):
                 part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
+        if self._rollout is not None and checkpoint is not None and self.accelerator.is_main_process:
+            restore_rollout_versions(self.args, checkpoint)
+
+
+class _CloseRollout(TrainerCallback):
+    """Cancels what the streaming driver still runs when training ends (a later `train()` plans afresh)."""
+
+    def __init__(self, driver: RolloutDriver):
+        self.driver = driver
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.driver.withdraw()

@@ -11,7 +11,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -65,6 +65,23 @@ RoundScorer = Callable[[list[dict[str, Any]]], ScoredRound]
 
 
 @dataclass
+class Filling:
+    """A batch being filled: kept parts in stream order, counts, and the current round's rejected rows (filler)."""
+
+    target_rows: int
+    stats: Counter = field(default_factory=Counter)
+    parts: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    kept_rows: int = 0
+    carried_in_rows: int = 0
+    round_dropped: list[dict[str, torch.Tensor]] = field(default_factory=list)
+    group_kept: list[bool] = field(default_factory=list)  # every scored group's decision, in stream order
+
+    @property
+    def full(self) -> bool:
+        return self.kept_rows >= self.target_rows
+
+
+@dataclass
 class Process:
     """Where this process sits, and how to gather Python objects from all processes (in process order)."""
 
@@ -115,42 +132,58 @@ class DynamicSampler:
 
     def sample(self, inputs: list[dict[str, Any]], score_round: RoundScorer) -> tuple[dict[str, torch.Tensor], dict]:
         """The step's whole batch (every process's rows, in global order) and its `dynamic_sampling/*` metrics."""
-        local_rows = len(inputs)
-        target_rows = local_rows * self.process.count
-        stats: Counter = Counter()
-        kept_parts: list[dict[str, torch.Tensor]] = []
-        if self.carried is not None:
-            kept_parts.append(self.carried)
-            stats["carried_in_groups"] = self.carried["advantages"].numel() // self.group_size
-            self.carried = None
-        carried_in_rows = kept_rows = sum(part["advantages"].numel() for part in kept_parts)
+        filling = self.begin(len(inputs))
         round_inputs = self._first_round_inputs(inputs)
         while True:
-            stats["rounds"] += 1
-            scored = score_round(round_inputs)
-            if self.normalisation is not None:
-                aggregation = self.args.multi_objective_aggregation
-                rewards = batch_level_rewards(*scored.rewards, self.group_size, aggregation)
-                scored.rows[BATCH_REWARDS] = rewards.to(scored.rows["advantages"].device)
-            group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
-            row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
-            stats["groups_generated"] += group_kept.numel()
-            stats["groups_kept"] += int(group_kept.sum())
-            if row_kept.any():
-                kept_parts.append({key: value[row_kept] for key, value in scored.rows.items()})
-                kept_rows += int(row_kept.sum())
-            max_rounds = self.args.max_filter_gen_batches
-            if kept_rows >= target_rows or (max_rounds != 0 and stats["rounds"] >= max_rounds):
+            filling.stats["rounds"] += 1
+            filling.round_dropped = []
+            self.add(filling, score_round(round_inputs))
+            if filling.full or not self.rounds_left(filling):
                 break
-            round_inputs = self._fresh_round_inputs(local_rows * self.args.filter_groups_oversample)
+            round_inputs = self._fresh_round_inputs(len(inputs) * self.args.filter_groups_oversample)
+        return self.finish(filling)
 
-        if kept_rows < target_rows:
-            self._on_exhausted(stats, kept_rows // self.group_size, target_rows // self.group_size)
-            dropped = {key: value[~row_kept] for key, value in scored.rows.items()}
-            kept_parts.append(zero_advantage_filler(dropped, target_rows - kept_rows))
-            stats["filler_groups"] = (target_rows - kept_rows) // self.group_size
-        batch, surplus = assemble_batch(kept_parts, target_rows, self.padding)
-        self._keep_surplus(surplus, carried_in_rows, target_rows, stats)
+    def begin(self, local_rows: int) -> Filling:
+        """A batch to fill with `local_rows` rows per process, starting with the groups carried from the last step."""
+        filling = Filling(target_rows=local_rows * self.process.count)
+        if self.carried is not None:
+            filling.parts.append(self.carried)
+            filling.stats["carried_in_groups"] = self.carried["advantages"].numel() // self.group_size
+            filling.carried_in_rows = filling.kept_rows = self.carried["advantages"].numel()
+            self.carried = None
+        return filling
+
+    def add(self, filling: Filling, scored: ScoredRound) -> None:
+        """Keep the groups of a scored round (or a part of one, in stream order) whose accuracy has spread."""
+        if self.normalisation is not None:
+            aggregation = self.args.multi_objective_aggregation
+            rewards = batch_level_rewards(*scored.rewards, self.group_size, aggregation)
+            scored.rows[BATCH_REWARDS] = rewards.to(scored.rows["advantages"].device)
+        group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
+        row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
+        filling.stats["groups_generated"] += group_kept.numel()
+        filling.stats["groups_kept"] += int(group_kept.sum())
+        filling.group_kept.extend(bool(kept) for kept in group_kept)
+        if row_kept.any():
+            filling.parts.append({key: value[row_kept] for key, value in scored.rows.items()})
+            filling.kept_rows += int(row_kept.sum())
+        if not row_kept.all():
+            filling.round_dropped.append({key: value[~row_kept] for key, value in scored.rows.items()})
+
+    def rounds_left(self, filling: Filling) -> bool:
+        max_rounds = self.args.max_filter_gen_batches
+        return max_rounds == 0 or filling.stats["rounds"] < max_rounds
+
+    def finish(self, filling: Filling) -> tuple[dict[str, torch.Tensor], dict]:
+        """Cut the kept groups to the batch (filler when short), carry or drop the surplus, rescale advantages."""
+        stats, target_rows = filling.stats, filling.target_rows
+        if filling.kept_rows < target_rows:
+            self._on_exhausted(stats, filling.kept_rows // self.group_size, target_rows // self.group_size)
+            dropped, _ = assemble_batch(filling.round_dropped, target_rows - filling.kept_rows, self.padding)
+            filling.parts.append(zero_advantage_filler(dropped, target_rows - filling.kept_rows))
+            stats["filler_groups"] = (target_rows - filling.kept_rows) // self.group_size
+        batch, surplus = assemble_batch(filling.parts, target_rows, self.padding)
+        self._keep_surplus(surplus, filling.carried_in_rows, target_rows, stats)
         if self.normalisation is not None:  # verl: advantages over the final batch; filler rows (NaN) left out
             batch["advantages"] = batch_scaled_advantages(batch.pop(BATCH_REWARDS), self.group_size, self.normalisation)
         return batch, self._metrics(stats)

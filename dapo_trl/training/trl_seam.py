@@ -51,7 +51,10 @@ OVERRIDDEN_METHODS = (
     PrivateName(_GRPO, "_load_optimizer_and_scheduler", "restores that state on resume"),
 )
 # Methods called, not overridden.
-CALLED_METHODS = (PrivateName(_GRPO, "_log_metric", "reward columns log through TRL's reward-function metric hook"),)
+CALLED_METHODS = (
+    PrivateName(_GRPO, "_log_metric", "reward columns log through TRL's reward-function metric hook"),
+    PrivateName(_GRPO, "_tokenize_prompts", "streaming rollout: prompt token ids for the engine, as TRL makes them"),
+)
 # Instance attributes every GRPOTrainer has once built, read (r) or written (w) by dapo-trl.
 INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "_metrics", "r/w: our per-step metrics join TRL's log; validation swaps the eval ones"),
@@ -211,6 +214,17 @@ def reward_metric_logger(trainer: Any) -> Callable[[str, float], None]:
 def tokenizer(trainer: Any) -> Any:
     """The tokenizer TRL pads and decodes with (the processor's, for a multimodal model)."""
     return trainer._tokenizer
+
+
+def tokenize_prompts(trainer: Any, prompts: list[Any]) -> list[list[int]]:
+    """Prompt token ids exactly as TRL's generation makes them (chat template, tools, template kwargs)."""
+    prompt_ids, _, _ = trainer._tokenize_prompts(prompts)
+    return [list(ids) for ids in prompt_ids]
+
+
+def vllm_backend(trainer: Any) -> Any:
+    """GRPOTrainer's vLLM generation backend (`vllm_generation`, built with use_vllm: ours from `vllm_backends`)."""
+    return trainer.vllm_generation
 
 
 def micro_step(trainer: Any) -> int:

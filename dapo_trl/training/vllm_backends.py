@@ -189,6 +189,13 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
         def sync_weights(self) -> None:
             if self.mode != "server":
                 return super().sync_weights()
+            self._write_weights(weights_dir, reload=True)
+
+        def publish_weights(self, directory: str | Path) -> None:
+            """Write the current weights to `directory` without reloading them (streaming rollout's versions)."""
+            self._write_weights(Path(directory), reload=False)
+
+        def _write_weights(self, directory: Path, reload: bool) -> None:
             main = self.accelerator.is_main_process
             tensors: Iterator[tuple[str, torch.Tensor]] = self._iter_named_params()
             if main:
@@ -201,14 +208,15 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
             if main:
                 try:
                     start = time.monotonic()
-                    save_weights(named, weights_dir)
+                    save_weights(named, directory)
                     saved = time.monotonic()
-                    reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
+                    if reload:
+                        reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
                     logger.info(
-                        "vLLM weight sync through %s: save %.2f s, reload %.2f s",
-                        weights_dir,
+                        "vLLM weights written to %s in %.2f s%s",
+                        directory,
                         saved - start,
-                        time.monotonic() - saved,
+                        f", reloaded in {time.monotonic() - saved:.2f} s" if reload else "",
                     )
                 except Exception as exc:  # noqa: BLE001 - re-raised on every process below
                     error = f"{type(exc).__name__}: {exc}"
@@ -320,6 +328,46 @@ def colocate_vllm_backend() -> contextlib.AbstractContextManager:
     if not vllm_runs_on_cpu():
         return contextlib.nullcontext()
     return vllm_backend_class(make_cpu_colocate_backend())
+
+
+# ------------------------------------------------------------------------------- streaming rollout versions
+ROLLOUT_WEIGHTS_FOLDER = "rollout_weights"
+
+
+def rollout_weights_dirs(args: DAPOConfig) -> tuple[str, str]:
+    """(as the trainer writes it, as the server reads it): where weights versions v<n> live for streaming."""
+    local = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
+    return local, args.vllm_weight_sync_server_dir or local
+
+
+def prune_versions(root: str | Path, keep_from: int) -> None:
+    """Delete weights versions below `keep_from` (no batch can sample from them any more)."""
+    import shutil
+
+    for path in Path(root).glob("v*"):
+        if path.name[1:].isdigit() and int(path.name[1:]) < keep_from:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path) -> None:
+    """Copy the weights versions the next batches sample from (older than the checkpoint's own) into it."""
+    import shutil
+
+    root, _ = rollout_weights_dirs(args)
+    for version in range(max(0, rollout.generation - rollout.lag), rollout.generation):
+        source = Path(root) / f"v{version}"
+        if source.is_dir():
+            shutil.copytree(source, Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER / f"v{version}", dirs_exist_ok=True)
+
+
+def restore_rollout_versions(args: DAPOConfig, checkpoint: str | Path) -> None:
+    """Put a checkpoint's saved weights versions back where the server loads them from."""
+    import shutil
+
+    saved = Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER
+    root, _ = rollout_weights_dirs(args)
+    for source in saved.glob("v*") if saved.is_dir() else ():
+        shutil.copytree(source, Path(root) / source.name, dirs_exist_ok=True)
 
 
 # ------------------------------------------------------------------------------------------------- the choice

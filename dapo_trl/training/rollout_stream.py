@@ -1,0 +1,483 @@
+"""Streaming dynamic sampling: the engine is kept busy group by group, groups are accepted in prompt-stream order.
+
+Rounds (`DynamicSampler.sample`) send a whole round as one request and wait for its longest response before the next
+round starts. Here every group is its own seeded request (`rollout_engine`), admitted while fewer than
+`rollout_max_in_flight_groups` run; the next round's groups are admitted before the current one has drained. Groups
+are scored as soon as an in-order prefix of the round is complete (a reorder buffer), through the same TRL scoring
+as a round, and `DynamicSampler.add` takes the same keep decisions in the same order. So which groups make a batch
+depends only on the prompt stream, the per-group seeds and the weights, never on which response finished first:
+
+- a group's key is its place in the prompt stream (`("stream", n)`, the n-th prompt drawn) or in the step's
+  dataloader batch (`("batch", generation, g)`); its seed is a hash of the run's seed and that key;
+- batch j is sampled by the weights of generation max(0, j - lag) (`rollout_max_staleness`): 0 is today's
+  synchronous step; with lag >= 1 the next batch is generated while the trainer trains, its prompts all drawn from
+  the seeded stream (the dataloader's next batch is not known yet);
+- groups generated for a batch but not consumed by it (admitted ahead, before the batch turned out full) are
+  cancelled and regenerated with the same seed under the next batch's weights: every trained row is exactly `lag`
+  steps old (carried surplus one more, as in rounds), and a resumed run regenerates them identically.
+
+Only the main process talks to the engine (`RolloutDriver`, a background thread); it broadcasts each scored part's
+completions, and every process scores the same rows, so all take the same decisions, as with rounds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .rollout_engine import GroupEngine, GroupRequest, GroupResult
+from .sampling import DynamicSampler, Filling, ScoredRound
+
+ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
+
+
+def group_seed(run_seed: int, key: tuple) -> int:
+    """The sampling seed of the group at `key`: the same in every run with this seed, and on resume."""
+    digest = hashlib.sha256(repr((run_seed, key)).encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+class StreamCursor:
+    """The sampler's prompt stream with a look-ahead: the main process peeks at prompts it admits early; every
+    process takes them, in the same order, when a round consumes them. Drawn-but-untaken prompts are saved."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.lookahead: deque[tuple[int, Any]] = deque()
+        self.drawn = 0
+
+    def peek(self, count: int) -> list[tuple[int, Any]]:
+        """The next `count` (index, item) pairs without consuming them."""
+        while len(self.lookahead) < count:
+            (item,) = self.stream.draw(1)
+            self.lookahead.append((self.drawn, item))
+            self.drawn += 1
+        return [self.lookahead[i] for i in range(count)]
+
+    def take(self, count: int) -> list[tuple[int, Any]]:
+        taken = self.peek(count)
+        for _ in range(count):
+            self.lookahead.popleft()
+        return taken
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lookahead": list(self.lookahead), "drawn": self.drawn}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lookahead, self.drawn = deque(state["lookahead"]), state["drawn"]
+
+
+@dataclass
+class DriverStats:
+    """What the engine did since the last `take_metrics`."""
+
+    since: float = field(default_factory=time.monotonic)
+    busy: float = 0.0  # seconds with at least one request in flight
+    completed_groups: int = 0
+    generated_tokens: int = 0
+    cancelled_groups: int = 0
+    discarded_tokens: int = 0  # completed, then not used (admitted ahead for a batch that was already full)
+
+
+class RolloutDriver:
+    """Admits planned group requests to the engine in order, at most `max_in_flight` at a time, each under its
+    weights version (loaded only when nothing is in flight, once published), and keeps finished groups until taken.
+
+    Runs a thread on the main process; `wait` raises the engine's error (a dead server, a timeout) on the caller.
+    """
+
+    def __init__(self, engine: GroupEngine, max_in_flight: int, request_timeout: float):
+        self.engine = engine
+        self.max_in_flight = max_in_flight
+        self.request_timeout = request_timeout
+        self._planned: deque[GroupRequest] = deque()
+        self._in_flight: dict[tuple, GroupRequest] = {}
+        self._done: dict[tuple, GroupResult] = {}
+        self._known: set[tuple] = set()  # planned, in flight or done
+        self._loaded: int | None = None
+        self._published = -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._busy_since: float | None = None
+        self.stats = DriverStats()
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._admit_loop, name="dapo-rollout-driver", daemon=True)
+        self._thread.start()
+
+    # ---------------------------------------------------------------------------------------------- caller side
+    def plan(self, requests: list[GroupRequest]) -> None:
+        with self._cond:
+            for request in requests:
+                if request.key not in self._known:
+                    self._planned.append(request)
+                    self._known.add(request.key)
+            self._cond.notify_all()
+
+    def publish(self, version: int) -> None:
+        """Weights `version` (and every earlier one) can be loaded."""
+        with self._cond:
+            self._published = max(self._published, version)
+            self._cond.notify_all()
+
+    def loaded_externally(self, version: int | None) -> None:
+        """The engine's weights were set outside the driver (a synchronous sync, an evaluation): now `version`."""
+        with self._cond:
+            self._loaded = version
+            self._cond.notify_all()
+
+    def planned_keys(self) -> set[tuple]:
+        with self._cond:
+            return set(self._known)
+
+    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
+        """Block until the first `minimum` of `keys` are done (or fail after `timeout`); return how many leading
+        keys are done."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            missing = [key for key in keys[:minimum] if key not in self._known]
+            if missing:
+                raise RuntimeError(f"streaming rollout waits for groups that were never planned: {missing[:3]}")
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"generation failed: {self._error}") from self._error
+                count = 0
+                while count < len(keys) and keys[count] in self._done:
+                    count += 1
+                if count >= minimum:
+                    return count
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "
+                        "vLLM server is stuck or too slow (raise vllm_request_timeout if it is just slow)"
+                    )
+                self._cond.wait(min(remaining, 1.0))
+
+    def take(self, keys: list[tuple]) -> list[GroupResult]:
+        with self._cond:
+            results = [self._done.pop(key) for key in keys]
+            self._known.difference_update(keys)
+            return results
+
+    def withdraw(self, keep: Callable[[GroupRequest | GroupResult], bool] = lambda request: False) -> None:
+        """Drop every planned, running or finished group that `keep` rejects (running ones are cancelled), and
+        wait until none of the cancelled ones runs any more."""
+        with self._cond:
+            self._planned = deque(request for request in self._planned if keep(request) or self._forget(request))
+            for key, result in list(self._done.items()):
+                if not keep(result):
+                    del self._done[key]
+                    self._known.discard(key)
+                    self.stats.discarded_tokens += result.tokens
+            cancelled = [request for request in self._in_flight.values() if not keep(request)]
+            for request in cancelled:
+                del self._in_flight[request.key]
+                self._known.discard(request.key)
+                self.stats.cancelled_groups += 1
+            self._update_busy()
+            self._cond.notify_all()
+        for request in cancelled:
+            self.engine.cancel(request)
+
+    def _forget(self, request: GroupRequest) -> bool:
+        self._known.discard(request.key)
+        return False
+
+    def take_metrics(self) -> DriverStats:
+        with self._cond:
+            now = time.monotonic()
+            if self._busy_since is not None:
+                self.stats.busy += now - self._busy_since
+                self._busy_since = now
+            stats, self.stats = self.stats, DriverStats(since=now)
+            return stats
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self.withdraw()
+        self.engine.close()
+
+    # ---------------------------------------------------------------------------------------------- the thread
+    def _admit_loop(self) -> None:
+        while True:
+            with self._cond:
+                request = None
+                while not self._closed and request is None:
+                    request, load = self._next_admission()
+                    if request is None:
+                        self._cond.wait(0.5)
+                if self._closed:
+                    return
+                if load:
+                    self._loaded = None  # loading
+                else:
+                    self._planned.popleft()
+                    self._in_flight[request.key] = request
+                    self._update_busy()
+            if load:
+                try:
+                    self.engine.load_weights(request.version)
+                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+                    with self._cond:
+                        self._error = exc
+                        self._cond.notify_all()
+                    return
+                with self._cond:
+                    self._loaded = request.version
+                    self._cond.notify_all()
+            else:
+                self.engine.start(request, self._on_done)
+
+    def _next_admission(self) -> tuple[GroupRequest | None, bool]:
+        """(request, whether its weights must be loaded first), or (None, _) when nothing can start now."""
+        if self._error is not None or not self._planned:
+            return None, False
+        request = self._planned[0]
+        if self._loaded == request.version:
+            return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
+        if self._in_flight or request.version > self._published:
+            return None, False  # a new version waits for the old one's requests to end, and to be published
+        return request, True
+
+    def _on_done(self, request: GroupRequest, result: GroupResult | BaseException) -> None:
+        with self._cond:
+            if self._in_flight.get(request.key) is not request:
+                return  # cancelled meanwhile
+            del self._in_flight[request.key]
+            self._update_busy()
+            if isinstance(result, BaseException):
+                self._error = result
+            else:
+                self._done[request.key] = result
+                self.stats.completed_groups += 1
+                self.stats.generated_tokens += result.tokens
+            self._cond.notify_all()
+
+    def _update_busy(self) -> None:
+        now = time.monotonic()
+        if self._in_flight and self._busy_since is None:
+            self._busy_since = now
+        elif not self._in_flight and self._busy_since is not None:
+            self.stats.busy += now - self._busy_since
+            self._busy_since = None
+
+
+@dataclass
+class Wave:
+    """A scored part of a round as the main process broadcasts it: its groups' results, or the error that stopped
+    generation (so that every process raises instead of waiting in a collective)."""
+
+    results: list[GroupResult] | None
+    error: str | None = None
+
+
+WaveScorer = Callable[[list[dict[str, Any]], dict[str, list]], ScoredRound]
+
+
+class StreamingRollout:
+    """`DynamicSampler`'s rounds, streamed (see the module docstring). Every process builds one; only the main
+    process has a `driver`. `tokenize(prompts)` gives prompt token ids as TRL tokenizes them; `broadcast(obj)`
+    returns the main process's object on every process."""
+
+    def __init__(
+        self,
+        sampler: DynamicSampler,
+        driver: RolloutDriver | None,
+        tokenize: Callable[[list[Any]], list[list[int]]],
+        broadcast: Callable[[Any], Any],
+        lag: int,
+        lookahead_rounds: int,
+        wave_timeout: float,
+    ):
+        self.sampler = sampler
+        self.driver = driver
+        self.tokenize = tokenize
+        self.broadcast = broadcast
+        self.lag = lag
+        self.lookahead_rounds = lookahead_rounds
+        self.wave_timeout = wave_timeout
+        self.cursor = StreamCursor(sampler.stream)
+        self.generation = 0  # batches sampled so far
+        self.process = sampler.process
+        self.group_size = sampler.group_size
+        self.unit = self.process.count // _gcd(self.group_size, self.process.count)  # groups per equal split
+        self.keep_rate = 0.5  # running estimate, for how far ahead to admit (never for what is trained)
+        self._wait = 0.0
+
+    @property
+    def version(self) -> int:
+        """The weights version that samples the current batch."""
+        return max(0, self.generation - self.lag)
+
+    # ------------------------------------------------------------------------------------------------- a batch
+    def sample(self, inputs: list[dict[str, Any]], score_wave: WaveScorer) -> tuple[dict[str, torch.Tensor], dict]:
+        """The step's whole batch and its metrics, as `DynamicSampler.sample` would build it from these prompts."""
+        sampler, args = self.sampler, self.sampler.args
+        round_groups = args.filter_groups_oversample * len(inputs) * self.process.count // self.group_size
+        filling = sampler.begin(len(inputs))
+        rounds = [self._first_round(inputs, round_groups)]
+        self._plan_ahead(rounds, round_groups, filling)
+        self._wait = 0.0
+        while True:
+            filling.stats["rounds"] += 1
+            filling.round_dropped = []
+            self._stream_round(rounds[-1], score_wave, filling)
+            if filling.full or not sampler.rounds_left(filling):
+                break
+            rounds.append(self._keyed(self.cursor.take(round_groups)))
+            self._plan_ahead(rounds, round_groups, filling)
+        observed = filling.stats["groups_kept"] / max(filling.stats["groups_generated"], 1)
+        self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
+        carried_rows, trained_rows = filling.carried_in_rows, filling.target_rows
+        batch, metrics = sampler.finish(filling)
+        metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
+        metrics["rollout/staleness_mean"] = self.lag + min(carried_rows, trained_rows) / trained_rows
+        metrics["rollout/staleness_max"] = float(self.lag + (carried_rows > 0))
+        metrics["rollout/trainer_wait_seconds"] = self._wait
+        consumed = {key for groups in rounds for key, _ in groups}
+        self.generation += 1
+        if self.driver is not None:
+            version = self.version
+            self.driver.withdraw(keep=lambda item: item.version == version and item.key[0] == "stream"
+                                 and item.key not in consumed)  # fmt: skip
+            if self.lag > 0:  # generate the next batch while this one trains
+                self._plan_stream(self.expected_rounds(round_groups) * round_groups)
+        return batch, metrics
+
+    def expected_rounds(self, round_groups: int) -> int:
+        """Rounds the next batch is expected to need at the running keep rate, plus a quarter (how far ahead to
+        admit while the trainer trains), capped by max_filter_gen_batches."""
+        target_groups = round_groups / self.sampler.args.filter_groups_oversample
+        rounds = max(1, math.ceil(1.25 * target_groups / self.keep_rate / round_groups))
+        cap = self.sampler.args.max_filter_gen_batches
+        return min(rounds, cap) if cap else rounds
+
+    def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
+        if self.lag > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
+            return self._keyed(self.cursor.take(round_groups))
+        loader_rows = self.process.gather_objects(inputs)
+        groups = [
+            (("batch", self.generation, g), loader_rows[g * self.group_size])
+            for g in range(len(loader_rows) // self.group_size)
+        ]
+        extra = round_groups - len(groups)  # over-sampling: fresh prompts complete the first round
+        return groups + (self._keyed(self.cursor.take(extra)) if extra else [])
+
+    def _keyed(self, drawn: list[tuple[int, Any]]) -> list[tuple[tuple, dict[str, Any]]]:
+        dataset, streamed = self.sampler.dataset, not hasattr(self.sampler.dataset, "__len__")
+        return [(("stream", index), dict(item) if streamed else dict(dataset[item])) for index, item in drawn]
+
+    def _plan_ahead(self, rounds: list, round_groups: int, filling: Filling) -> None:
+        """Main process: admit the current round, and the stream beyond it while the batch may still need it."""
+        if self.driver is None:
+            return
+        self._plan(rounds[-1])
+        pending_groups = len(rounds[-1])
+        needed = (filling.target_rows - filling.kept_rows) / self.group_size
+        if pending_groups * self.keep_rate < needed or self.lag > 0:
+            self._plan_stream(self.lookahead_rounds * round_groups)
+
+    def _plan_stream(self, groups: int) -> None:
+        self._plan(self._keyed(self.cursor.peek(groups)))
+
+    def _plan(self, groups: list[tuple[tuple, dict[str, Any]]]) -> None:
+        known = self.driver.planned_keys()
+        fresh = [(key, row) for key, row in groups if key not in known]
+        if not fresh:
+            return
+        prompt_ids = self.tokenize([row["prompt"] for _, row in fresh])
+        seed = self.sampler.args.seed
+        pairs = zip(fresh, prompt_ids, strict=True)
+        self.driver.plan([GroupRequest(key, ids, group_seed(seed, key), self.version) for (key, _), ids in pairs])
+
+    def _stream_round(self, groups: list, score_wave: WaveScorer, filling: Filling) -> None:
+        """Score the round in waves of in-order finished groups; stop early once full unless surplus is carried."""
+        keys = [key for key, _ in groups]
+        start = 0
+        while start < len(groups):
+            wave = self._next_wave(keys[start:])
+            results = wave.results or []
+            count = len(results)
+            rows, prepared = self._wave_rows(groups[start : start + count], results)
+            self.sampler.add(filling, score_wave(rows, prepared))
+            start += count
+            if filling.full and not self.sampler.args.filter_groups_carry_surplus:
+                filling.stats["groups_cancelled"] += len(groups) - start
+                break
+
+    def _next_wave(self, keys: list[tuple]) -> Wave:
+        """Main: wait for the next in-order finished groups (a multiple of `unit`, or the round's rest). Every
+        process: receive them."""
+        wave = None
+        if self.driver is not None:
+            try:
+                started = time.monotonic()
+                minimum = min(self.unit, len(keys))
+                ready = self.driver.ready_prefix(keys, minimum, self.wave_timeout)
+                count = ready if ready == len(keys) else ready - ready % self.unit
+                wave = Wave(self.driver.take(keys[:count]))
+                self._wait += time.monotonic() - started
+            except Exception as exc:  # noqa: BLE001 - every process raises it below
+                wave = Wave(None, f"{type(exc).__name__}: {exc}")
+        wave = self.broadcast(wave)
+        if wave.error is not None:
+            raise RuntimeError(f"streaming rollout stopped: {wave.error}")
+        return wave
+
+    def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
+        """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""
+        rows, completions, logprobs, versions = [], [], [], []
+        for (key, row), result in zip(groups, results, strict=True):
+            if result.key != key or len(result.completion_ids) != self.group_size:
+                raise RuntimeError(f"the engine answered {result.key} with {len(result.completion_ids)} completions "
+                                   f"for group {key} of {self.group_size}")  # fmt: skip
+            rows.extend(dict(row) for _ in range(self.group_size))
+            completions.extend(result.completion_ids)
+            logprobs.extend(result.logprobs)
+            versions.extend([result.version] * self.group_size)
+        share = len(rows) // self.process.count
+        local = slice(self.process.index * share, (self.process.index + 1) * share)
+        prepared = {"completion_ids": completions[local], "logprobs": logprobs[local], "versions": versions[local]}
+        return rows[local], prepared
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict(), "generation": self.generation, "lag": self.lag}
+
+    def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
+        if state.get("lag") != self.lag:
+            raise ValueError(
+                f"the checkpoint was written with rollout_max_staleness={state.get('lag')}, this run has {self.lag}: "
+                "resume with the same value (the batches depend on it)."
+            )
+        self.cursor.load_state_dict(state["cursor"])
+        self.generation = state["generation"]
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
+    """The `rollout/*` metrics of one generation batch from the driver's counters."""
+    wall = max(time.monotonic() - stats.since, 1e-9)
+    return {
+        "rollout/engine_busy_fraction": min(stats.busy / wall, 1.0),
+        "rollout/trainer_wait_fraction": min(trainer_wait / wall, 1.0),
+        "rollout/groups_per_second": stats.completed_groups / wall,
+        "rollout/generated_tokens": float(stats.generated_tokens),
+        "rollout/cancelled_groups": float(stats.cancelled_groups),
+        "rollout/discarded_tokens": float(stats.discarded_tokens),
+    }
