@@ -409,6 +409,10 @@ class DAPOTrainer(GRPOTrainer):
         loads the version each batch needs when it starts that batch; versions no batch can need are deleted.
         """
         lag, driver = self.args.rollout_max_staleness, self._rollout.driver
+        if not self.args.use_vllm:  # an engine of your own (`build_rollout_engine`): it loads versions itself
+            if driver is not None:
+                driver.publish(version)
+            return
         if lag == 0:
             trl_seam.vllm_backend(self).sync_weights()
             if driver is not None:

@@ -341,8 +341,9 @@ class StreamingRollout:
         carried_rows, trained_rows = filling.carried_in_rows, filling.target_rows
         batch, metrics = sampler.finish(filling)
         metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
-        metrics["rollout/staleness_mean"] = self.lag + min(carried_rows, trained_rows) / trained_rows
-        metrics["rollout/staleness_max"] = float(self.lag + (carried_rows > 0))
+        staleness = self.generation - self.version  # the lag, less in the first steps (no older weights)
+        metrics["rollout/staleness_mean"] = staleness + min(carried_rows, trained_rows) / trained_rows
+        metrics["rollout/staleness_max"] = float(staleness + (carried_rows > 0))
         metrics["rollout/trainer_wait_seconds"] = self._wait
         consumed = {key for groups in rounds for key, _ in groups}
         self.generation += 1

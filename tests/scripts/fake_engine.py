@@ -1,0 +1,73 @@
+"""A deterministic stand-in for a vLLM server in streaming-rollout tests.
+
+A group's completions are a hash of (prompt token ids, weights version, index in the group): the same whatever the
+timing, so a streamed run and a round-by-round one can be compared batch for batch. Each request finishes after a
+random delay (from `timing_seed`), so groups complete out of order and differently in every run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
+
+COMPLETION_TOKENS = range(10, 60)
+
+
+def fake_completion(prompt_ids: list[int], version: int, index: int, eos_id: int, max_tokens: int):
+    """(token ids, log-probs) of completion `index` of a prompt under weights `version`."""
+    digest = hashlib.sha256(repr((list(prompt_ids), version, index)).encode()).digest()
+    length = 2 + digest[0] % (max_tokens - 1)
+    ids = [COMPLETION_TOKENS[digest[1 + k] % len(COMPLETION_TOKENS)] for k in range(length)]
+    if digest[31] % 3:  # two thirds end with EOS, the others are truncated
+        ids[-1] = eos_id
+    logprobs = [-0.05 - (digest[1 + k] % 7) / 10 for k in range(length)]
+    return ids, logprobs
+
+
+class FakeEngine:
+    """`GroupEngine` protocol; `loads` records every weights version loaded, `max_seen_in_flight` the concurrency."""
+
+    def __init__(self, group_size: int, eos_id: int, max_tokens: int, timing_seed: int, max_delay: float = 0.03):
+        self.group_size, self.eos_id, self.max_tokens = group_size, eos_id, max_tokens
+        self.version: int | None = None
+        self.loads: list[int] = []
+        self.rng = random.Random(timing_seed)
+        self.max_delay = max_delay
+        self.pool = ThreadPoolExecutor(max_workers=16)
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_seen_in_flight = 0
+
+    def start(self, request: GroupRequest, done) -> None:
+        if request.version != self.version:
+            raise AssertionError(f"group {request.key} of version {request.version} started on {self.version}")
+        with self.lock:
+            delay = self.rng.random() * self.max_delay
+            self.in_flight += 1
+            self.max_seen_in_flight = max(self.max_seen_in_flight, self.in_flight)
+        self.pool.submit(self._run, request, done, delay)
+
+    def _run(self, request: GroupRequest, done, delay: float) -> None:
+        time.sleep(delay)
+        pairs = [
+            fake_completion(request.prompt_ids, request.version, i, self.eos_id, self.max_tokens)
+            for i in range(self.group_size)
+        ]
+        with self.lock:
+            self.in_flight -= 1
+        done(request, GroupResult(request.key, request.version, [ids for ids, _ in pairs], [lp for _, lp in pairs]))
+
+    def cancel(self, request: GroupRequest) -> None:
+        pass  # the driver ignores its answer
+
+    def load_weights(self, version: int) -> None:
+        self.version = version
+        self.loads.append(version)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,87 @@
+"""dynamic_sampling_run.py's training, with generation by a deterministic fake engine (tests/scripts/fake_engine.py):
+streamed (`rollout_streaming=true`, the fake engine in place of the vLLM server) or round by round (the same fake
+completions returned where TRL would generate). Same usage and outputs as dynamic_sampling_run.py, plus the script
+options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), resume and
+crash_after_save (the process dies right after writing that step's checkpoint).
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from dynamic_sampling_run import (
+    SCRIPT_OPTIONS,
+    CrashAfterSave,
+    RecordingTrainer,
+    difficulty_dataset,
+    id_shaping,
+    known_difficulty_reward,
+)
+from fake_engine import FakeEngine, fake_completion
+from script_args import leave_together, parse_overrides
+
+from dapo_trl import DAPOConfig
+from dapo_trl.tiny_model import build_tiny_model
+
+ENGINE = {"timing_seed": 0, "engine_delay": 0.03}
+
+
+class FakeGenerationTrainer(RecordingTrainer):
+    def build_rollout_engine(self, max_in_flight):
+        self.fake_engine = FakeEngine(
+            self.num_generations, self.processing_class.eos_token_id, self.args.max_completion_length, ENGINE["timing_seed"],
+            ENGINE["engine_delay"],
+        )  # fmt: skip
+        return self.fake_engine
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+        if self._prepared_completions is not None:  # streamed: the fake engine sampled them
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+        version = self.state.global_step  # rounds: the weights TRL would have synced
+        first_row = self.accelerator.process_index * len(prompt_ids)  # groups are contiguous in the global rows
+        pairs = [
+            fake_completion(ids, version, (first_row + row) % num_generations, self.processing_class.eos_token_id,
+                            self.args.max_completion_length)
+            for row, ids in enumerate(prompt_ids)
+        ]  # fmt: skip
+        return [ids for ids, _ in pairs], [logprobs for _, logprobs in pairs]
+
+
+def main() -> None:
+    out, per_device, max_steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    overrides = parse_overrides(sys.argv[4:])
+    resume = overrides.pop("resume", None)
+    crash_after = overrides.pop("crash_after_save", None)
+    for option in ENGINE:
+        ENGINE[option] = overrides.pop(option, ENGINE[option])
+    SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
+    out.mkdir(parents=True, exist_ok=True)
+    os.environ["DS_OUT"] = str(out)
+    settings = dict(
+        output_dir=str(out / "run"), per_device_train_batch_size=per_device, num_generations=4,
+        max_completion_length=8, max_steps=max_steps, max_filter_gen_batches=0, apply_overlong_penalty=False,
+        activation_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        seed=0,
+    )  # fmt: skip
+    settings.update(overrides)
+    trainer = FakeGenerationTrainer(
+        model=str(build_tiny_model(out.parent / "tiny")),
+        reward_funcs=[known_difficulty_reward, id_shaping],
+        args=DAPOConfig(**settings),
+        train_dataset=difficulty_dataset(0.5),
+    )
+    if crash_after is not None:
+        trainer.add_callback(CrashAfterSave(crash_after))
+    trainer.train(resume_from_checkpoint=resume)
+    engine = getattr(trainer, "fake_engine", None)
+    if trainer.accelerator.is_main_process:
+        (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+        if engine is not None:
+            record = {"loads": engine.loads, "max_in_flight": engine.max_seen_in_flight}
+            (out / "engine.json").write_text(json.dumps(record))
+    leave_together(trainer.accelerator)
+
+
+if __name__ == "__main__":
+    main()
