@@ -29,10 +29,9 @@ ENGINE = {"timing_seed": 0, "engine_delay": 0.03}
 
 class FakeGenerationTrainer(RecordingTrainer):
     def build_rollout_engine(self, max_in_flight):
-        self.fake_engine = FakeEngine(
-            self.num_generations, self.processing_class.eos_token_id, self.args.max_completion_length, ENGINE["timing_seed"],
-            ENGINE["engine_delay"],
-        )  # fmt: skip
+        eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
+        timing = ENGINE["timing_seed"], ENGINE["engine_delay"]
+        self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing)
         return self.fake_engine
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):

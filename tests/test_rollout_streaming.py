@@ -1,0 +1,221 @@
+"""Streaming dynamic sampling and generation overlapped with training (`rollout_streaming`, `rollout_max_staleness`).
+
+A deterministic fake engine (tests/scripts/fake_engine.py) stands in for the vLLM server: its completions depend on
+(prompt, weights version, index) only, and each group finishes after a random delay, so groups complete out of order
+and differently in every run. The batches must not care.
+"""
+
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from dapo_trl import DAPOConfig
+from dapo_trl.training.rollout_engine import GroupRequest
+from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed
+from dapo_trl.training.sampling import DynamicSampler, ScoredRound
+from dapo_trl.training.streams import PromptStream
+
+from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command
+from .scripts.fake_engine import FakeEngine, fake_completion
+
+SCRIPT = str(SCRIPTS / "streaming_run.py")
+GROUP, EOS, MAX_TOKENS = 4, 2, 8
+
+
+# ---------------------------------------------------------------------------------------------------- end to end
+def train(out, steps: int, *overrides: str, processes: int = 1, per_device: int = 8, deepspeed: str | None = None):
+    command = python_command(SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes,
+                             deepspeed_config=deepspeed)  # fmt: skip
+    return run_command(command)
+
+
+def batches(out, processes: int = 1) -> dict[int, list]:
+    """Every trained row (prompt, completion ids, advantage) per optimizer step, over all processes, sorted."""
+    steps: dict[int, list] = {}
+    for rank in range(processes):
+        for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
+            rows = zip(record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], strict=True)
+            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5)) for p, ids, a in rows)
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
+def rollout_metrics(out) -> list[dict]:
+    history = json.loads((out / "log_history.json").read_text())
+    return [entry for entry in history if "rollout/staleness_mean" in entry]
+
+
+@pytest.mark.e2e
+def test_streaming_gives_the_batches_of_rounds_on_one_and_two_processes(tmp_path):
+    """k = 0: groups finish in any order, yet every step trains exactly the batch rounds would (same prompts, same
+    completions, same advantages), on one process and on two."""
+    train(tmp_path / "rounds", 3)
+    train(tmp_path / "stream", 3, "rollout_streaming=true", "timing_seed=1")
+    train(tmp_path / "stream2", 3, "rollout_streaming=true", "timing_seed=2", processes=2, per_device=4)
+    rounds = batches(tmp_path / "rounds")
+    assert sorted(rounds) == [0, 1, 2] and all(len(rows) == 8 for rows in rounds.values())
+    assert batches(tmp_path / "stream") == rounds
+    assert batches(tmp_path / "stream2", processes=2) == rounds
+    metrics = rollout_metrics(tmp_path / "stream")
+    assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 0, 0]
+    assert sum(entry["dynamic_sampling/rounds"] for entry in metrics) > 3  # extra rounds were streamed
+    assert all(0 < entry["rollout/engine_busy_fraction"] <= 1 for entry in metrics)
+    loads = json.loads((tmp_path / "stream" / "engine.json").read_text())["loads"]
+    assert loads == [0, 1, 2]  # one weights version per step, loaded before the step's groups
+
+
+@pytest.mark.e2e
+def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
+    """k = 1: the batches of an uninterrupted run on one process equal those of a ZeRO-3 run on two processes that
+    dies right after its step-2 checkpoint and resumes from it (other engine timings in each leg)."""
+    settings = ("rollout_streaming=true", "rollout_max_staleness=1", "save_strategy=steps", "save_steps=2")
+    train(tmp_path / "whole", 4, *settings, "timing_seed=1")
+    zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
+    crashed = tmp_path / "crashed"
+    with pytest.raises(AssertionError, match="exited"):
+        train(crashed, 4, *settings, "timing_seed=2", "crash_after_save=2", processes=2, per_device=4, deepspeed=zero3)
+    assert not (crashed / "run" / "checkpoint-4").exists()
+    checkpoint = crashed / "run" / "checkpoint-2"
+    train(crashed, 4, *settings, "timing_seed=3", f"resume={checkpoint}", processes=2, per_device=4, deepspeed=zero3)
+    whole = batches(tmp_path / "whole")
+    assert sorted(whole) == [0, 1, 2, 3]
+    assert batches(crashed, processes=2) == whole
+    metrics = rollout_metrics(tmp_path / "whole")
+    assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 1, 1, 1]  # step 0 has no older weights
+    assert json.loads((tmp_path / "whole" / "engine.json").read_text())["loads"][:3] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------- lag equivalence, without a model
+PROMPTS = [f"{'mixed' if i % 2 else 'easy'} {i}" for i in range(40)]
+
+
+def tokenize(prompts: list[str]) -> list[list[int]]:
+    return [[3 + ord(c) % 50 for c in prompt] for prompt in prompts]
+
+
+def accuracy(prompt: str, completion: list[int]) -> float:
+    """Easy prompts are always right; mixed ones by the parity of the completion (so groups differ by content)."""
+    return 1.0 if prompt.startswith("easy") or sum(completion) % 2 == 0 else -1.0
+
+
+def scored(rows: list[dict], completions: list[list[int]]) -> ScoredRound:
+    width = max(len(ids) for ids in completions)
+    ids = torch.tensor([ids + [0] * (width - len(ids)) for ids in completions])
+    index = torch.tensor([PROMPTS.index(row["prompt"]) for row in rows])
+    return ScoredRound(
+        rows={"prompt_ids": index[:, None], "completion_ids": ids, "advantages": torch.zeros(len(rows))},
+        accuracy=torch.tensor([accuracy(row["prompt"], c) for row, c in zip(rows, completions, strict=True)]),
+    )
+
+
+def settings(**overrides):
+    args = dict(output_dir="unused", num_generations=GROUP, per_device_train_batch_size=8, use_cpu=True,
+                rollout_streaming=True, max_filter_gen_batches=0, report_to="none", seed=5)  # fmt: skip
+    return DAPOConfig(**{**args, **overrides})
+
+
+def streamed_batches(lag: int, steps: int, timing_seed: int) -> tuple[list[list], list[int]]:
+    """Batches of a StreamingRollout on the fake engine, the trainer 'training' for a random while between them."""
+    args = settings(rollout_max_staleness=lag)
+    dataset = [{"prompt": prompt} for prompt in PROMPTS]
+    sampler = DynamicSampler(args, dataset, GROUP, {}, shuffle=True)
+    engine = FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed, max_delay=0.01)
+    driver = RolloutDriver(engine, max_in_flight=3, request_timeout=30)
+    rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, lag, 1, wave_timeout=30)
+    pace = random.Random(timing_seed)
+    out = []
+    for _ in range(steps):
+        driver.publish(rollout.generation)
+        batch, _ = rollout.sample([{}] * 8, lambda rows, prepared: scored(rows, prepared["completion_ids"]))
+        completions = [[token for token in ids if token != 0] for ids in batch["completion_ids"].tolist()]
+        out.append(list(zip(batch["prompt_ids"][:, 0].tolist(), completions, strict=True)))
+        time.sleep(pace.random() * 0.05)  # training
+    driver.close()
+    return out, engine.loads
+
+
+def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
+    """The reference, from the rule alone: batch j samples, one group after another in the seeded prompt stream,
+    from weights version max(0, j - lag), and keeps the first 2 groups with spread; rounds of 2 groups are consumed
+    whole."""
+    stream = PromptStream(len(PROMPTS), seed=5)
+    out = []
+    for step in range(steps):
+        version, kept = max(0, step - lag), []
+        while len(kept) < 2:
+            for index in stream.draw(2):  # one round
+                prompt = PROMPTS[index]
+                (ids,) = tokenize([prompt])
+                group = [fake_completion(ids, version, i, EOS, MAX_TOKENS)[0] for i in range(GROUP)]
+                if len({accuracy(prompt, c) for c in group}) > 1 and len(kept) < 2:
+                    kept.append([(index, c) for c in group])
+        out.append(sum(kept, []))
+    return out
+
+
+@pytest.mark.parametrize("lag", [1, 2])
+def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
+    reference = synchronous_lagged_batches(lag, steps=5)
+    for timing_seed in (1, 2):
+        streamed, loads = streamed_batches(lag, steps=5, timing_seed=timing_seed)
+        assert streamed == reference
+        assert loads[: 5 - lag] == list(range(5 - lag))  # each version loaded once, in order
+
+
+def test_group_seeds_are_stable_and_distinct():
+    keys = [("stream", n) for n in range(1000)] + [("batch", 3, g) for g in range(8)]
+    seeds = [group_seed(42, key) for key in keys]
+    assert len(set(seeds)) == len(seeds) and all(0 <= seed < 2**31 for seed in seeds)
+    assert group_seed(42, ("stream", 7)) == group_seed(42, ("stream", 7)) != group_seed(43, ("stream", 7))
+
+
+class FailingEngine(FakeEngine):
+    def start(self, request, done):
+        done(request, RuntimeError("POST http://server/v1/completions: no answer within 5 s"))
+
+
+def test_a_failing_engine_stops_sampling_with_its_error():
+    args = settings()
+    sampler = DynamicSampler(args, [{"prompt": p} for p in PROMPTS], GROUP, {}, shuffle=True)
+    driver = RolloutDriver(FailingEngine(GROUP, EOS, MAX_TOKENS, 0), max_in_flight=2, request_timeout=5)
+    rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=5)
+    driver.publish(0)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no answer within 5 s"):
+        rollout.sample([{}] * 8, lambda rows, prepared: scored(rows, prepared["completion_ids"]))
+    assert time.monotonic() - started < 5
+
+
+def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
+    engine = FakeEngine(GROUP, EOS, MAX_TOKENS, 0, max_delay=0.05)
+    driver = RolloutDriver(engine, max_in_flight=4, request_timeout=30)
+    requests = [GroupRequest(("stream", n), [5, 6], n, version=n // 4) for n in range(12)]
+    driver.plan(requests)
+    driver.publish(0)
+    assert driver.ready_prefix([r.key for r in requests[:4]], 4, timeout=10) >= 4
+    time.sleep(0.1)
+    assert engine.loads == [0]  # version 1 is not published yet
+    driver.publish(2)
+    assert driver.ready_prefix([r.key for r in requests], 12, timeout=10) == 12
+    assert engine.loads == [0, 1, 2]  # FakeEngine.start asserts each group ran on its own version
+    driver.close()
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"rollout_max_staleness": 1, "rollout_streaming": False}, "also pass --rollout_streaming true"),
+        ({"filter_groups_enable": False}, "needs filter_groups_enable=true"),
+        ({"rollout_max_staleness": -1}, "rollout_max_staleness=-1 must be >= 0"),
+        ({"rollout_max_staleness": 1, "steps_per_generation": 2}, "one optimizer step per generation batch"),
+        ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server"}, "--vllm_weight_sync shared_storage"),
+        ({"use_vllm": True, "vllm_mode": "colocate"}, "needs a vLLM server"),
+        ({"kl_in_reward": True, "kl_in_reward_controller": "adaptive"}, "kl_in_reward_controller='fixed'"),
+        ({"rollout_max_in_flight_groups": 0}, "rollout_max_in_flight_groups=0 must be >= 1"),
+    ],
+)
+def test_bad_streaming_settings_are_refused_with_the_fix(overrides, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        settings(**overrides)
