@@ -540,6 +540,12 @@ class DAPOConfig(GRPOConfig):
                     "of k steps ago, which the trainer writes to vllm_weight_sync_dir/v<step> (NCCL only pushes the "
                     "current ones)."
                 )
+            if self.use_vllm and not self.vllm_importance_sampling_correction:
+                raise ValueError(
+                    "rollout_max_staleness > 0 trains rows sampled by k-step-old weights: it needs "
+                    "--vllm_importance_sampling_correction true (the truncated weight pi_proximal / pi_behaviour; "
+                    "--vllm_importance_sampling_mode token_truncate is AReaL's decoupled objective)."
+                )
             if self.steps_per_generation != self.gradient_accumulation_steps or self.num_iterations != 1:
                 raise ValueError(
                     "rollout_max_staleness > 0 counts staleness in optimizer steps: it needs one optimizer step per "

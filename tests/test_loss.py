@@ -70,7 +70,8 @@ def token_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
     """An independent forward: the plain model's full logits at `temperature`, log-softmax, the sampled tokens."""
     input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, PROMPT_LEN - 1 : -1] / temperature
+    prompt_len = batch["prompt_ids"].size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_len - 1 : -1] / temperature
     return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
@@ -243,3 +244,44 @@ def test_sequence_parallelism_on_one_process_is_refused_with_the_fix(tmp_path, m
     config = DAPOConfig(**common_args(tmp_path, sequence_parallel_size=2))
     with pytest.raises(ValueError, match=r"sequence_parallel_size=2 does not divide the world size 1.*\[1\]"):
         make_trainer(DAPOTrainer, config, model_dir)
+
+
+def test_off_policy_loss_is_the_decoupled_objective(tmp_path, model_dir):
+    """rollout_max_staleness >= 1 trains rows sampled by older weights: the loss is the clipped ratio against the
+    proximal policy (the weights when the batch is scored, recomputed), times the truncated importance weight
+    min(pi_proximal / pi_behaviour, cap) from the engine's sampling log-probs (AReaL's decoupled PPO, through TRL's
+    vllm_importance_sampling_* with token_truncate). Reference written from the formula, on random inputs."""
+    overrides = {"vllm_importance_sampling_mode": "token_truncate", "vllm_importance_sampling_clip_max": 2.0}
+    trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path, **overrides)), model_dir)
+    trainer.use_vllm = True  # TRL's gate for the importance weight (the engine here is the prepared completions)
+    generator = torch.Generator().manual_seed(3)
+    vocab = trainer.model.config.vocab_size
+    completions = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in
+                   torch.randint(2, COMPLETION_LEN, (ROWS,), generator=generator)]  # fmt: skip
+    rows = [{"prompt": f"What is {i // 4} + 1?", "solution": str(i % 3)} for i in range(ROWS)]
+    centre = -torch.log(torch.tensor(float(vocab))).item()  # about what the random tiny model gives random tokens
+    behaviour = [(centre + 0.8 * torch.randn(len(ids), generator=generator)).tolist() for ids in completions]
+    prepared = {"completion_ids": completions, "logprobs": behaviour}
+    scored = trainer._score_wave(rows, prepared).rows
+    batch = {**scored, "num_items_in_batch": scored["completion_mask"].sum()}
+    batch["advantages"] = torch.tensor([1.5, -1.5, 0.7, -0.7, 1.0, -1.0, 0.3, -2.0])  # both clip sides active
+    with torch.no_grad():
+        proximal = token_logps(trainer.model, batch)
+        for parameter in trainer.model.parameters():  # the optimizer moved the weights since scoring
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+        current = token_logps(trainer.model, batch)
+    got = trainer.compute_loss(trainer.model, dict(batch))
+
+    mask = batch["completion_mask"].bool()
+    behaviour_logps = torch.zeros_like(proximal)
+    for row, values in enumerate(behaviour):
+        behaviour_logps[row, : len(values)] = torch.tensor(values)
+    weight = torch.exp(proximal - behaviour_logps).clamp(max=2.0)
+    ratio = torch.exp(current - proximal)
+    advantage = batch["advantages"][:, None]
+    per_token = -torch.minimum(ratio * advantage, ratio.clamp(1 - 0.2, 1 + 0.28) * advantage) * weight
+    expected = per_token[mask].sum() / mask.sum()
+    torch.testing.assert_close(batch["old_per_token_logps"][mask], proximal[mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.detach(), expected, atol=1e-6, rtol=1e-6)
+    assert (weight[mask] == 2.0).any() and (weight[mask] < 1.0).any()  # the cap binds somewhere, and not everywhere
+    assert ((ratio[mask] > 1.28) | (ratio[mask] < 0.8)).any()  # so does the clip

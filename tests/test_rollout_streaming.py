@@ -212,6 +212,16 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
         ({"rollout_max_staleness": 1, "steps_per_generation": 2}, "one optimizer step per generation batch"),
         ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server"}, "--vllm_weight_sync shared_storage"),
         ({"use_vllm": True, "vllm_mode": "colocate"}, "needs a vLLM server"),
+        (
+            {
+                "rollout_max_staleness": 1,
+                "use_vllm": True,
+                "vllm_mode": "server",
+                "vllm_weight_sync": "shared_storage",
+                "vllm_importance_sampling_correction": False,
+            },
+            "needs --vllm_importance_sampling_correction true",
+        ),
         ({"kl_in_reward": True, "kl_in_reward_controller": "adaptive"}, "kl_in_reward_controller='fixed'"),
         ({"rollout_max_in_flight_groups": 0}, "rollout_max_in_flight_groups=0 must be >= 1"),
     ],
