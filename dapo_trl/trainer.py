@@ -397,9 +397,9 @@ class DAPOTrainer(GRPOTrainer):
             top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
             repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
         )  # fmt: skip
-        _, server_root = rollout_weights_dirs(args)
+        local_root, server_root = rollout_weights_dirs(args)
         return VLLMServerEngine(base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root,
-                                reload_server_weights)  # fmt: skip
+                                reload_server_weights, local_root)  # fmt: skip
 
     def publish_rollout_weights(self, version: int) -> None:
         """Make the current weights (`version` = generation batches trained so far) available to the engine.
@@ -421,7 +421,7 @@ class DAPOTrainer(GRPOTrainer):
         local_root, _ = rollout_weights_dirs(self.args)
         trl_seam.vllm_backend(self).publish_weights(os.path.join(local_root, f"v{version}"))
         if driver is not None:
-            prune_versions(local_root, keep_from=version + 1 - lag)
+            prune_versions(local_root, keep_from=version - lag)  # this batch samples from version - lag
             driver.publish(version)
 
     # --------------------------------------------------------------------------------------------- validation

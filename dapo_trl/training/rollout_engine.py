@@ -119,6 +119,7 @@ class VLLMServerEngine:
         timeout: float,
         weights_server_root: str | Path | None = None,
         reload: Callable[[str, str, float], None] | None = None,
+        weights_local_root: str | Path | None = None,
     ):
         self.base_url = base_url.rstrip("/")
         parsed = urllib.parse.urlparse(self.base_url)
@@ -127,6 +128,7 @@ class VLLMServerEngine:
         self.timeout = timeout
         self.weights_server_root = None if weights_server_root is None else str(weights_server_root)
         self._reload = reload
+        self.weights_local_root = None if weights_local_root is None else Path(weights_local_root)
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight), thread_name_prefix="dapo-rollout")
         self._connections: dict[tuple, http.client.HTTPConnection] = {}
         self._lock = threading.Lock()
@@ -201,6 +203,14 @@ class VLLMServerEngine:
     def load_weights(self, version: int) -> None:
         if self._reload is None or self.weights_server_root is None:
             raise RuntimeError("this VLLMServerEngine was built without a weights directory to reload versions from")
+        local = (
+            None if self.weights_local_root is None else self.weights_local_root / f"v{version}" / "model.safetensors"
+        )
+        if local is not None and not local.exists():  # a reload from a missing directory kills vLLM's engine
+            raise RuntimeError(
+                f"weights version {version} is not in {local.parent}: a resumed run with rollout_max_staleness k "
+                "needs the k versions before its checkpoint (saved in checkpoint/rollout_weights)"
+            )
         self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout)
 
     def close(self) -> None:

@@ -8,9 +8,9 @@ Server mode syncs through shared storage; the server must already run on MODEL_D
 VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE=1.
 After every weight sync the engine's log-probabilities of a fixed token sequence are compared with the trainer
 model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a gap after a sync exceeds 1e-5, or a
-gap before a later sync does not (the weights did not move). `check_syncs=false` just trains. `lora=R` trains a
-LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the engine is the base with the adapter merged,
-and the trainer side of each check is the PEFT model with its adapter on.
+gap before a later sync does not (the weights did not move). `check_syncs=false` just trains (and writes
+OUT/log_history.json). `lora=R` trains a LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the
+engine is the base with the adapter merged, and the trainer side of each check is the PEFT model with its adapter on.
 """
 
 import json
@@ -91,6 +91,8 @@ def main() -> None:
     )  # fmt: skip
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
         trainer.train()
+        if trainer.accelerator.is_main_process:
+            (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         return
     token_ids = trainer.processing_class(CHECK_TEXT).input_ids
     backend = trainer.vllm_generation
