@@ -161,7 +161,7 @@ class VLLMServerEngine:
                 return
             self._connections[request.key] = connection
         try:
-            body = json.dumps(self.sampling.payload(self.model, request))
+            body = json.dumps(self.request_payload(request))
             connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
             answer = connection.getresponse()
             raw = answer.read()
@@ -189,6 +189,10 @@ class VLLMServerEngine:
             connection.close()
         if not cancelled:
             done(request, result)
+
+    def request_payload(self, request: GroupRequest) -> dict[str, Any]:
+        """The JSON body of one group's request (override to change sampling per group)."""
+        return self.sampling.payload(self.model, request)
 
     def cancel(self, request: GroupRequest) -> None:
         with self._lock:

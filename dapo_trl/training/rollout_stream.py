@@ -37,6 +37,7 @@ from .rollout_engine import GroupEngine, GroupRequest, GroupResult
 from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
+AHEAD_FACTOR = 2.0  # with staleness >= 1: the next batch's expected rounds x this are admitted while it trains
 
 
 def group_seed(run_seed: int, key: tuple) -> int:
@@ -356,10 +357,11 @@ class StreamingRollout:
         return batch, metrics
 
     def expected_rounds(self, round_groups: int) -> int:
-        """Rounds the next batch is expected to need at the running keep rate, plus a quarter (how far ahead to
-        admit while the trainer trains), capped by max_filter_gen_batches."""
+        """How many rounds of the next batch to admit while the trainer trains: twice what the running keep rate
+        says it needs (an engine that runs out of work idles until the trainer scores; work past the batch's cut
+        costs only otherwise idle engine time), capped by max_filter_gen_batches."""
         target_groups = round_groups / self.sampler.args.filter_groups_oversample
-        rounds = max(1, math.ceil(1.25 * target_groups / self.keep_rate / round_groups))
+        rounds = max(1, math.ceil(AHEAD_FACTOR * target_groups / self.keep_rate / round_groups))
         cap = self.sampler.args.max_filter_gen_batches
         return min(rounds, cap) if cap else rounds
 

