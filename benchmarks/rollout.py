@@ -220,7 +220,7 @@ def run_worker(args: argparse.Namespace) -> None:
     trainer.add_callback(clock)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "dynamic_sampling/rounds" in entry]
-    record = {"steps": clock.steps, "log": logged}
+    record = {"steps": clock.steps, "log": logged, "generations": group}
     (out / "result.json").write_text(json.dumps(record))
     for engine in (getattr(trainer, "_round_engine", None),):
         if engine is not None:
@@ -278,11 +278,19 @@ def summarise(result: dict, warmup: int) -> dict:
     generate = sum(step["generate"] for step in steps)
     busy = [entry.get("rollout/engine_busy_fraction") for entry in log]
     wait = [entry.get("rollout/trainer_wait_fraction") for entry in log]
-    generated = [entry.get("rollout/generated_tokens") for entry in log]
-    wasted = [  # responses of dropped groups, plus groups generated ahead and thrown away
+    generations = result["generations"]
+
+    def responses_tokens(entry: dict, groups: float) -> float:
+        return entry["completions/mean_length"] * groups * generations
+
+    # Tokens generated but not trained: responses of dropped groups, plus groups generated ahead and thrown away.
+    wasted = [
         entry.get("rollout/discarded_tokens", 0.0)
-        + entry["completions/mean_length"]
-        * (entry["dynamic_sampling/groups_generated"] - entry["dynamic_sampling/groups_kept"])
+        + responses_tokens(entry, entry["dynamic_sampling/groups_generated"] - entry["dynamic_sampling/groups_kept"])
+        for entry in log
+    ]
+    generated = [
+        entry.get("rollout/generated_tokens", responses_tokens(entry, entry["dynamic_sampling/groups_generated"]))
         for entry in log
     ]
     return {
@@ -292,7 +300,7 @@ def summarise(result: dict, warmup: int) -> dict:
         "t_train": (wall - generate) / len(steps),
         "busy": statistics.mean(busy) if None not in busy else sum(step["engine_busy"] for step in steps) / wall,
         "wait": statistics.mean(wait) if None not in wait else generate / wall,
-        "generated_tokens": statistics.mean(generated) if None not in generated else None,
+        "generated_tokens": statistics.mean(generated),
         "rounds": statistics.mean(entry["dynamic_sampling/rounds"] for entry in log),
         "cancelled": statistics.mean(entry.get("rollout/cancelled_groups", 0.0) for entry in log),
         "wasted_tokens": statistics.mean(wasted),
