@@ -57,6 +57,12 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 VLLM_SERVER_HOST="${VLLM_SERVER_HOST:-}"        # set to generate on a separate vLLM server (vllm_mode=server)
 VLLM_SERVER_PORT="${VLLM_SERVER_PORT:-8000}"
+VLLM_WEIGHT_SYNC="${VLLM_WEIGHT_SYNC:-nccl}"    # or shared_storage (VLLM_WEIGHT_SYNC_DIR, default OUTPUT_DIR/vllm_weights)
+VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
+# Streaming rollout (docs/rollout.md; needs the vLLM server): stream dynamic sampling group by group, and generate
+# the next batch while the trainer trains, with weights ROLLOUT_MAX_STALENESS steps old (needs shared_storage sync).
+ROLLOUT_STREAMING="${ROLLOUT_STREAMING:-false}"
+ROLLOUT_MAX_STALENESS="${ROLLOUT_MAX_STALENESS:-0}"
 
 args=(
   --model_name_or_path "$MODEL_PATH" --dataset_name "$DATASET" --output_dir "$OUTPUT_DIR"
@@ -76,7 +82,13 @@ args=(
 [[ -n "$MAX_TOKENS_PER_MICROBATCH" ]] && args+=(--max_tokens_per_microbatch "$MAX_TOKENS_PER_MICROBATCH")
 
 if [[ -n "$VLLM_SERVER_HOST" ]]; then
-  args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT")
+  args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT"
+         --vllm_weight_sync "$VLLM_WEIGHT_SYNC" --rollout_streaming "$ROLLOUT_STREAMING"
+         --rollout_max_staleness "$ROLLOUT_MAX_STALENESS")
+  [[ -n "$VLLM_WEIGHT_SYNC_DIR" ]] && args+=(--vllm_weight_sync_dir "$VLLM_WEIGHT_SYNC_DIR")
+  if [[ "$ROLLOUT_MAX_STALENESS" != "0" ]]; then   # the decoupled objective: truncated per-token weight, cap 2
+    args+=(--vllm_importance_sampling_mode token_truncate --vllm_importance_sampling_clip_max 2.0)
+  fi
 fi
 
 launcher=(accelerate launch)

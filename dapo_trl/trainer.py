@@ -362,11 +362,13 @@ class DAPOTrainer(GRPOTrainer):
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
             * args.filter_groups_oversample // self.num_generations
         )  # fmt: skip
-        driver = None
-        if self.accelerator.is_main_process:
-            engine = self.build_rollout_engine(args.rollout_max_in_flight_groups or round_groups)
-            driver = RolloutDriver(engine, args.rollout_max_in_flight_groups or round_groups, args.vllm_request_timeout)
-            self.add_callback(_CloseRollout(driver))
+        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not (
+            args.use_vllm and args.vllm_mode == "server"
+        ):
+            raise ValueError(
+                "rollout_streaming needs a vLLM server: pass --use_vllm true --vllm_mode server (and the server's "
+                "--vllm_server_host / --vllm_server_port)."
+            )
 
         def broadcast(value: Any) -> Any:
             from accelerate.utils import broadcast_object_list
@@ -375,6 +377,17 @@ class DAPOTrainer(GRPOTrainer):
             if self.accelerator.num_processes > 1:
                 broadcast_object_list(box, from_process=0)
             return box[0]
+
+        driver, error = None, None
+        in_flight = args.rollout_max_in_flight_groups or round_groups
+        if self.accelerator.is_main_process:
+            try:
+                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight, args.vllm_request_timeout)
+                self.add_callback(_CloseRollout(driver))
+            except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
+                error = f"{type(exc).__name__}: {exc}"
+        if (error := broadcast(error)) is not None:
+            raise RuntimeError(f"streaming rollout: could not reach its engine: {error}")
 
         return StreamingRollout(
             self._sampler, driver, lambda prompts: trl_seam.tokenize_prompts(self, prompts), broadcast,
@@ -386,11 +399,6 @@ class DAPOTrainer(GRPOTrainer):
         """The engine streaming dynamic sampling sends group requests to (main process only): the vLLM server of
         `vllm_server_base_url` / `vllm_server_host:port`. Override to stream from another engine."""
         args = self.args
-        if not (args.use_vllm and args.vllm_mode == "server"):
-            raise ValueError(
-                "rollout_streaming needs a vLLM server: pass --use_vllm true --vllm_mode server (and the server's "
-                "--vllm_server_host / --vllm_server_port)."
-            )
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         sampling = SamplingSettings(
             n=self.num_generations, max_tokens=args.max_completion_length, temperature=args.temperature,

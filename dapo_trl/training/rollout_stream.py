@@ -335,7 +335,7 @@ class StreamingRollout:
             self._stream_round(rounds[-1], score_wave, filling)
             if filling.full or not sampler.rounds_left(filling):
                 break
-            rounds.append(self._keyed(self.cursor.take(round_groups)))
+            rounds.append(self._keyed(self._take(round_groups)))
             self._plan_ahead(rounds, round_groups, filling)
         observed = filling.stats["groups_kept"] / max(filling.stats["groups_generated"], 1)
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
@@ -367,14 +367,21 @@ class StreamingRollout:
 
     def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
         if self.lag > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
-            return self._keyed(self.cursor.take(round_groups))
+            return self._keyed(self._take(round_groups))
         loader_rows = self.process.gather_objects(inputs)
         groups = [
             (("batch", self.generation, g), loader_rows[g * self.group_size])
             for g in range(len(loader_rows) // self.group_size)
         ]
         extra = round_groups - len(groups)  # over-sampling: fresh prompts complete the first round
-        return groups + (self._keyed(self.cursor.take(extra)) if extra else [])
+        return groups + (self._keyed(self._take(extra)) if extra else [])
+
+    def _take(self, count: int) -> list[tuple[int, Any]]:
+        """Consume the next `count` prompts of the stream (every process, in lockstep)."""
+        taken = self.cursor.take(count)
+        if not hasattr(self.sampler.dataset, "__len__"):  # an IterableDataset: every process must read the same rows
+            self.sampler.check_processes_agree([item for _, item in taken])
+        return taken
 
     def _keyed(self, drawn: list[tuple[int, Any]]) -> list[tuple[tuple, dict[str, Any]]]:
         dataset, streamed = self.sampler.dataset, not hasattr(self.sampler.dataset, "__len__")

@@ -211,16 +211,18 @@ class DynamicSampler:
         global_rows = local_rows * self.process.count
         drawn = self.stream.draw(global_rows // self.group_size)  # rows of an IterableDataset, else indices
         streamed = isinstance(self.stream, IterablePromptStream)
-        if streamed and not self._checked_agreement:
-            self._check_processes_agree(drawn)
+        if streamed:
+            self.check_processes_agree(drawn)
         start = self.process.index * local_rows
         first_prompt, last_prompt = start // self.group_size, (start + local_rows - 1) // self.group_size
         prompts = {i: drawn[i] if streamed else self.dataset[drawn[i]] for i in range(first_prompt, last_prompt + 1)}
         # One copy per row: TRL may write per-row fields into its input dicts.
         return [dict(prompts[position // self.group_size]) for position in range(start, start + local_rows)]
 
-    def _check_processes_agree(self, drawn: list[dict[str, Any]]) -> None:
-        """Once: every process must have drawn the same rows (the sampler slices the global round by position)."""
+    def check_processes_agree(self, drawn: list[dict[str, Any]]) -> None:
+        """Once: every process must have drawn the same rows of an IterableDataset (rounds are sliced by position)."""
+        if self._checked_agreement:
+            return
         digest = hashlib.sha256(repr(drawn).encode()).hexdigest()
         if len(set(self.process.gather_objects([digest]))) > 1:
             raise RuntimeError(
