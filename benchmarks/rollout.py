@@ -7,8 +7,9 @@ to CPU core 0; each arm's trainer (`DAPOTrainer`, shared-storage weight sync) ru
 `cpu-mid` of `benchmarks/common.py` (hidden 512, 4 layers, random init, the built-in tokenizer; `--model tiny` for the
 170k-parameter built-in one, whose training step takes 0.1 s against 2 s of generation: far more generation-bound
 than runs at scale, where T_gen / T_train is about 1 to 4; cpu-mid puts the round arm at about 2). Every step trains
-the same number of kept groups (`--groups` groups of `--generations` responses); a round is `--groups` prompts. Response lengths are long-tailed and exact per group: a hash of the prompt picks a length
-(80% uniform in [L/8, L/4], 20% uniform in [3L/4, L], L = `--max-tokens`), sent as `max_tokens` with `ignore_eos`.
+the same number of kept groups (`--groups` groups of `--generations` responses); a round is `--groups` prompts.
+Response lengths are long-tailed and exact per group: a hash of the prompt picks a length (80% uniform in
+[L/8, L/4], 20% uniform in [3L/4, L], L = `--max-tokens`), sent as `max_tokens` with `ignore_eos`.
 The reward keeps half of the groups: even-numbered prompts score +1 / -1 alternately within the group (spread, kept),
 odd-numbered ones -1 for every response (dropped).
 
