@@ -114,10 +114,15 @@ def assert_exact_syncs(result: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def shared_server(vllm_venv, model_dir, tmp_path_factory):
-    """One server for the sync tests that leave it running (each run's first sync overwrites what the last left)."""
-    with vllm_server(vllm_venv, model_dir, tmp_path_factory.mktemp("server") / "server.log") as (url, _):
-        yield url
+def server_and_process(vllm_venv, model_dir, tmp_path_factory):
+    """One server for the module (each run's first sync overwrites what the last left); the last test kills it."""
+    with vllm_server(vllm_venv, model_dir, tmp_path_factory.mktemp("server") / "server.log") as (url, process):
+        yield url, process
+
+
+@pytest.fixture
+def shared_server(server_and_process):
+    return server_and_process[0]
 
 
 @pytest.mark.parametrize("lora", [None, 8], ids=["full-model", "lora"])
@@ -166,35 +171,34 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     assert sorted(path.name for path in (out / "vllm_weights").glob("v*")) == ["v1", "v2"]
 
 
-def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, tmp_path):
+def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, server_and_process, tmp_path):
+    """Last in the module: it kills the module's server mid-run."""
     out = tmp_path / "out"
-    with vllm_server(vllm_venv, model_dir, tmp_path / "server.log") as (url, server):
-        command = [
-            f"{vllm_venv}/bin/python",
-            str(SCRIPTS / "vllm_run.py"),
-            "server",
-            str(out),
-            model_dir,
-            url,
-            "check_syncs=false",
-            "max_steps=200",
-            "vllm_request_timeout=20",
-        ]
-        with open(tmp_path / "train.log", "w") as log:
-            trainer = subprocess.Popen(
-                command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT
-            )
-        deadline = time.monotonic() + 300
-        while "'loss'" not in (tmp_path / "train.log").read_text() and time.monotonic() < deadline:
-            assert trainer.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
-            time.sleep(0.5)
-        stop(server)  # the server dies mid-run
-        killed_at = time.monotonic()
-        try:
-            returncode = trainer.wait(120)
-        finally:
-            if trainer.poll() is None:
-                trainer.kill()
+    url, server = server_and_process
+    command = [
+        f"{vllm_venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(out),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "max_steps=200",
+        "vllm_request_timeout=20",
+    ]
+    with open(tmp_path / "train.log", "w") as log:
+        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 300
+    while "'loss'" not in (tmp_path / "train.log").read_text() and time.monotonic() < deadline:
+        assert trainer.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+        time.sleep(0.5)
+    stop(server)  # the server dies mid-run
+    killed_at = time.monotonic()
+    try:
+        returncode = trainer.wait(120)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
     output = (tmp_path / "train.log").read_text()
     assert returncode != 0
     assert time.monotonic() - killed_at < 60, "the trainer must notice a dead server quickly"
