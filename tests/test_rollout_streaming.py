@@ -5,15 +5,18 @@ A deterministic fake engine (tests/scripts/fake_engine.py) stands in for the vLL
 and differently in every run. The batches must not care.
 """
 
+import contextlib
+import http.server
 import json
 import random
+import threading
 import time
 
 import pytest
 import torch
 
 from dapo_trl import DAPOConfig
-from dapo_trl.training.rollout_engine import GroupRequest
+from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMServerEngine
 from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.streams import PromptStream
@@ -227,3 +230,62 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
 def test_bad_streaming_settings_are_refused_with_the_fix(overrides, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         settings(**overrides)
+
+
+# ----------------------------------------------------------------------------------- the vLLM server engine's HTTP
+class FakeCompletions(http.server.BaseHTTPRequestHandler):
+    """`/v1/models` and a slow `/v1/completions` answering `n` choices of 3 tokens; records every request body."""
+
+    bodies: list = []
+
+    def do_GET(self):
+        self._answer({"data": [{"id": "tiny"}]})
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        FakeCompletions.bodies.append(body)
+        time.sleep(0.3)
+        choice = {"token_ids": [5, 6, body["seed"] % 50], "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]}}
+        with contextlib.suppress(OSError):  # a cancelled request's client is gone
+            self._answer({"choices": [choice] * body["n"]})
+
+    def _answer(self, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_server_engine_sends_seeded_groups_and_a_cancelled_key_can_run_again():
+    """Cancelling a running group closes its connection and drops its answer; the same key requested again (the
+    group regenerated under the next weights) runs and answers."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10)
+    answers, finished = [], threading.Event()
+
+    def done(request, result):
+        answers.append((request, result))
+        finished.set()
+
+    first = GroupRequest(("stream", 3), [7, 8], seed=11, version=0)
+    again = GroupRequest(("stream", 3), [7, 8], seed=11, version=1)
+    engine.start(first, done)
+    time.sleep(0.1)
+    engine.cancel(first)
+    engine.start(again, done)
+    assert finished.wait(10)
+    time.sleep(0.5)  # the cancelled one would have answered by now
+    engine.close()
+    server.shutdown()
+    assert [request for request, _ in answers] == [again]
+    result = answers[0][1]
+    assert result.version == 1 and result.completion_ids == [[5, 6, 11]] * GROUP
+    assert result.logprobs[0] == [-0.1, -0.2, -0.3]
+    body = FakeCompletions.bodies[-1]
+    assert (body["prompt"], body["n"], body["seed"], body["max_tokens"]) == ([[7, 8]], GROUP, 11, 8)

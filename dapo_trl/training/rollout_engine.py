@@ -11,6 +11,7 @@ connection, which vLLM answers by aborting the request. Tests plug in a determin
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -103,6 +104,14 @@ class SamplingSettings:
         }
 
 
+@dataclass
+class _Call:
+    """One started request: its connection (once open) and whether it was cancelled."""
+
+    connection: http.client.HTTPConnection | None = None
+    cancelled: bool = False
+
+
 class VLLMServerEngine:
     """Group requests to a `vllm serve` server, each on its own connection (closed to cancel it).
 
@@ -130,9 +139,8 @@ class VLLMServerEngine:
         self._reload = reload
         self.weights_local_root = None if weights_local_root is None else Path(weights_local_root)
         self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight), thread_name_prefix="dapo-rollout")
-        self._connections: dict[tuple, http.client.HTTPConnection] = {}
+        self._calls: dict[int, _Call] = {}  # id(request) -> its connection and whether it was cancelled
         self._lock = threading.Lock()
-        self._cancelled: set[tuple] = set()
         self.model = self._model_name()
 
     def _model_name(self) -> str:
@@ -150,17 +158,20 @@ class VLLMServerEngine:
             connection.close()
 
     def start(self, request: GroupRequest, done: Callback) -> None:
-        self._pool.submit(self._run, request, done)
+        call = _Call()
+        with self._lock:  # by request object: a cancelled group's key is requested again under the next weights
+            self._calls[id(request)] = call
+        self._pool.submit(self._run, request, done, call)
 
-    def _run(self, request: GroupRequest, done: Callback) -> None:
+    def _run(self, request: GroupRequest, done: Callback, call: _Call) -> None:
         start = time.monotonic()
         connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         with self._lock:
-            if request.key in self._cancelled:
-                self._cancelled.discard(request.key)
-                return
-            self._connections[request.key] = connection
+            call.connection = connection
+            cancelled = call.cancelled
         try:
+            if cancelled:
+                return
             body = json.dumps(self.request_payload(request))
             connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
             answer = connection.getresponse()
@@ -168,7 +179,7 @@ class VLLMServerEngine:
             if answer.status != 200:
                 raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {answer.status}: {raw[:2000]!r}")
             choices = json.loads(raw)["choices"]
-            result = GroupResult(
+            result: GroupResult | BaseException = GroupResult(
                 key=request.key,
                 version=request.version,
                 completion_ids=[list(choice["token_ids"]) for choice in choices],
@@ -183,9 +194,8 @@ class VLLMServerEngine:
             )  # fmt: skip
         finally:
             with self._lock:
-                self._connections.pop(request.key, None)
-                cancelled = request.key in self._cancelled
-                self._cancelled.discard(request.key)
+                self._calls.pop(id(request), None)
+                cancelled = call.cancelled
             connection.close()
         if not cancelled:
             done(request, result)
@@ -196,8 +206,11 @@ class VLLMServerEngine:
 
     def cancel(self, request: GroupRequest) -> None:
         with self._lock:
-            self._cancelled.add(request.key)
-            connection = self._connections.get(request.key)
+            call = self._calls.get(id(request))
+            if call is None:
+                return
+            call.cancelled = True
+            connection = call.connection
         if connection is not None and connection.sock is not None:
             try:  # the server sees the client go away and aborts the request (vLLM's with_cancellation)
                 connection.sock.shutdown(socket.SHUT_RDWR)
@@ -219,9 +232,13 @@ class VLLMServerEngine:
 
     def close(self) -> None:
         with self._lock:
-            keys = list(self._connections)
-        for key in keys:
-            self.cancel(GroupRequest(key, [], 0, 0))
+            calls = list(self._calls.values())
+            for call in calls:
+                call.cancelled = True
+        for call in calls:
+            if call.connection is not None and call.connection.sock is not None:
+                with contextlib.suppress(OSError):
+                    call.connection.sock.shutdown(socket.SHUT_RDWR)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
