@@ -311,7 +311,7 @@ class StreamingRollout:
         self.generation = 0  # batches sampled so far
         self.process = sampler.process
         self.group_size = sampler.group_size
-        self.unit = self.process.count // _gcd(self.group_size, self.process.count)  # groups per equal split
+        self.unit = self.process.count // math.gcd(self.group_size, self.process.count)  # groups per equal split
         self.keep_rate = 0.5  # running estimate, for how far ahead to admit (never for what is trained)
         self._wait = 0.0
 
@@ -472,12 +472,6 @@ class StreamingRollout:
             )
         self.cursor.load_state_dict(state["cursor"])
         self.generation = state["generation"]
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
 
 
 def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
