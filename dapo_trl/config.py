@@ -525,8 +525,8 @@ class DAPOConfig(GRPOConfig):
             )
         if self.use_vllm and self.vllm_mode != "server":
             raise ValueError(
-                "rollout_streaming needs a vLLM server (--vllm_mode server): colocate mode shares the device with "
-                "the trainer, so nothing could generate while it trains."
+                "rollout_streaming needs a vLLM server (--vllm_mode server): it does not stream from colocated vLLM "
+                "yet (and overlap never will there: the engine shares the trainer's device)."
             )
         if self.kl_in_reward and self.kl_in_reward_controller == "adaptive":
             raise ValueError(
