@@ -382,7 +382,7 @@ class DAPOTrainer(GRPOTrainer):
         in_flight = args.rollout_max_in_flight_groups or round_groups
         if self.accelerator.is_main_process:
             try:
-                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight, args.vllm_request_timeout)
+                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight)
                 self.add_callback(_CloseRollout(driver))
             except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
                 error = f"{type(exc).__name__}: {exc}"

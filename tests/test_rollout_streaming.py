@@ -123,7 +123,7 @@ def streamed_batches(lag: int, steps: int, timing_seed: int) -> tuple[list[list]
     dataset = [{"prompt": prompt} for prompt in PROMPTS]
     sampler = DynamicSampler(args, dataset, GROUP, {}, shuffle=True)
     engine = FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed, max_delay=0.01)
-    driver = RolloutDriver(engine, max_in_flight=3, request_timeout=30)
+    driver = RolloutDriver(engine, max_in_flight=3)
     rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, lag, 1, wave_timeout=30)
     pace = random.Random(timing_seed)
     out = []
@@ -180,7 +180,7 @@ class FailingEngine(FakeEngine):
 def test_a_failing_engine_stops_sampling_with_its_error():
     args = settings()
     sampler = DynamicSampler(args, [{"prompt": p} for p in PROMPTS], GROUP, {}, shuffle=True)
-    driver = RolloutDriver(FailingEngine(GROUP, EOS, MAX_TOKENS, 0), max_in_flight=2, request_timeout=5)
+    driver = RolloutDriver(FailingEngine(GROUP, EOS, MAX_TOKENS, 0), max_in_flight=2)
     rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=5)
     driver.publish(0)
     started = time.monotonic()
@@ -191,7 +191,7 @@ def test_a_failing_engine_stops_sampling_with_its_error():
 
 def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
     engine = FakeEngine(GROUP, EOS, MAX_TOKENS, 0, max_delay=0.05)
-    driver = RolloutDriver(engine, max_in_flight=4, request_timeout=30)
+    driver = RolloutDriver(engine, max_in_flight=4)
     requests = [GroupRequest(("stream", n), [5, 6], n, version=n // 4) for n in range(12)]
     driver.plan(requests)
     driver.publish(0)

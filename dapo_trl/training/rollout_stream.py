@@ -95,10 +95,9 @@ class RolloutDriver:
     Runs a thread on the main process; `wait` raises the engine's error (a dead server, a timeout) on the caller.
     """
 
-    def __init__(self, engine: GroupEngine, max_in_flight: int, request_timeout: float):
+    def __init__(self, engine: GroupEngine, max_in_flight: int):
         self.engine = engine
         self.max_in_flight = max_in_flight
-        self.request_timeout = request_timeout
         self._planned: deque[GroupRequest] = deque()
         self._in_flight: dict[tuple, GroupRequest] = {}
         self._done: dict[tuple, GroupResult] = {}
@@ -169,10 +168,12 @@ class RolloutDriver:
             return results
 
     def withdraw(self, keep: Callable[[GroupRequest | GroupResult], bool] = lambda request: False) -> None:
-        """Drop every planned, running or finished group that `keep` rejects (running ones are cancelled), and
-        wait until none of the cancelled ones runs any more."""
+        """Drop every planned, running or finished group that `keep` rejects; running ones are cancelled (their
+        answers, if any still come, are ignored)."""
         with self._cond:
-            self._planned = deque(request for request in self._planned if keep(request) or self._forget(request))
+            dropped = [request for request in self._planned if not keep(request)]
+            self._planned = deque(request for request in self._planned if keep(request))
+            self._known.difference_update(request.key for request in dropped)
             for key, result in list(self._done.items()):
                 if not keep(result):
                     del self._done[key]
@@ -187,10 +188,6 @@ class RolloutDriver:
             self._cond.notify_all()
         for request in cancelled:
             self.engine.cancel(request)
-
-    def _forget(self, request: GroupRequest) -> bool:
-        self._known.discard(request.key)
-        return False
 
     def take_metrics(self) -> DriverStats:
         with self._cond:
