@@ -89,6 +89,8 @@ class DAPOTrainer(GRPOTrainer):
                 **kwargs,
             )
         trl_seam.check_trainer_attributes(self)
+        if args.use_vllm:
+            trl_seam.check_trainer_attributes(self, trl_seam.VLLM_INSTANCE_ATTRIBUTES)
         if needs_own_reference(args, self.ref_model, self.model):  # KL in the reward without TRL's KL loss
             self.ref_model = build_reference_model(self, kwargs.get("quantization_config"))
         self.accuracy_reward_index = args.accuracy_reward_index(self.reward_func_names)
@@ -279,15 +281,16 @@ class DAPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if self._prepared_completions is not None:  # a streamed wave: the engine already sampled these rows
-            prepared = self._prepared_completions
+        if self._prepared_completions is not None:  # a streamed wave's first turn: the engine sampled these rows
+            prepared, self._prepared_completions = self._prepared_completions, None  # later turns: TRL's generation
             if len(prepared["completion_ids"]) != len(prompt_ids):
                 raise RuntimeError(
                     f"streaming rollout prepared {len(prepared['completion_ids'])} completions for "
                     f"{len(prompt_ids)} prompts"
                 )
-            return prepared["completion_ids"], prepared["logprobs"]
-        completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+            completion_ids, logprobs = prepared["completion_ids"], prepared["logprobs"]
+        else:
+            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
         return completion_ids, logprobs
 
@@ -353,10 +356,10 @@ class DAPOTrainer(GRPOTrainer):
             self._prepared_completions = None
 
     def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
-        if self.tools or getattr(self, "environment_factories", None):
+        if getattr(self, "environment_factories", None):
             raise ValueError(
-                "rollout_streaming does not run the tool loop yet (each group is one engine request): turn it off "
-                "for tool use."
+                "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
+                "environment's tools as tools=[...] (the tool loop streams)."
             )
         round_groups = (
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
@@ -421,6 +424,9 @@ class DAPOTrainer(GRPOTrainer):
             if driver is not None:
                 driver.publish(version)
             return
+        # The engine gets this batch's weights below: the later turns of a tool loop (TRL's generation, on the same
+        # engine) must sample with them, so TRL must not sync the current ones.
+        trl_seam.set_weights_loaded(self, True)
         if lag == 0:
             trl_seam.vllm_backend(self).sync_weights()
             if driver is not None:
@@ -441,6 +447,7 @@ class DAPOTrainer(GRPOTrainer):
         if driver is not None:  # evaluation syncs and samples the current weights: nothing streamed may run
             driver.withdraw()
             driver.loaded_externally(None)
+            trl_seam.set_weights_loaded(self, False)  # the engine may hold an older version: TRL syncs
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing

@@ -53,13 +53,15 @@ def rollout_metrics(out) -> list[dict]:
 @pytest.mark.e2e
 def test_streaming_gives_the_batches_of_rounds(tmp_path):
     """k = 0: groups finish in any order, yet every step trains exactly the batch rounds would (same prompts, same
-    completions, same advantages), streamed on two processes against rounds on one."""
-    train(tmp_path / "rounds", 3)
-    train(tmp_path / "stream", 3, "rollout_streaming=true", "timing_seed=2", processes=2, per_device=4)
+    completions, same advantages), streamed on two processes against rounds on one. With tools: half of the first
+    turns call a tool, and TRL's tool loop runs the call and the next turn after each streamed wave as after a round."""
+    train(tmp_path / "rounds", 3, "tools=true")
+    train(tmp_path / "stream", 3, "tools=true", "rollout_streaming=true", "timing_seed=2", processes=2, per_device=4)
     rounds = batches(tmp_path / "rounds")
     assert sorted(rounds) == [0, 1, 2] and all(len(rows) == 8 for rows in rounds.values())
     assert batches(tmp_path / "stream", processes=2) == rounds
     metrics = rollout_metrics(tmp_path / "stream")
+    assert all(0 < entry["tools/call_frequency"] < 1 for entry in metrics)  # the loop ran, on some rows
     assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 0, 0]
     assert sum(entry["dynamic_sampling/rounds"] for entry in metrics) > 3  # extra rounds were streamed
     assert all(0 < entry["rollout/engine_busy_fraction"] <= 1 for entry in metrics)

@@ -159,7 +159,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsaved to {training_args.output_dir}")
         if script_args.plot:
             write_charts(training_args.output_dir, trainer.state.log_history)
+    leave_together(trainer.accelerator)
     return 0
+
+
+def leave_together(accelerator: Any) -> None:
+    """Every process waits for the others, then the process groups are torn down (Accelerate's `end_training`).
+
+    A process that exits while a peer is still saving can abort after a run that succeeded ("terminate called
+    without an active exception": a gloo worker thread finishing its last collective needs the GIL while the
+    interpreter shuts down), which `accelerate launch` reports as a failed run.
+    """
+    import gc
+
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+    accelerator.end_training()
+    gc.collect()  # sub-groups (sequence parallelism) still referenced by the trainer go with it, threads joined
 
 
 if __name__ == "__main__":

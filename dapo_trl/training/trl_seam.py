@@ -69,6 +69,10 @@ INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "num_generations_eval", "w: validation samples eval_num_samples per prompt"),
     PrivateName(_GRPO, "max_completion_length", "w: validation's eval_max_new_tokens (the tool loop's budget)"),
 )
+# Instance attributes of a GRPOTrainer built with use_vllm.
+VLLM_INSTANCE_ATTRIBUTES = (
+    PrivateName(_GRPO, "_last_loaded_step", "w: streaming rollout loads the engine's weights itself (not TRL's sync)"),
+)
 # Written per batch by TRL's `_generate_and_score_completions`; validation sets them before calling `_generate`.
 PER_BATCH_ATTRIBUTES = (
     PrivateName(_GRPO, "_sync_tool_dicts", "w: validation's per-rollout tool tables"),
@@ -225,6 +229,12 @@ def tokenize_prompts(trainer: Any, prompts: list[Any]) -> list[list[int]]:
 def vllm_backend(trainer: Any) -> Any:
     """GRPOTrainer's vLLM generation backend (`vllm_generation`, built with use_vllm: ours from `vllm_backends`)."""
     return trainer.vllm_generation
+
+
+def set_weights_loaded(trainer: Any, loaded: bool) -> None:
+    """Tell TRL whether its vLLM engine holds the weights its next generation must use (this step's): if not, it
+    syncs them first. Streaming rollout loads the engine's weights itself, by version."""
+    trainer._last_loaded_step = trainer.state.global_step if loaded else -1
 
 
 def micro_step(trainer: Any) -> int:

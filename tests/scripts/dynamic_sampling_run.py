@@ -54,7 +54,7 @@ def known_difficulty_reward(prompts, completions, completion_ids, trainer_state=
         return [-1.0] * len(prompts)
     rewards = []
     for index, (prompt, ids) in enumerate(zip(prompts, completion_ids, strict=True)):
-        kind = prompt.split()[0]
+        kind = (prompt if isinstance(prompt, str) else prompt[-1]["content"]).split()[0]  # text or chat prompts
         parity = sum(ids) if SCRIPT_OPTIONS["reward"] == "ids" else index
         rewards.append(1.0 if kind == "easy" else -1.0 if kind == "hard" else (1.0 if parity % 2 == 0 else -1.0))
     return rewards

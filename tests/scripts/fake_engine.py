@@ -18,22 +18,29 @@ from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
 COMPLETION_TOKENS = range(10, 60)
 
 
-def fake_completion(prompt_ids: list[int], version: int, index: int, eos_id: int, max_tokens: int):
-    """(token ids, log-probs) of completion `index` of a prompt under weights `version`."""
+def fake_completion(prompt_ids: list[int], version: int, index: int, eos_id: int, max_tokens: int,
+                    tool_call_ids: list[int] | None = None):  # fmt: skip
+    """(token ids, log-probs) of completion `index` of a prompt under weights `version`; with `tool_call_ids`, half
+    of the completions are that tool call."""
     digest = hashlib.sha256(repr((list(prompt_ids), version, index)).encode()).digest()
+    if tool_call_ids is not None and digest[30] % 2 == 0:
+        return list(tool_call_ids), [-0.1] * len(tool_call_ids)
     length = 2 + digest[0] % (max_tokens - 1)
-    ids = [COMPLETION_TOKENS[digest[1 + k] % len(COMPLETION_TOKENS)] for k in range(length)]
+    data = digest + b"".join(hashlib.sha256(digest + bytes([k])).digest() for k in range(max_tokens // 32 + 1))
+    ids = [COMPLETION_TOKENS[data[1 + k] % len(COMPLETION_TOKENS)] for k in range(length)]
     if digest[31] % 3:  # two thirds end with EOS, the others are truncated
         ids[-1] = eos_id
-    logprobs = [-0.05 - (digest[1 + k] % 7) / 10 for k in range(length)]
+    logprobs = [-0.05 - (data[1 + k] % 7) / 10 for k in range(length)]
     return ids, logprobs
 
 
 class FakeEngine:
     """`GroupEngine` protocol; `loads` records every weights version loaded, `max_seen_in_flight` the concurrency."""
 
-    def __init__(self, group_size: int, eos_id: int, max_tokens: int, timing_seed: int, max_delay: float = 0.03):
+    def __init__(self, group_size: int, eos_id: int, max_tokens: int, timing_seed: int, max_delay: float = 0.03,
+                 tool_call_ids: list[int] | None = None):  # fmt: skip
         self.group_size, self.eos_id, self.max_tokens = group_size, eos_id, max_tokens
+        self.tool_call_ids = tool_call_ids
         self.version: int | None = None
         self.loads: list[int] = []
         self.rng = random.Random(timing_seed)
@@ -55,7 +62,7 @@ class FakeEngine:
     def _run(self, request: GroupRequest, done, delay: float) -> None:
         time.sleep(delay)
         pairs = [
-            fake_completion(request.prompt_ids, request.version, i, self.eos_id, self.max_tokens)
+            fake_completion(request.prompt_ids, request.version, i, self.eos_id, self.max_tokens, self.tool_call_ids)
             for i in range(self.group_size)
         ]
         with self.lock:

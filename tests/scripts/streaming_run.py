@@ -1,8 +1,10 @@
 """dynamic_sampling_run.py's training, with generation by a deterministic fake engine (tests/scripts/fake_engine.py):
 streamed (`rollout_streaming=true`, the fake engine in place of the vLLM server) or round by round (the same fake
 completions returned where TRL would generate). Same usage and outputs as dynamic_sampling_run.py, plus the script
-options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), resume and
-crash_after_save (the process dies right after writing that step's checkpoint).
+options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), resume,
+crash_after_save (the process dies right after writing that step's checkpoint) and tools=true (chat prompts, a Hermes
+`add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
+the same fake generation answers).
 """
 
 import json
@@ -20,28 +22,45 @@ from dynamic_sampling_run import (
 )
 from fake_engine import FakeEngine, fake_completion
 from script_args import leave_together, parse_overrides
+from transformers import AutoTokenizer
+from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03}
+TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
 
 
 class FakeGenerationTrainer(RecordingTrainer):
+    @property
+    def tool_call_ids(self) -> list[int] | None:
+        return self.processing_class(TOOL_CALL, add_special_tokens=False)["input_ids"] if self.tools else None
+
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
         timing = ENGINE["timing_seed"], ENGINE["engine_delay"]
-        self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing)
+        self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
         return self.fake_engine
 
-    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
         if self._prepared_completions is not None:  # streamed: the fake engine sampled them
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
+            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs)
         version = self.state.global_step  # rounds: the weights TRL would have synced
         first_row = self.accelerator.process_index * len(prompt_ids)  # groups are contiguous in the global rows
         pairs = [
             fake_completion(ids, version, (first_row + row) % num_generations, self.processing_class.eos_token_id,
-                            self.args.max_completion_length)
+                            self.args.max_completion_length, self.tool_call_ids)
             for row, ids in enumerate(prompt_ids)
         ]  # fmt: skip
         return [ids for ids, _ in pairs], [logprobs for _, logprobs in pairs]
@@ -54,6 +73,7 @@ def main() -> None:
     crash_after = overrides.pop("crash_after_save", None)
     for option in ENGINE:
         ENGINE[option] = overrides.pop(option, ENGINE[option])
+    with_tools = overrides.pop("tools", False)
     SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
@@ -63,12 +83,20 @@ def main() -> None:
         activation_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
         seed=0,
     )  # fmt: skip
+    dataset, tokenizer, tools, model = difficulty_dataset(0.5), None, None, build_tiny_model(out.parent / "tiny")
+    if with_tools:  # the first turn's tool call and its reply fit; at most two tool rounds
+        settings.update(max_completion_length=96, max_tool_calling_iterations=2)
+        dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
+        tokenizer, tools = AutoTokenizer.from_pretrained(model), [add]
+        tokenizer.chat_template = qwen2_5_chat_template
     settings.update(overrides)
     trainer = FakeGenerationTrainer(
-        model=str(build_tiny_model(out.parent / "tiny")),
+        model=str(model),
         reward_funcs=[known_difficulty_reward, id_shaping],
         args=DAPOConfig(**settings),
-        train_dataset=difficulty_dataset(0.5),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        tools=tools,
     )
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
