@@ -523,11 +523,22 @@ class DAPOConfig(GRPOConfig):
                 "rollout_streaming streams dynamic sampling's rounds: it needs filter_groups_enable=true "
                 "(without dynamic sampling a step is one generation request already)."
             )
-        if self.use_vllm and self.vllm_mode != "server":
-            raise ValueError(
-                "rollout_streaming needs a vLLM server (--vllm_mode server): it does not stream from colocated vLLM "
-                "yet (and overlap never will there: the engine shares the trainer's device)."
-            )
+        if self.use_vllm and self.vllm_mode == "colocate":
+            if self.rollout_max_staleness > 0:
+                raise ValueError(
+                    "rollout_max_staleness > 0 generates while the trainer trains, which needs the engine on devices "
+                    "of its own: use a vLLM server (--vllm_mode server), or rollout_max_staleness 0 with colocate."
+                )
+            if self.vllm_enable_sleep_mode:
+                raise ValueError(
+                    "rollout_streaming with colocated vLLM keeps the engine awake while a batch streams: turn "
+                    "--vllm_enable_sleep_mode off, or stream from a vLLM server (--vllm_mode server)."
+                )
+            if self.vllm_tensor_parallel_size > 1:
+                raise ValueError(
+                    "rollout_streaming with colocated vLLM drives one engine per process, and a tensor-parallel "
+                    "engine spans processes: use --vllm_tensor_parallel_size 1, or a vLLM server (--vllm_mode server)."
+                )
         if self.kl_in_reward and self.kl_in_reward_controller == "adaptive":
             raise ValueError(
                 "rollout_streaming scores each round in parts as they finish, and the adaptive KL controller would "

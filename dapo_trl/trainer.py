@@ -34,7 +34,7 @@ from .training.batching import (
 )
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
-from .training.rollout_engine import GroupEngine, SamplingSettings, VLLMServerEngine
+from .training.rollout_engine import GroupEngine, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE, RolloutDriver, StreamingRollout, driver_metrics
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
@@ -365,12 +365,16 @@ class DAPOTrainer(GRPOTrainer):
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
             * args.filter_groups_oversample // self.num_generations
         )  # fmt: skip
-        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not (
-            args.use_vllm and args.vllm_mode == "server"
-        ):
+        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
             raise ValueError(
-                "rollout_streaming needs a vLLM server: pass --use_vllm true --vllm_mode server (and the server's "
-                "--vllm_server_host / --vllm_server_port)."
+                "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
+                "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
+            )
+        if self.colocated_rollout_engines and self.tools:
+            raise ValueError(
+                "rollout_streaming with colocated vLLM cannot run the tool loop: TRL generates a tool call's next turn "
+                "on the same in-process engine the stream is using. Stream from a vLLM server (--vllm_mode server), "
+                "or turn rollout_streaming off."
             )
 
         def broadcast(value: Any) -> Any:
@@ -383,31 +387,41 @@ class DAPOTrainer(GRPOTrainer):
 
         driver, error = None, None
         in_flight = args.rollout_max_in_flight_groups or round_groups
-        if self.accelerator.is_main_process:
+        if self.accelerator.is_main_process or self.colocated_rollout_engines:
             try:
                 driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight)
                 self.add_callback(_CloseRollout(driver))
             except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
                 error = f"{type(exc).__name__}: {exc}"
-        if (error := broadcast(error)) is not None:
-            raise RuntimeError(f"streaming rollout: could not reach its engine: {error}")
+        errors = [error for error in self._sampler.process.gather_objects([error]) if error is not None]
+        if errors:
+            raise RuntimeError(f"streaming rollout: could not reach its engine: {errors[0]}")
 
         return StreamingRollout(
             self._sampler, driver, lambda prompts: trl_seam.tokenize_prompts(self, prompts), broadcast,
             lag=args.rollout_max_staleness, lookahead_rounds=args.rollout_lookahead_rounds,
-            wave_timeout=2 * args.vllm_request_timeout + 60,
+            wave_timeout=2 * args.vllm_request_timeout + 60, engine_per_process=self.colocated_rollout_engines,
         )  # fmt: skip
 
+    @property
+    def colocated_rollout_engines(self) -> bool:
+        """Whether streaming drives an engine on every process (colocated vLLM) rather than one for all (a server)."""
+        return self.args.use_vllm and self.args.vllm_mode == "colocate"
+
     def build_rollout_engine(self, max_in_flight: int) -> GroupEngine:
-        """The engine streaming dynamic sampling sends group requests to (main process only): the vLLM server of
-        `vllm_server_base_url` / `vllm_server_host:port`. Override to stream from another engine."""
+        """The engine streaming dynamic sampling sends group requests to: the vLLM server of `vllm_server_base_url`
+        / `vllm_server_host:port` (built on the main process only), or with colocated vLLM this process's in-process
+        engine (built on every process: `colocated_rollout_engines`). Override to stream from another engine (main
+        process only)."""
         args = self.args
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         sampling = SamplingSettings(
             n=self.num_generations, max_tokens=args.max_completion_length, temperature=args.temperature,
             top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
             repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
         )  # fmt: skip
+        if self.colocated_rollout_engines:
+            return VLLMColocateEngine(trl_seam.vllm_backend(self).llm, sampling, args.vllm_request_timeout)
+        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         local_root, server_root = rollout_weights_dirs(args)
         return VLLMServerEngine(base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root,
                                 reload_server_weights, local_root)  # fmt: skip
@@ -428,6 +442,7 @@ class DAPOTrainer(GRPOTrainer):
         # engine) must sample with them, so TRL must not sync the current ones.
         trl_seam.set_weights_loaded(self, True)
         if lag == 0:
+            self._wait_for_colocated_engine()  # the trainer may use it only while no streamed request runs
             trl_seam.vllm_backend(self).sync_weights()
             if driver is not None:
                 driver.loaded_externally(version)
@@ -437,6 +452,13 @@ class DAPOTrainer(GRPOTrainer):
         if driver is not None:
             prune_versions(local_root, keep_from=version - lag)  # this batch samples from version - lag
             driver.publish(version)
+
+    def _wait_for_colocated_engine(self) -> None:
+        """Return once this process's colocated engine runs nothing streamed (after `withdraw`): TRL's weight sync
+        and TRL's own generation use the same engine from this thread, and vLLM's engine is not thread-safe."""
+        driver = None if self._rollout is None else self._rollout.driver
+        if driver is not None and isinstance(driver.engine, VLLMColocateEngine):
+            driver.engine.wait_idle()
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -448,6 +470,7 @@ class DAPOTrainer(GRPOTrainer):
             driver.withdraw()
             driver.loaded_externally(None)
             trl_seam.set_weights_loaded(self, False)  # the engine may hold an older version: TRL syncs
+            self._wait_for_colocated_engine()
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing

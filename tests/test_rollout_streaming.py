@@ -60,6 +60,10 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
     rounds = batches(tmp_path / "rounds")
     assert sorted(rounds) == [0, 1, 2] and all(len(rows) == 8 for rows in rounds.values())
     assert batches(tmp_path / "stream", processes=2) == rounds
+    # As with colocated vLLM: an engine on every process, each generating the groups it owns, waves gathered.
+    train(tmp_path / "spread", 3, "rollout_streaming=true", "engine_per_process=true", processes=2, per_device=4)
+    train(tmp_path / "plain", 3)
+    assert batches(tmp_path / "spread", processes=2) == batches(tmp_path / "plain")
     metrics = rollout_metrics(tmp_path / "stream")
     assert all(0 < entry["tools/call_frequency"] < 1 for entry in metrics)  # the loop ran, on some rows
     assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 0, 0]
@@ -214,7 +218,9 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
         ({"rollout_max_staleness": -1}, "rollout_max_staleness=-1 must be >= 0"),
         ({"rollout_max_staleness": 1, "steps_per_generation": 2}, "one optimizer step per generation batch"),
         ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server"}, "--vllm_weight_sync shared_storage"),
-        ({"use_vllm": True, "vllm_mode": "colocate"}, "needs a vLLM server"),
+        ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "colocate"}, "devices of its own"),
+        ({"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": True}, "--vllm_enable_sleep_mode off"),
+        ({"use_vllm": True, "vllm_mode": "colocate", "vllm_tensor_parallel_size": 2}, "--vllm_tensor_parallel_size 1"),
         (
             {
                 "rollout_max_staleness": 1,

@@ -15,6 +15,7 @@ import contextlib
 import http.client
 import json
 import logging
+import math
 import socket
 import threading
 import time
@@ -249,3 +250,152 @@ def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:
     if values is None:
         raise ValueError("the vLLM server returned no token log-probs (needs logprobs=0 support)")
     return [float("-inf") if value is None else float(value) for value in values]
+
+
+class VLLMColocateEngine:
+    """Group requests to the in-process vLLM engine of colocate mode (`LLM.llm_engine`), one engine request per group
+    (`n` completions, the group's seed), stepped by a thread of its own while any runs.
+
+    vLLM's engine is not thread-safe, so every call to it happens on that thread; `wait_idle` returns once nothing
+    runs there, after which the trainer may use the engine itself (TRL's weight sync, TRL's own generation). Weights
+    are loaded by the trainer that way (synchronous streaming), never through `load_weights`.
+    """
+
+    def __init__(self, llm: Any, sampling: SamplingSettings, timeout: float):
+        from vllm import SamplingParams
+
+        self._engine = llm.llm_engine
+        self._params = SamplingParams
+        self.sampling = sampling
+        self.timeout = timeout
+        self._pending: list[tuple[str, GroupRequest, Callback | None]] = []  # ("start" | "abort", request, done)
+        self._running: dict[str, tuple[GroupRequest, Callback, float]] = {}  # engine request id -> request, done
+        self._next_id = 0
+        self._stepping = False
+        self._closed = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._step_loop, name="dapo-colocate-engine", daemon=True)
+        self._thread.start()
+
+    def sampling_params(self, request: GroupRequest) -> Any:
+        """vLLM's SamplingParams of one group (the settings TRL's colocate mode uses, `n` and the group's seed)."""
+        s = self.sampling
+        return self._params(
+            n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, logprobs=0, **s.extra, seed=request.seed,
+        )  # fmt: skip
+
+    def start(self, request: GroupRequest, done: Callback) -> None:
+        with self._cond:
+            self._pending.append(("start", request, done))
+            self._cond.notify_all()
+
+    def cancel(self, request: GroupRequest) -> None:
+        with self._cond:
+            self._pending.append(("abort", request, None))
+            self._cond.notify_all()
+
+    def load_weights(self, version: int) -> None:
+        raise RuntimeError(
+            "the colocated engine's weights are synced by the trainer (rollout_max_staleness 0), not loaded by version"
+        )
+
+    def wait_idle(self) -> None:
+        """Block until no request runs and the stepping thread is parked (cancel everything first)."""
+        deadline = time.monotonic() + self.timeout
+        with self._cond:
+            while self._pending or self._running or self._stepping:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"the colocated vLLM engine did not drain within {self.timeout:g} s")
+                self._cond.wait(min(remaining, 1.0))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self.timeout)
+
+    # ---------------------------------------------------------------------------------------------- the thread
+    def _step_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._closed or self._pending or self._running):
+                    self._cond.wait()
+                if self._closed:
+                    aborted = list(self._running)
+                    self._running.clear()
+                    if aborted:
+                        self._engine.abort_request(aborted)
+                    self._cond.notify_all()
+                    return
+                operations, self._pending = self._pending, []
+                self._stepping = True
+            try:
+                self._apply(operations)
+                if self._engine.has_unfinished_requests():
+                    finished = self._finished(self._engine.step())
+                elif self._running:
+                    raise RuntimeError(f"{len(self._running)} requests vanished from the engine")
+                else:
+                    finished = []
+            except Exception as exc:  # noqa: BLE001 - every running group fails with it; the driver raises it
+                with self._cond:
+                    failed, self._running = list(self._running.values()), {}
+                    self._stepping = False
+                    self._cond.notify_all()
+                for request, done, _ in failed:
+                    done(request, RuntimeError(f"the colocated vLLM engine failed: {type(exc).__name__}: {exc}"))
+                continue
+            with self._cond:
+                self._stepping = False
+                self._cond.notify_all()
+            for request, done, result in finished:
+                done(request, result)
+
+    def _apply(self, operations: list[tuple[str, GroupRequest, Callback | None]]) -> None:
+        """Add started groups to the engine and abort cancelled ones (on the stepping thread)."""
+        aborted = []
+        for operation, request, done in operations:
+            with self._cond:
+                if operation == "abort":
+                    ids = [rid for rid, (running, _, _) in self._running.items() if running is request]
+                    for rid in ids:
+                        del self._running[rid]
+                    aborted += ids
+                    continue
+                rid = f"dapo-group-{self._next_id}"
+                self._next_id += 1
+                self._running[rid] = (request, done, time.monotonic())
+            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, self.sampling_params(request))
+        if aborted:
+            self._engine.abort_request(aborted)
+
+    def _finished(self, outputs: list[Any]) -> list[tuple[GroupRequest, Callback, GroupResult]]:
+        finished = []
+        with self._cond:
+            for output in outputs:
+                if not output.finished or output.request_id not in self._running:
+                    continue  # still running, or aborted meanwhile
+                request, done, started = self._running.pop(output.request_id)
+                completions = sorted(output.outputs, key=lambda completion: completion.index)
+                result = GroupResult(
+                    key=request.key, version=request.version,
+                    completion_ids=[list(completion.token_ids) for completion in completions],
+                    logprobs=[_sampled_token_logprobs(completion) for completion in completions],
+                    seconds=time.monotonic() - started,
+                )  # fmt: skip
+                finished.append((request, done, result))
+        return finished
+
+
+def _sampled_token_logprobs(completion: Any) -> list[float]:
+    """The sampled tokens' log-probs of one vLLM CompletionOutput (`logprobs=0`: each position holds the sampled
+    token, and with processed log-probs possibly others)."""
+    if completion.logprobs is None:
+        raise ValueError("the colocated vLLM engine returned no log-probs (SamplingParams logprobs=0)")
+    values = []
+    for token_id, position in zip(completion.token_ids, completion.logprobs, strict=True):
+        logprob = position[token_id].logprob
+        values.append(float("-inf") if logprob is None or math.isnan(logprob) else float(logprob))
+    return values

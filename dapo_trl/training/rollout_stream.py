@@ -16,8 +16,10 @@ depends only on the prompt stream, the per-group seeds and the weights, never on
   cancelled and regenerated with the same seed under the next batch's weights: every trained row is exactly `lag`
   steps old (carried surplus one more, as in rounds), and a resumed run regenerates them identically.
 
-Only the main process talks to the engine (`RolloutDriver`, a background thread); it broadcasts each scored part's
-completions, and every process scores the same rows, so all take the same decisions, as with rounds.
+With a vLLM server only the main process talks to the engine (`RolloutDriver`, a background thread); it broadcasts
+each scored part's completions. With colocated vLLM every process drives its own engine with the groups it owns
+(every P-th of the stream) and the finished groups are gathered. Either way every process scores the same rows, so
+all take the same decisions, as with rounds.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .rollout_engine import GroupEngine, GroupRequest, GroupResult
 from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
+SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
 AHEAD_FACTOR = 2.0  # with staleness >= 1: the next batch's expected rounds x this are admitted while it trains
 
 
@@ -161,6 +164,19 @@ class RolloutDriver:
                     )
                 self._cond.wait(min(remaining, 1.0))
 
+    def done_among(self, keys: list[tuple], timeout: float) -> set[tuple]:
+        """The keys of `keys` that are done, after waiting up to `timeout` for the first one that is not (if any)."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise RuntimeError(f"generation failed: {self._error}") from self._error
+                waiting = next((key for key in keys if key not in self._done), None)
+                remaining = deadline - time.monotonic()
+                if waiting is None or remaining <= 0:
+                    return {key for key in keys if key in self._done}
+                self._cond.wait(remaining)
+
     def take(self, keys: list[tuple]) -> list[GroupResult]:
         with self._cond:
             results = [self._done.pop(key) for key in keys]
@@ -283,9 +299,11 @@ WaveScorer = Callable[[list[dict[str, Any]], dict[str, list]], ScoredRound]
 
 
 class StreamingRollout:
-    """`DynamicSampler`'s rounds, streamed (see the module docstring). Every process builds one; only the main
-    process has a `driver`. `tokenize(prompts)` gives prompt token ids as TRL tokenizes them; `broadcast(obj)`
-    returns the main process's object on every process."""
+    """`DynamicSampler`'s rounds, streamed (see the module docstring). Every process builds one. With one engine
+    (a vLLM server) only the main process has a `driver` and broadcasts each wave; with `engine_per_process`
+    (colocated vLLM) every process drives its own engine with the groups it owns (`owns`), and the finished groups
+    are gathered. `tokenize(prompts)` gives prompt token ids as TRL tokenizes them; `broadcast(obj)` returns the main
+    process's object on every process."""
 
     def __init__(
         self,
@@ -296,8 +314,10 @@ class StreamingRollout:
         lag: int,
         lookahead_rounds: int,
         wave_timeout: float,
+        engine_per_process: bool = False,
     ):
         self.sampler = sampler
+        self.engine_per_process = engine_per_process
         self.driver = driver
         self.tokenize = tokenize
         self.broadcast = broadcast
@@ -399,7 +419,7 @@ class StreamingRollout:
 
     def _plan(self, groups: list[tuple[tuple, dict[str, Any]]]) -> None:
         known = self.driver.planned_keys()
-        fresh = [(key, row) for key, row in groups if key not in known]
+        fresh = [(key, row) for key, row in groups if key not in known and self.owns(key)]
         if not fresh:
             return
         prompt_ids = self.tokenize([row["prompt"] for _, row in fresh])
@@ -422,9 +442,17 @@ class StreamingRollout:
                 filling.stats["groups_cancelled"] += len(groups) - start
                 break
 
+    def owns(self, key: tuple) -> bool:
+        """Whether this process's engine generates the group at `key` (with one engine: the main process, all)."""
+        if not self.engine_per_process:
+            return True
+        return key[-1] % self.process.count == self.process.index  # the n-th of the stream / g-th of the batch
+
     def _next_wave(self, keys: list[tuple]) -> Wave:
         """Main: wait for the next in-order finished groups (a multiple of `unit`, or the round's rest). Every
         process: receive them."""
+        if self.engine_per_process:
+            return self._next_spread_wave(keys)
         wave = None
         if self.driver is not None:
             try:
@@ -440,6 +468,41 @@ class StreamingRollout:
         if wave.error is not None:
             raise RuntimeError(f"streaming rollout stopped: {wave.error}")
         return wave
+
+    def _next_spread_wave(self, keys: list[tuple]) -> Wave:
+        """Every process reports which of its groups are done until the in-order prefix of `keys` holds a wave,
+        then the processes' results in it are gathered. The main process's clock decides a timeout, so all stop."""
+        started = time.monotonic()
+        minimum = min(self.unit, len(keys))
+        mine = [key for key in keys if self.owns(key)]
+        while True:
+            try:
+                done, error = self.driver.done_among(mine, SPREAD_POLL_SECONDS), None
+            except Exception as exc:  # noqa: BLE001 - every process raises it below
+                done, error = set(), f"{type(exc).__name__}: {exc}"
+            timed_out = time.monotonic() - started > self.wave_timeout
+            reports = self.process.gather_objects([(done, error, timed_out)])
+            errors = [error for _, error, _ in reports if error is not None]
+            if errors:
+                raise RuntimeError(f"streaming rollout stopped: {errors[0]}")
+            finished = set().union(*(done for done, _, _ in reports))
+            ready = 0
+            while ready < len(keys) and keys[ready] in finished:
+                ready += 1
+            if ready >= minimum:
+                break
+            if reports[0][2]:
+                raise RuntimeError(
+                    f"streaming rollout stopped: no generated group arrived for {self.wave_timeout:g} s (the "
+                    "colocated vLLM engines are stuck or too slow; raise vllm_request_timeout if just slow)"
+                )
+            if len(done) == len(mine):  # this engine is ahead: wait for the others without spinning
+                time.sleep(SPREAD_POLL_SECONDS)
+        count = ready if ready == len(keys) else ready - ready % self.unit
+        own = self.driver.take([key for key in keys[:count] if self.owns(key)])
+        results = {result.key: result for part in self.process.gather_objects([own]) for result in part}
+        self._wait += time.monotonic() - started
+        return Wave([results[key] for key in keys[:count]])
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""

@@ -1,7 +1,8 @@
 """dynamic_sampling_run.py's training, with generation by a deterministic fake engine (tests/scripts/fake_engine.py):
 streamed (`rollout_streaming=true`, the fake engine in place of the vLLM server) or round by round (the same fake
 completions returned where TRL would generate). Same usage and outputs as dynamic_sampling_run.py, plus the script
-options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), resume,
+options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), engine_per_process=true
+(a fake engine on every process, each generating the groups it owns, as with colocated vLLM), resume,
 crash_after_save (the process dies right after writing that step's checkpoint) and tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
 the same fake generation answers).
@@ -28,7 +29,7 @@ from trl.chat_template_utils import qwen2_5_chat_template
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
 
-ENGINE = {"timing_seed": 0, "engine_delay": 0.03}
+ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False}
 TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
 
 
@@ -44,12 +45,16 @@ def add(a: int, b: int) -> int:
 
 class FakeGenerationTrainer(RecordingTrainer):
     @property
+    def colocated_rollout_engines(self) -> bool:  # engine_per_process=true: one fake engine per process, as colocated
+        return ENGINE["engine_per_process"]
+
+    @property
     def tool_call_ids(self) -> list[int] | None:
         return self.processing_class(TOOL_CALL, add_special_tokens=False)["input_ids"] if self.tools else None
 
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
-        timing = ENGINE["timing_seed"], ENGINE["engine_delay"]
+        timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
         self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
         return self.fake_engine
 
