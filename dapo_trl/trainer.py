@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -390,7 +391,7 @@ class DAPOTrainer(GRPOTrainer):
         if self.accelerator.is_main_process or self.colocated_rollout_engines:
             try:
                 driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight)
-                self.add_callback(_CloseRollout(driver))
+                self.add_callback(_CloseRollout(driver, self._wait_for_colocated_engine))
             except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
                 error = f"{type(exc).__name__}: {exc}"
         errors = [error for error in self._sampler.process.gather_objects([error]) if error is not None]
@@ -497,10 +498,13 @@ class DAPOTrainer(GRPOTrainer):
 
 
 class _CloseRollout(TrainerCallback):
-    """Cancels what the streaming driver still runs when training ends (a later `train()` plans afresh)."""
+    """Cancels what the streaming driver still runs when training ends (a later `train()` plans afresh), and waits
+    until a colocated engine is free for the caller's own use."""
 
-    def __init__(self, driver: RolloutDriver):
+    def __init__(self, driver: RolloutDriver, wait_for_engine: Callable[[], None]):
         self.driver = driver
+        self.wait_for_engine = wait_for_engine
 
     def on_train_end(self, args, state, control, **kwargs):
         self.driver.withdraw()
+        self.wait_for_engine()

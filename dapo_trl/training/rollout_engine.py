@@ -263,9 +263,11 @@ class VLLMColocateEngine:
 
     def __init__(self, llm: Any, sampling: SamplingSettings, timeout: float):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         self._engine = llm.llm_engine
         self._params = SamplingParams
+        self._final_only = RequestOutputKind.FINAL_ONLY  # one output per group, all n completions in it
         self.sampling = sampling
         self.timeout = timeout
         self._pending: list[tuple[str, GroupRequest, Callback | None]] = []  # ("start" | "abort", request, done)
@@ -280,10 +282,12 @@ class VLLMColocateEngine:
     def sampling_params(self, request: GroupRequest) -> Any:
         """vLLM's SamplingParams of one group (the settings TRL's colocate mode uses, `n` and the group's seed)."""
         s = self.sampling
-        return self._params(
+        params = self._params(
             n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
             repetition_penalty=s.repetition_penalty, logprobs=0, **s.extra, seed=request.seed,
         )  # fmt: skip
+        params.output_kind = self._final_only
+        return params
 
     def start(self, request: GroupRequest, done: Callback) -> None:
         with self._cond:
