@@ -11,12 +11,15 @@ import json
 import random
 import threading
 import time
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import pytest
 import torch
 
 from dapo_trl import DAPOConfig
-from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMServerEngine
+from dapo_trl.training import rollout_engine
+from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
 from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.streams import PromptStream
@@ -297,3 +300,107 @@ def test_the_server_engine_sends_seeded_groups_and_a_cancelled_key_can_run_again
     assert result.logprobs[0] == [-0.1, -0.2, -0.3]
     body = FakeCompletions.bodies[-1]
     assert (body["prompt"], body["n"], body["seed"], body["max_tokens"]) == ([[7, 8]], GROUP, 11, 8)
+
+
+# ------------------------------------------------------------------------------ the colocated engine's stepping thread
+class FakeLLMEngine:
+    """vLLM's in-process engine as VLLMColocateEngine uses it: each request finishes after `steps` engine steps with
+    `n` completions of 3 tokens; records the thread of every call (vLLM's engine is not thread-safe)."""
+
+    def __init__(self, steps: int = 3, fail_at_step: int | None = None):
+        self.steps, self.fail_at_step = steps, fail_at_step
+        self.running: dict[str, list] = {}  # id -> [steps left, params]
+        self.aborted: list[str] = []
+        self.sent: list[tuple] = []  # (prompt ids, sampling params) of every request
+        self.threads: set[str] = set()
+        self.step_count = 0
+
+    def _call(self):
+        self.threads.add(threading.current_thread().name)
+
+    def add_request(self, request_id, prompt, params):
+        self._call()
+        self.running[request_id] = [self.steps, params]
+        self.sent.append((prompt["prompt_token_ids"], params))
+
+    def abort_request(self, request_ids):
+        self._call()
+        for request_id in request_ids:
+            self.aborted.append(request_id)
+            self.running.pop(request_id, None)
+
+    def has_unfinished_requests(self):
+        self._call()
+        return bool(self.running)
+
+    def step(self):
+        self._call()
+        self.step_count += 1
+        if self.step_count == self.fail_at_step:
+            raise MemoryError("KV cache exhausted")
+        time.sleep(0.01)
+        outputs = []
+        for request_id, entry in list(self.running.items()):
+            entry[0] -= 1
+            if entry[0] == 0:
+                params = self.running.pop(request_id)[1]
+                first = params["seed"] % 50
+                completions = [
+                    SimpleNamespace(index=i, token_ids=[first, i, 7],
+                                    logprobs=[{first: Logprob(-0.5)}, {i: Logprob(-0.25)}, {7: Logprob(None)}])
+                    for i in reversed(range(params["n"]))
+                ]  # fmt: skip
+                outputs.append(SimpleNamespace(request_id=request_id, finished=True, outputs=completions))
+        return outputs
+
+
+class Logprob(NamedTuple):
+    logprob: float | None
+
+
+def colocated_engine(monkeypatch, fake: FakeLLMEngine) -> VLLMColocateEngine:
+    class Params(dict):
+        def __init__(self, **kwargs):
+            super().__init__(kwargs)
+
+    monkeypatch.setattr(rollout_engine, "vllm_sampling_params", lambda: (Params, "final-only"))
+    return VLLMColocateEngine(SimpleNamespace(llm_engine=fake), SamplingSettings(n=3, max_tokens=8), timeout=5)
+
+
+def test_the_colocated_engine_steps_groups_on_its_own_thread_and_aborts_cancelled_ones(monkeypatch):
+    fake = FakeLLMEngine()
+    engine = colocated_engine(monkeypatch, fake)
+    answers, lock = {}, threading.Lock()
+
+    def done(request, result):
+        with lock:
+            answers[request.key] = result
+
+    requests = [GroupRequest(("stream", n), [1, 2, n], seed=100 + n, version=0) for n in range(4)]
+    for request in requests:
+        engine.start(request, done)
+    engine.cancel(requests[2])
+    engine.wait_idle()
+    assert sorted(answers) == [("stream", 0), ("stream", 1), ("stream", 3)]  # the cancelled group never answers
+    result = answers[("stream", 3)]
+    assert result.completion_ids == [[103 % 50, i, 7] for i in range(3)]  # in completion order, whatever vLLM's
+    assert result.logprobs == [[-0.5, -0.25, float("-inf")]] * 3
+    assert len(fake.aborted) == 1 and not fake.running
+    assert [ids for ids, _ in fake.sent] == [[1, 2, n] for n in range(4)]
+    assert [(p["n"], p["seed"], p["logprobs"], p["max_tokens"]) for _, p in fake.sent] == [
+        (3, 100 + n, 0, 8) for n in range(4)
+    ]
+    assert all(params.output_kind == "final-only" for _, params in fake.sent)  # one output per group, all n in it
+    assert fake.threads == {"dapo-colocate-engine"}  # every engine call from the stepping thread
+    engine.close()
+
+
+def test_a_failing_colocated_engine_fails_every_running_group(monkeypatch):
+    engine = colocated_engine(monkeypatch, FakeLLMEngine(steps=5, fail_at_step=2))
+    answers = {}
+    for n in range(2):
+        engine.start(GroupRequest(("stream", n), [1], seed=n, version=0), lambda r, res: answers.update({r.key: res}))
+    engine.wait_idle()
+    assert len(answers) == 2 and all(isinstance(error, RuntimeError) for error in answers.values())
+    assert "MemoryError: KV cache exhausted" in str(answers[("stream", 0)])
+    engine.close()

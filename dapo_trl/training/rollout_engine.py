@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 
@@ -262,12 +264,8 @@ class VLLMColocateEngine:
     """
 
     def __init__(self, llm: Any, sampling: SamplingSettings, timeout: float):
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         self._engine = llm.llm_engine
-        self._params = SamplingParams
-        self._final_only = RequestOutputKind.FINAL_ONLY  # one output per group, all n completions in it
+        self._params, self._final_only = vllm_sampling_params()  # FINAL_ONLY: one output per group, all n in it
         self.sampling = sampling
         self.timeout = timeout
         self._pending: list[tuple[str, GroupRequest, Callback | None]] = []  # ("start" | "abort", request, done)
@@ -276,6 +274,8 @@ class VLLMColocateEngine:
         self._stepping = False
         self._closed = False
         self._cond = threading.Condition()
+        # CUDA's current device is per thread: the stepping thread must run the engine on this process's GPU.
+        self._cuda_device = torch.cuda.current_device() if torch.cuda.is_available() else None
         self._thread = threading.Thread(target=self._step_loop, name="dapo-colocate-engine", daemon=True)
         self._thread.start()
 
@@ -322,6 +322,8 @@ class VLLMColocateEngine:
 
     # ---------------------------------------------------------------------------------------------- the thread
     def _step_loop(self) -> None:
+        if self._cuda_device is not None:
+            torch.cuda.set_device(self._cuda_device)
         while True:
             with self._cond:
                 while not (self._closed or self._pending or self._running):
@@ -391,6 +393,14 @@ class VLLMColocateEngine:
                 )  # fmt: skip
                 finished.append((request, done, result))
         return finished
+
+
+def vllm_sampling_params() -> tuple[type, Any]:
+    """vLLM's SamplingParams class and its FINAL_ONLY output kind (what `LLM.generate` asks for)."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams, RequestOutputKind.FINAL_ONLY
 
 
 def _sampled_token_logprobs(completion: Any) -> list[float]:
