@@ -360,22 +360,22 @@ class DAPOTrainer(GRPOTrainer):
         if getattr(self, "environment_factories", None):
             raise ValueError(
                 "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
-                "environment's tools as tools=[...] (the tool loop streams)."
+                "environment's tools as tools=[...] (the tool loop streams from a vLLM server)."
             )
         round_groups = (
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
             * args.filter_groups_oversample // self.num_generations
         )  # fmt: skip
-        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
-            raise ValueError(
-                "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
-                "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
-            )
         if self.colocated_rollout_engines and self.tools:
             raise ValueError(
                 "rollout_streaming with colocated vLLM cannot run the tool loop: TRL generates a tool call's next turn "
                 "on the same in-process engine the stream is using. Stream from a vLLM server (--vllm_mode server), "
                 "or turn rollout_streaming off."
+            )
+        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
+            raise ValueError(
+                "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
+                "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
             )
 
         def broadcast(value: Any) -> Any:

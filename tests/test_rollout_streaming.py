@@ -16,8 +16,12 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+from trl.chat_template_utils import qwen2_5_chat_template
 
-from dapo_trl import DAPOConfig
+from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training import rollout_engine
 from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
 from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed
@@ -404,3 +408,35 @@ def test_a_failing_colocated_engine_fails_every_running_group(monkeypatch):
     assert len(answers) == 2 and all(isinstance(error, RuntimeError) for error in answers.values())
     assert "MemoryError: KV cache exhausted" in str(answers[("stream", 0)])
     engine.close()
+
+
+class ColocatedStreamingTrainer(DAPOTrainer):
+    colocated_rollout_engines = True  # as with --vllm_mode colocate, without building vLLM
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+@pytest.mark.parametrize(
+    ("trainer_class", "tools", "message"),
+    [
+        (DAPOTrainer, None, "rollout_streaming needs vLLM"),
+        (ColocatedStreamingTrainer, [add], "with colocated vLLM cannot run the tool loop"),
+    ],
+    ids=["no-engine", "colocated-tools"],
+)
+def test_trainers_refuse_what_they_cannot_stream(tmp_path, trainer_class, tools, message):
+    model = str(build_tiny_model(tmp_path / "tiny"))
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}], "solution": "2"}] * 4)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.chat_template = qwen2_5_chat_template  # renders tool calls
+    with pytest.raises(ValueError, match=message):
+        trainer_class(model=model, args=settings(output_dir=str(tmp_path / "out")), train_dataset=dataset,
+                      processing_class=tokenizer, tools=tools)  # fmt: skip
