@@ -366,7 +366,7 @@ class DAPOTrainer(GRPOTrainer):
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
             * args.filter_groups_oversample // self.num_generations
         )  # fmt: skip
-        if self.colocated_rollout_engines and self.tools:
+        if args.use_vllm and args.vllm_mode == "colocate" and self.tools:
             raise ValueError(
                 "rollout_streaming with colocated vLLM cannot run the tool loop: TRL generates a tool call's next turn "
                 "on the same in-process engine the stream is using. Stream from a vLLM server (--vllm_mode server), "

@@ -6,6 +6,7 @@ and differently in every run. The batches must not care.
 """
 
 import contextlib
+import copy
 import http.server
 import json
 import random
@@ -68,9 +69,9 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
     assert sorted(rounds) == [0, 1, 2] and all(len(rows) == 8 for rows in rounds.values())
     assert batches(tmp_path / "stream", processes=2) == rounds
     # As with colocated vLLM: an engine on every process, each generating the groups it owns, waves gathered.
-    train(tmp_path / "spread", 3, "rollout_streaming=true", "engine_per_process=true", processes=2, per_device=4)
-    train(tmp_path / "plain", 3)
-    assert batches(tmp_path / "spread", processes=2) == batches(tmp_path / "plain")
+    train(tmp_path / "spread", 3, "tools=true", "rollout_streaming=true", "engine_per_process=true", processes=2,
+          per_device=4)  # fmt: skip
+    assert batches(tmp_path / "spread", processes=2) == rounds
     metrics = rollout_metrics(tmp_path / "stream")
     assert all(0 < entry["tools/call_frequency"] < 1 for entry in metrics)  # the loop ran, on some rows
     assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 0, 0]
@@ -410,10 +411,6 @@ def test_a_failing_colocated_engine_fails_every_running_group(monkeypatch):
     engine.close()
 
 
-class ColocatedStreamingTrainer(DAPOTrainer):
-    colocated_rollout_engines = True  # as with --vllm_mode colocate, without building vLLM
-
-
 def add(a: int, b: int) -> int:
     """Add two integers.
 
@@ -424,11 +421,20 @@ def add(a: int, b: int) -> int:
     return a + b
 
 
+class VLLMColocateArgsTrainer(DAPOTrainer):
+    """Checks the arguments as with --use_vllm true --vllm_mode colocate, without building vLLM."""
+
+    def _build_streaming_rollout(self, args):
+        colocated = copy.copy(args)
+        colocated.use_vllm, colocated.vllm_mode = True, "colocate"
+        return super()._build_streaming_rollout(colocated)
+
+
 @pytest.mark.parametrize(
     ("trainer_class", "tools", "message"),
     [
         (DAPOTrainer, None, "rollout_streaming needs vLLM"),
-        (ColocatedStreamingTrainer, [add], "with colocated vLLM cannot run the tool loop"),
+        (VLLMColocateArgsTrainer, [add], "with colocated vLLM cannot run the tool loop"),
     ],
     ids=["no-engine", "colocated-tools"],
 )
