@@ -147,8 +147,8 @@ def run_worker(args: argparse.Namespace) -> None:
             return payload
 
     class ExactLengthColocateEngine(VLLMColocateEngine):
-        def sampling_params(self, request: GroupRequest):
-            params = super().sampling_params(request)
+        def sampling_params(self, request: GroupRequest, n=None):
+            params = super().sampling_params(request, n)
             params.max_tokens, params.ignore_eos = response_length(request.prompt_ids, max_tokens), True
             return params
 

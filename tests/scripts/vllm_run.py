@@ -11,6 +11,10 @@ model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a g
 gap before a later sync does not (the weights did not move). `check_syncs=false` just trains (and writes
 OUT/log_history.json). `lora=R` trains a LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the
 engine is the base with the adapter merged, and the trainer side of each check is the PEFT model with its adapter on.
+`tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
+so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
+TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
+(`VLLMColocateEngine.generate_turns`, counted in OUT/sync_checks.json as `tool_turn_calls`).
 """
 
 import json
@@ -42,6 +46,49 @@ def parity_reward(completion_ids, **kwargs) -> list[float]:
     return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
 
 
+TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first integer.
+        b: The second integer.
+    """
+    return a + b
+
+
+class ScriptedToolCalls(DAPOTrainer):
+    """Colocated streaming whose even-numbered groups' first turns are a scripted tool call."""
+
+    tool_turn_calls = 0
+
+    def build_rollout_engine(self, max_in_flight):
+        engine = super().build_rollout_engine(max_in_flight)
+        call = self.processing_class(TOOL_CALL, add_special_tokens=False)["input_ids"]
+        start, generate_turns = engine.start, engine.generate_turns
+
+        def scripted_start(request, done, n=None):
+            if n is not None or request.key[-1] % 2:  # a tool loop's turn, or an odd group: the model's own
+                return start(request, done, n)
+
+            def script(request_, result):
+                if not isinstance(result, BaseException):
+                    result.completion_ids = [list(call) for _ in result.completion_ids]
+                    result.logprobs = [[float("nan")] * len(call) for _ in result.logprobs]
+                done(request_, result)
+
+            return start(request, script)
+
+        def counted_turns(prompt_ids):
+            ScriptedToolCalls.tool_turn_calls += 1
+            return generate_turns(prompt_ids)
+
+        engine.start, engine.generate_turns = scripted_start, counted_turns
+        return engine
+
+
 def mode_settings(mode: str, out: Path, arguments: list[str]) -> tuple[dict, list[str]]:
     """The DAPOConfig fields of a mode, and the arguments left for overrides."""
     if mode == "server":
@@ -61,6 +108,7 @@ def main() -> None:
     overrides = parse_overrides(rest)
     check_syncs = overrides.pop("check_syncs", True)
     lora = overrides.pop("lora", None)
+    with_tools = overrides.pop("tools", False)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -80,14 +128,24 @@ def main() -> None:
     )
     settings.update(overrides)
     rows = [{"prompt": f"What is {i} plus {i % 7}?", "solution": str(i + i % 7)} for i in range(64)]
+    trainer_class, tool_options = DAPOTrainer, {}
+    if with_tools:  # room for the tool schema in the prompt, the call, its reply and the next turn
+        from transformers import AutoTokenizer
+        from trl.chat_template_utils import qwen2_5_chat_template
+
+        settings.update(max_completion_length=128, max_tool_calling_iterations=1, vllm_max_model_length=1024)
+        rows = [{**row, "prompt": [{"role": "user", "content": row["prompt"]}]} for row in rows]
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer.chat_template = qwen2_5_chat_template
+        trainer_class, tool_options = ScriptedToolCalls, {"tools": [add], "processing_class": tokenizer}
     peft_config = None
     if lora is not None:
         from peft import LoraConfig
 
         peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM")
-    trainer = DAPOTrainer(
+    trainer = trainer_class(
         model=model_dir, reward_funcs=parity_reward, args=DAPOConfig(**settings), train_dataset=Dataset.from_list(rows),
-        peft_config=peft_config,
+        peft_config=peft_config, **tool_options,
     )  # fmt: skip
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
         trainer.train()
@@ -144,7 +202,8 @@ def main() -> None:
         trained = sorted(name for name, parameter in model.named_parameters() if parameter.requires_grad)
         result = {"train_seconds": train_seconds, "backend": type(backend).__name__, "checks": checks,
                   "log_history": trainer.state.log_history, "tolerance": TOLERANCE,
-                  "model_class": type(model).__name__, "trained_parameters": trained}  # fmt: skip
+                  "model_class": type(model).__name__, "trained_parameters": trained,
+                  "tool_turn_calls": ScriptedToolCalls.tool_turn_calls}  # fmt: skip
         (out / "sync_checks.json").write_text(json.dumps(result, indent=2, default=float))
         print(f"train {train_seconds:.1f} s; worst gap after sync {worst:.3g}; gaps before sync {moved}")
     sys.exit(0 if passed else 1)
