@@ -23,6 +23,7 @@ from dynamic_sampling_run import (
 )
 from fake_engine import FakeEngine, fake_completion
 from script_args import leave_together, parse_overrides
+from scripted_tools import TOOL_CALL, add
 from transformers import AutoTokenizer
 from trl.chat_template_utils import qwen2_5_chat_template
 
@@ -30,17 +31,6 @@ from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False}
-TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
 
 
 class FakeGenerationTrainer(RecordingTrainer):

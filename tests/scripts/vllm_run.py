@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset
 from script_args import parse_overrides
+from scripted_tools import TOOL_CALL, add
 from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
@@ -44,19 +45,6 @@ CHECK_TEXT = "What is 12 plus 7? First, 12 + 7 = 19.\nAnswer: 19"
 def parity_reward(completion_ids, **kwargs) -> list[float]:
     """+1 / -1 by the parity of the completion's token-id sum: random-looking, so groups have spread (or not)."""
     return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
-
-
-TOOL_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call><|im_end|>'
-
-
-def add(a: int, b: int) -> int:
-    """Add two integers.
-
-    Args:
-        a: The first integer.
-        b: The second integer.
-    """
-    return a + b
 
 
 class ScriptedToolCalls(DAPOTrainer):
