@@ -353,7 +353,8 @@ class DAPOTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
-        engine = None if self._rollout.driver is None else self._rollout.driver.engine
+        driver = None if self._rollout is None else self._rollout.driver
+        engine = None if driver is None else driver.engine
         self._prepared_completions = prepared
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
         self._colocated_turns = engine.generate_turns if isinstance(engine, VLLMColocateEngine) else None
