@@ -353,11 +353,10 @@ class DAPOTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
-        driver = None if self._rollout is None else self._rollout.driver
-        engine = None if driver is None else driver.engine
+        engine = self._colocated_engine()
         self._prepared_completions = prepared
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
-        self._colocated_turns = engine.generate_turns if isinstance(engine, VLLMColocateEngine) else None
+        self._colocated_turns = None if engine is None else engine.generate_turns
         try:
             return self._score_round(rows)
         finally:
@@ -455,12 +454,16 @@ class DAPOTrainer(GRPOTrainer):
             prune_versions(local_root, keep_from=version - lag)  # this batch samples from version - lag
             driver.publish(version)
 
+    def _colocated_engine(self) -> VLLMColocateEngine | None:
+        """This process's colocated vLLM engine when streaming drives one, else None."""
+        engine = None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
+        return engine if isinstance(engine, VLLMColocateEngine) else None
+
     def _wait_for_colocated_engine(self) -> None:
         """Return once this process's colocated engine runs nothing streamed (after `withdraw`): TRL's weight sync
         and TRL's own generation use the same engine from this thread, and vLLM's engine is not thread-safe."""
-        driver = None if self._rollout is None else self._rollout.driver
-        if driver is not None and isinstance(driver.engine, VLLMColocateEngine):
-            driver.engine.wait_idle()
+        if (engine := self._colocated_engine()) is not None:
+            engine.wait_idle()
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

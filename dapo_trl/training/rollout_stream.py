@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,14 @@ def group_seed(run_seed: int, key: tuple) -> int:
     """The sampling seed of the group at `key`: the same in every run with this seed, and on resume."""
     digest = hashlib.sha256(repr((run_seed, key)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
+    """How many leading keys of `keys` are in `done` (the in-order prefix a reorder buffer may pass on)."""
+    count = 0
+    while count < len(keys) and keys[count] in done:
+        count += 1
+    return count
 
 
 class StreamCursor:
@@ -151,9 +159,7 @@ class RolloutDriver:
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"generation failed: {self._error}") from self._error
-                count = 0
-                while count < len(keys) and keys[count] in self._done:
-                    count += 1
+                count = done_prefix(keys, self._done)
                 if count >= minimum:
                     return count
                 remaining = deadline - time.monotonic()
@@ -459,8 +465,7 @@ class StreamingRollout:
                 started = time.monotonic()
                 minimum = min(self.unit, len(keys))
                 ready = self.driver.ready_prefix(keys, minimum, self.wave_timeout)
-                count = ready if ready == len(keys) else ready - ready % self.unit
-                wave = Wave(self.driver.take(keys[:count]))
+                wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
                 self._wait += time.monotonic() - started
             except Exception as exc:  # noqa: BLE001 - every process raises it below
                 wave = Wave(None, f"{type(exc).__name__}: {exc}")
@@ -468,6 +473,11 @@ class StreamingRollout:
         if wave.error is not None:
             raise RuntimeError(f"streaming rollout stopped: {wave.error}")
         return wave
+
+    def _wave_size(self, ready: int, remaining: int) -> int:
+        """Groups in the next wave when `ready` leading ones of the `remaining` are done: a multiple of `unit` (so
+        the rows split equally across processes), or the round's whole rest."""
+        return ready if ready == remaining else ready - ready % self.unit
 
     def _next_spread_wave(self, keys: list[tuple]) -> Wave:
         """Every process reports which of its groups are done until the in-order prefix of `keys` holds a wave,
@@ -485,10 +495,7 @@ class StreamingRollout:
             errors = [error for _, error, _ in reports if error is not None]
             if errors:
                 raise RuntimeError(f"streaming rollout stopped: {errors[0]}")
-            finished = set().union(*(done for done, _, _ in reports))
-            ready = 0
-            while ready < len(keys) and keys[ready] in finished:
-                ready += 1
+            ready = done_prefix(keys, set().union(*(done for done, _, _ in reports)))
             if ready >= minimum:
                 break
             if reports[0][2]:
@@ -498,7 +505,7 @@ class StreamingRollout:
                 )
             if len(done) == len(mine):  # this engine is ahead: wait for the others without spinning
                 time.sleep(SPREAD_POLL_SECONDS)
-        count = ready if ready == len(keys) else ready - ready % self.unit
+        count = self._wave_size(ready, len(keys))
         own = self.driver.take([key for key in keys[:count] if self.owns(key)])
         results = {result.key: result for part in self.process.gather_objects([own]) for result in part}
         self._wait += time.monotonic() - started

@@ -16,18 +16,15 @@ def parse_overrides(arguments: list[str]) -> dict:
 
 
 def leave_together(accelerator) -> None:
-    """Every rank waits for the others, then the process group is torn down before the interpreter exits: a rank
-    that exits while its peer still holds the gloo connection can abort ("terminate called without an active
-    exception") after a run that succeeded. That abort was still seen once after the teardown (a C++ thread destroyed
-    at interpreter exit), so the script then leaves without running interpreter shutdown: its outputs are written."""
+    """train_dapo.py's teardown (every rank waits for the others, then the process groups go: see
+    `dapo_trl.cli.train.leave_together`); then the script leaves without running interpreter shutdown, where a gloo
+    thread's abort was once still seen after the teardown. Its outputs are written by then."""
     import os
     import sys
 
-    import torch.distributed
+    from dapo_trl.cli.train import leave_together as teardown
 
-    accelerator.wait_for_everyone()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    teardown(accelerator)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
