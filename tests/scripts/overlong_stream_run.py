@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from accelerate import PartialState
+from accelerate import Accelerator
 from datasets import Dataset
 from script_args import leave_together
 
@@ -37,7 +37,7 @@ def main() -> None:
         outcome = f"ValueError: {error}"
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{rank}.txt").write_text(outcome)
-    leave_together(PartialState())  # exiting while the peer holds the gloo group aborted about one run in three
+    leave_together(Accelerator())  # exiting while the peer holds the gloo group aborted about one run in three
 
 
 if __name__ == "__main__":
