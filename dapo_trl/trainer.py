@@ -389,8 +389,11 @@ class DAPOTrainer(GRPOTrainer):
         driver, error = None, None
         in_flight = args.rollout_max_in_flight_groups or round_groups
         if self.accelerator.is_main_process or self.colocated_rollout_engines:
+            # Finished groups held for later waves: at most one batch at full length (int32 ids + float32 log-probs).
+            held = None if self.colocated_rollout_engines else round_groups * self.num_generations * (
+                args.max_completion_length // args.filter_groups_oversample)  # fmt: skip
             try:
-                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight)
+                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight, held)
                 self.add_callback(_CloseRollout(driver, self._wait_for_colocated_engine))
             except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
                 error = f"{type(exc).__name__}: {exc}"

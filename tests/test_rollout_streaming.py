@@ -20,9 +20,14 @@ from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training import rollout_engine
-from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
-from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed
+from dapo_trl.training import rollout_engine, rollout_stream
+from dapo_trl.training.rollout_engine import (
+    GroupRequest,
+    SamplingSettings,
+    VLLMColocateEngine,
+    VLLMServerEngine,
+)
+from dapo_trl.training.rollout_stream import MAX_WAVES_PER_ROUND, RolloutDriver, StreamingRollout, group_seed
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.streams import PromptStream
 
@@ -128,7 +133,9 @@ def settings(**overrides):
     return DAPOConfig(**{**args, **overrides})
 
 
-def streamed_batches(lag: int, steps: int, timing_seed: int) -> tuple[list[list], list[int]]:
+def streamed_batches(
+    lag: int, steps: int, timing_seed: int, metrics: list | None = None
+) -> tuple[list[list], list[int]]:
     """Batches of a StreamingRollout on the fake engine, the trainer 'training' for a random while between them."""
     args = settings(rollout_max_staleness=lag)
     dataset = [{"prompt": prompt} for prompt in PROMPTS]
@@ -140,7 +147,9 @@ def streamed_batches(lag: int, steps: int, timing_seed: int) -> tuple[list[list]
     out = []
     for _ in range(steps):
         driver.publish(rollout.generation)
-        batch, _ = rollout.sample([{}] * 8, lambda rows, prepared: scored(rows, prepared["completion_ids"]))
+        batch, step_metrics = rollout.sample([{}] * 8, lambda rows, prepared: scored(rows, prepared["completion_ids"]))
+        if metrics is not None:
+            metrics.append(step_metrics)
         completions = [[token for token in ids if token != 0] for ids in batch["completion_ids"].tolist()]
         out.append(list(zip(batch["prompt_ids"][:, 0].tolist(), completions, strict=True)))
         time.sleep(pace.random() * 0.05)  # training
@@ -152,15 +161,15 @@ def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
     """The reference, from the rule alone: batch j samples, one group after another in the seeded prompt stream,
     from weights version max(0, j - lag), and keeps the first 2 groups with spread; rounds of 2 groups are consumed
     whole."""
-    stream = PromptStream(len(PROMPTS), seed=5)
+    stream, drawn = PromptStream(len(PROMPTS), seed=5), 0
     out = []
     for step in range(steps):
         version, kept = max(0, step - lag), []
         while len(kept) < 2:
             for index in stream.draw(2):  # one round
-                prompt = PROMPTS[index]
+                prompt, seed, drawn = PROMPTS[index], group_seed(5, ("stream", drawn)), drawn + 1
                 (ids,) = tokenize([prompt])
-                group = [fake_completion(ids, version, i, EOS, MAX_TOKENS)[0] for i in range(GROUP)]
+                group = [fake_completion(ids, seed, version, i, EOS, MAX_TOKENS)[0] for i in range(GROUP)]
                 if len({accuracy(prompt, c) for c in group}) > 1 and len(kept) < 2:
                     kept.append([(index, c) for c in group])
         out.append(sum(kept, []))
@@ -171,9 +180,24 @@ def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
 def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
     reference = synchronous_lagged_batches(lag, steps=5)
     for timing_seed in (1, 2):
-        streamed, loads = streamed_batches(lag, steps=5, timing_seed=timing_seed)
+        metrics = []
+        streamed, loads = streamed_batches(lag, steps=5, timing_seed=timing_seed, metrics=metrics)
         assert streamed == reference
         assert loads[: 5 - lag] == list(range(5 - lag))  # each version loaded once, in order
+        # Measured from each trained row's own version: batch j samples from max(0, j - lag).
+        assert [m["rollout/staleness_max"] for m in metrics] == [min(j, lag) for j in range(5)]
+        assert [m["rollout/staleness_mean"] for m in metrics] == [min(j, lag) for j in range(5)]
+        # Waves coalesced: a round is scored in at most MAX_WAVES_PER_ROUND passes, whatever finished when.
+        assert all(
+            1 <= m["rollout/scoring_passes"] <= MAX_WAVES_PER_ROUND * m["dynamic_sampling/rounds"] for m in metrics
+        )
+
+
+def test_a_wrong_group_seed_changes_the_batches(monkeypatch):
+    """The fake engine samples from the request's seed, so the equality above is sensitive to the per-group seed."""
+    monkeypatch.setattr(rollout_stream, "group_seed", lambda run_seed, key: group_seed(run_seed, key) + 1)
+    streamed, _ = streamed_batches(1, steps=2, timing_seed=1)
+    assert streamed != synchronous_lagged_batches(1, steps=2)
 
 
 def test_group_seeds_are_stable_and_distinct():
@@ -299,7 +323,7 @@ def test_the_server_engine_sends_seeded_groups_and_a_cancelled_key_can_run_again
     assert [request for request, _ in answers] == [again]
     result = answers[0][1]
     assert result.version == 1 and result.completion_ids == [[5, 6, 11]] * GROUP
-    assert result.logprobs[0] == [-0.1, -0.2, -0.3]
+    assert result.logprobs[0] == torch.tensor([-0.1, -0.2, -0.3]).tolist()  # held as float32, as TRL holds them
     body = FakeCompletions.bodies[-1]
     assert (body["prompt"], body["n"], body["seed"], body["max_tokens"]) == ([[7, 8]], GROUP, 11, 8)
 

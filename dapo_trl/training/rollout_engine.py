@@ -11,21 +11,20 @@ connection, which vLLM answers by aborting the request. Tests plug in a determin
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import http.client
 import json
 import logging
 import math
-import socket
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -41,19 +40,42 @@ class GroupRequest:
     version: int
 
 
-@dataclass
 class GroupResult:
-    """The completions of one `GroupRequest`, with the sampled tokens' log-probs and the version that sampled them."""
+    """The completions of one `GroupRequest`, with the sampled tokens' log-probs and the version that sampled them.
 
-    key: tuple
-    version: int
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]
-    seconds: float = 0.0
+    Held as flat arrays (int32 token ids, float32 log-probs, one length per completion): at 16 x 20k tokens a group
+    costs 8 bytes a token here, against ~70 as Python lists. `completion_ids` / `logprobs` give the lists TRL takes.
+    """
+
+    __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds")
+
+    def __init__(self, key: tuple, version: int, completion_ids: list[list[int]], logprobs: list[list[float]],
+                 seconds: float = 0.0):  # fmt: skip
+        self.key, self.version, self.seconds = key, version, seconds
+        self.lengths = np.array([len(ids) for ids in completion_ids], dtype=np.int64)
+        if [len(values) for values in logprobs] != self.lengths.tolist():
+            raise ValueError(f"group {key}: {len(logprobs)} log-prob lists do not match its completions' lengths")
+        self.token_ids = np.fromiter((t for ids in completion_ids for t in ids), dtype=np.int32, count=self.tokens)
+        self.token_logprobs = np.fromiter((v for vs in logprobs for v in vs), dtype=np.float32, count=self.tokens)
 
     @property
     def tokens(self) -> int:
-        return sum(len(ids) for ids in self.completion_ids)
+        return int(self.lengths.sum())
+
+    def _split(self, flat: np.ndarray) -> list[list]:
+        return [part.tolist() for part in np.split(flat, np.cumsum(self.lengths)[:-1])] if len(self.lengths) else []
+
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        return self._split(self.token_ids)
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        return self._split(self.token_logprobs)
+
+    @property
+    def nbytes(self) -> int:
+        return self.token_ids.nbytes + self.token_logprobs.nbytes + self.lengths.nbytes
 
 
 Callback = Callable[[GroupRequest, "GroupResult | BaseException"], None]
@@ -107,20 +129,16 @@ class SamplingSettings:
         }
 
 
-@dataclass
-class _Call:
-    """One started request: its connection (once open) and whether it was cancelled."""
-
-    connection: http.client.HTTPConnection | None = None
-    cancelled: bool = False
-
-
 class VLLMServerEngine:
-    """Group requests to a `vllm serve` server, each on its own connection (closed to cancel it).
+    """Group requests to a `vllm serve` server, all on one event loop (one thread, however many groups run), each
+    request on its own connection, at most `max_in_flight` open at once; cancelling a request closes its connection,
+    which vLLM answers by aborting it (its `with_cancellation`), and a request cancelled before it connected is never
+    sent.
 
-    Weights: `load_weights(version)` asks the dev-mode server to reload `weights_root/v{version}` (as the server sees
-    it), which the trainer wrote with `publish`, then resets the prefix cache (KV computed under the previous
-    weights must not be reused). Every request and reload is bounded by `timeout`.
+    Weights: `load_weights(version)` waits until the server runs no request (it asks `/metrics`: an aborted request
+    may still hold KV blocks for a moment), then asks the dev-mode server to reload `weights_root/v{version}` (as the
+    server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
+    previous weights must not be reused). Every request and reload is bounded by `timeout`.
     """
 
     def __init__(
@@ -141,84 +159,50 @@ class VLLMServerEngine:
         self.weights_server_root = None if weights_server_root is None else str(weights_server_root)
         self._reload = reload
         self.weights_local_root = None if weights_local_root is None else Path(weights_local_root)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, max_in_flight), thread_name_prefix="dapo-rollout")
-        self._calls: dict[int, _Call] = {}  # id(request) -> its connection and whether it was cancelled
-        self._lock = threading.Lock()
         self.model = self._model_name()
+        self._max_in_flight = max(1, max_in_flight)
+        self._tasks: dict[int, asyncio.Task] = {}  # id(request) -> its task (a cancelled key is requested again)
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._connections = asyncio.Semaphore(self._max_in_flight)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
+        self._thread.start()
 
     def _model_name(self) -> str:
+        status, body = self._get("/v1/models")
+        if status != 200:
+            raise RuntimeError(f"GET {self.base_url}/v1/models: HTTP {status}: {body[:500]!r}")
+        return json.loads(body)["data"][0]["id"]
+
+    def _get(self, path: str) -> tuple[int, bytes]:
         connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
         try:
-            connection.request("GET", "/v1/models")
+            connection.request("GET", path)
             answer = connection.getresponse()
-            body = answer.read()
-            if answer.status != 200:
-                raise RuntimeError(f"GET {self.base_url}/v1/models: HTTP {answer.status}: {body[:500]!r}")
-            return json.loads(body)["data"][0]["id"]
+            return answer.status, answer.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise RuntimeError(f"GET {self.base_url}/v1/models: cannot reach the vLLM server ({exc})") from exc
+            raise RuntimeError(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
         finally:
             connection.close()
 
+    # ---------------------------------------------------------------------------------------------- caller side
     def start(self, request: GroupRequest, done: Callback) -> None:
-        call = _Call()
-        with self._lock:  # by request object: a cancelled group's key is requested again under the next weights
-            self._calls[id(request)] = call
-        self._pool.submit(self._run, request, done, call)
+        if self._closed:
+            raise RuntimeError(f"the rollout engine for {self.base_url} is closed")
+        self._loop.call_soon_threadsafe(self._launch, request, done)
 
-    def _run(self, request: GroupRequest, done: Callback, call: _Call) -> None:
-        start = time.monotonic()
-        connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-        with self._lock:
-            call.connection = connection
-            cancelled = call.cancelled
-        try:
-            if cancelled:
-                return
-            body = json.dumps(self.request_payload(request))
-            connection.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
-            answer = connection.getresponse()
-            raw = answer.read()
-            if answer.status != 200:
-                raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {answer.status}: {raw[:2000]!r}")
-            choices = json.loads(raw)["choices"]
-            result: GroupResult | BaseException = GroupResult(
-                key=request.key,
-                version=request.version,
-                completion_ids=[list(choice["token_ids"]) for choice in choices],
-                logprobs=[_sampled_logprobs(choice) for choice in choices],
-                seconds=time.monotonic() - start,
-            )
-        except TimeoutError as exc:
-            result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s ({exc})")
-        except (OSError, http.client.HTTPException, ValueError, KeyError, RuntimeError) as exc:
-            result = exc if isinstance(exc, RuntimeError) else RuntimeError(
-                f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}"
-            )  # fmt: skip
-        finally:
-            with self._lock:
-                self._calls.pop(id(request), None)
-                cancelled = call.cancelled
-            connection.close()
-        if not cancelled:
-            done(request, result)
+    def cancel(self, request: GroupRequest) -> None:
+        """Cancel `request` (started earlier from any thread: the loop runs calls in the order they were made)."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, id(request))
+
+    def running(self) -> int:
+        """Requests of ours still open (cancelled ones included until their connection is closed)."""
+        return len(self._tasks)
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
         """The JSON body of one group's request (override to change sampling per group)."""
         return self.sampling.payload(self.model, request)
-
-    def cancel(self, request: GroupRequest) -> None:
-        with self._lock:
-            call = self._calls.get(id(request))
-            if call is None:
-                return
-            call.cancelled = True
-            connection = call.connection
-        if connection is not None and connection.sock is not None:
-            try:  # the server sees the client go away and aborts the request (vLLM's with_cancellation)
-                connection.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def load_weights(self, version: int) -> None:
         if self._reload is None or self.weights_server_root is None:
@@ -231,18 +215,124 @@ class VLLMServerEngine:
                 f"weights version {version} is not in {local.parent}: a resumed run with rollout_max_staleness k "
                 "needs the k versions before its checkpoint (saved in checkpoint/rollout_weights)"
             )
+        self.wait_server_idle()
         self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout)
 
+    def wait_server_idle(self, poll: float = 0.05) -> None:
+        """Return once none of our connections is open and the server reports no running or waiting request: a
+        request still running under the old weights would hold KV blocks (the prefix-cache reset is refused) and
+        finish with tokens of two versions."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            ours = self.running()
+            theirs = self.server_requests() if ours == 0 else None
+            if ours == 0 and not theirs:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the vLLM server at {self.base_url} still runs requests {self.timeout:g} s after ours were "
+                    f"cancelled ({ours} connections of ours open, server reports {theirs}): another client shares "
+                    "it, or it is stuck; weights cannot be reloaded under running requests"
+                )
+            time.sleep(poll)
+
+    def server_requests(self) -> int | None:
+        """Requests the server runs or queues (`vllm:num_requests_running` + `_waiting` of `/metrics`), or None when
+        it exports no such metric (not a vLLM server: nothing to ask)."""
+        status, body = self._get("/metrics")
+        if status != 200:
+            return None
+        total, seen = 0.0, False
+        for line in body.decode(errors="replace").splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+        return int(total) if seen else None
+
     def close(self) -> None:
-        with self._lock:
-            calls = list(self._calls.values())
-            for call in calls:
-                call.cancelled = True
-        for call in calls:
-            if call.connection is not None and call.connection.sock is not None:
-                with contextlib.suppress(OSError):
-                    call.connection.sock.shutdown(socket.SHUT_RDWR)
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(stop()))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------------------------------- the event loop
+    def _launch(self, request: GroupRequest, done: Callback) -> None:
+        task = self._loop.create_task(self._run(request, done))
+        self._tasks[id(request)] = task
+        task.add_done_callback(lambda _: self._tasks.pop(id(request), None))
+
+    def _cancel(self, request_id: int) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, request: GroupRequest, done: Callback) -> None:
+        started = time.monotonic()
+        try:
+            async with self._connections:
+                post = self._post("/v1/completions", self.request_payload(request))
+                status, raw = await asyncio.wait_for(post, self.timeout)
+            if status != 200:
+                raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
+            choices = json.loads(raw)["choices"]
+            result: GroupResult | BaseException = GroupResult(
+                request.key, request.version, [list(choice["token_ids"]) for choice in choices],
+                [_sampled_logprobs(choice) for choice in choices], seconds=time.monotonic() - started,
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            return  # cancelled: the connection is closed, the driver expects no answer
+        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11
+            result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
+        except RuntimeError as exc:
+            result = exc
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
+        done(request, result)
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """One HTTP/1.1 POST on a connection of its own (closed after the answer, or when the task is cancelled)."""
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            body = json.dumps(payload).encode()
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+            return await _read_response(reader)
+        finally:
+            writer.close()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 response: Content-Length, chunked, or read to the end."""
+    status_line = await reader.readline()
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise ValueError(f"not an HTTP response: {status_line[:200]!r}")
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        return int(parts[1]), await reader.readexactly(int(headers["content-length"]))
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
+        while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
+            chunks.append(await reader.readexactly(size))
+            await reader.readline()
+        return int(parts[1]), b"".join(chunks)
+    return int(parts[1]), await reader.read()
 
 
 def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:

@@ -41,6 +41,8 @@ from .sampling import DynamicSampler, Filling, ScoredRound
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
 AHEAD_FACTOR = 2.0  # with staleness >= 1: the next batch's expected rounds x this are admitted while it trains
+MAX_WAVES_PER_ROUND = 4  # a round is scored in at most this many passes (each a full forward: under ZeRO-3 a gather)
+ROW_VERSION = "dapo_sampled_version"  # per-row tensor while a batch is filled: the weights version that sampled it
 
 
 def group_seed(run_seed: int, key: tuple) -> int:
@@ -106,14 +108,21 @@ class RolloutDriver:
     Runs a thread on the main process; `wait` raises the engine's error (a dead server, a timeout) on the caller.
     """
 
-    def __init__(self, engine: GroupEngine, max_in_flight: int):
+    def __init__(self, engine: GroupEngine, max_in_flight: int, max_held_tokens: int | None = None):
         self.engine = engine
         self.max_in_flight = max_in_flight
+        self.max_held_tokens = max_held_tokens  # admission pauses while finished, untaken groups hold this many
         self._planned: deque[GroupRequest] = deque()
         self._in_flight: dict[tuple, GroupRequest] = {}
         self._done: dict[tuple, GroupResult] = {}
+        self._held_tokens = 0  # in `_done`
+        self._wanted: set[tuple] = set()  # what a caller waits for now: admitted whatever is held
         self._known: set[tuple] = set()  # planned, in flight or done
         self._loaded: int | None = None
+        self._loading = False  # a load_weights call runs on the driver's thread
+        self._epoch = 0  # bumped whenever the weights are set outside the driver: a load begun before is void
+        self._starting: GroupRequest | None = None  # admitted, engine.start not yet returned
+        self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
         self._published = -1
         self._error: BaseException | None = None
         self._closed = False
@@ -139,8 +148,14 @@ class RolloutDriver:
             self._cond.notify_all()
 
     def loaded_externally(self, version: int | None) -> None:
-        """The engine's weights were set outside the driver (a synchronous sync, an evaluation): now `version`."""
+        """The engine's weights were set outside the driver (a synchronous sync, an evaluation): now `version`.
+
+        Waits for a reload the driver is running to end first, so that the server's weights have one owner at a
+        time: the caller's sync comes after it, and the driver never marks its version loaded over the caller's."""
         with self._cond:
+            while self._loading and self._error is None:
+                self._cond.wait(1.0)
+            self._epoch += 1
             self._loaded = version
             self._cond.notify_all()
 
@@ -156,11 +171,14 @@ class RolloutDriver:
             missing = [key for key in keys[:minimum] if key not in self._known]
             if missing:
                 raise RuntimeError(f"streaming rollout waits for groups that were never planned: {missing[:3]}")
+            self._wanted = set(keys[:minimum])
+            self._cond.notify_all()
             while True:
                 if self._error is not None:
                     raise RuntimeError(f"generation failed: {self._error}") from self._error
                 count = done_prefix(keys, self._done)
                 if count >= minimum:
+                    self._wanted = set()
                     return count
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -186,7 +204,9 @@ class RolloutDriver:
     def take(self, keys: list[tuple]) -> list[GroupResult]:
         with self._cond:
             results = [self._done.pop(key) for key in keys]
+            self._held_tokens -= sum(result.tokens for result in results)
             self._known.difference_update(keys)
+            self._cond.notify_all()
             return results
 
     def withdraw(self, keep: Callable[[GroupRequest | GroupResult], bool] = lambda request: False) -> None:
@@ -200,12 +220,16 @@ class RolloutDriver:
                 if not keep(result):
                     del self._done[key]
                     self._known.discard(key)
+                    self._held_tokens -= result.tokens
                     self.stats.discarded_tokens += result.tokens
             cancelled = [request for request in self._in_flight.values() if not keep(request)]
             for request in cancelled:
                 del self._in_flight[request.key]
                 self._known.discard(request.key)
                 self.stats.cancelled_groups += 1
+            if self._starting is not None and self._starting in cancelled:
+                cancelled.remove(self._starting)  # not started yet: the driver's thread cancels it once it is
+                self._cancel_after_start = True
             self._update_busy()
             self._cond.notify_all()
         for request in cancelled:
@@ -239,24 +263,46 @@ class RolloutDriver:
                 if self._closed:
                     return
                 if load:
-                    self._loaded = None  # loading
+                    self._loaded, self._loading, epoch = None, True, self._epoch
                 else:
                     self._planned.popleft()
                     self._in_flight[request.key] = request
+                    self._starting, self._cancel_after_start = request, False
                     self._update_busy()
             if load:
-                try:
-                    self.engine.load_weights(request.version)
-                except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-                    with self._cond:
-                        self._error = exc
-                        self._cond.notify_all()
-                    return
-                with self._cond:
-                    self._loaded = request.version
-                    self._cond.notify_all()
+                self._load(request.version, epoch)
             else:
-                self.engine.start(request, self._on_done)
+                self._start(request)
+            if self._error is not None:
+                return
+
+    def _load(self, version: int, epoch: int) -> None:
+        try:
+            self.engine.load_weights(version)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            self._fail(exc)
+            return
+        with self._cond:
+            self._loading = False
+            if self._epoch == epoch:  # else the weights were set by the trainer meanwhile: theirs stand
+                self._loaded = version
+            self._cond.notify_all()
+
+    def _start(self, request: GroupRequest) -> None:
+        try:
+            self.engine.start(request, self._on_done)
+        except BaseException as exc:  # noqa: BLE001 - the caller raises it at once, not after a wave timeout
+            self._fail(RuntimeError(f"the engine could not start group {request.key}: {type(exc).__name__}: {exc}"))
+            return
+        with self._cond:
+            cancel, self._starting, self._cancel_after_start = self._cancel_after_start, None, False
+        if cancel:
+            self.engine.cancel(request)
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cond:
+            self._error, self._loading, self._starting = exc, False, None
+            self._cond.notify_all()
 
     def _next_admission(self) -> tuple[GroupRequest | None, bool]:
         """(request, whether its weights must be loaded first), or (None, _) when nothing can start now."""
@@ -264,6 +310,9 @@ class RolloutDriver:
             return None, False
         request = self._planned[0]
         if self._loaded == request.version:
+            held = self.max_held_tokens is not None and self._held_tokens >= self.max_held_tokens
+            if held and request.key not in self._wanted:
+                return None, False  # finished groups wait to be taken: look ahead no further (memory)
             return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
         if self._in_flight or request.version > self._published:
             return None, False  # a new version waits for the old one's requests to end, and to be published
@@ -279,6 +328,7 @@ class RolloutDriver:
                 self._error = result
             else:
                 self._done[request.key] = result
+                self._held_tokens += result.tokens
                 self.stats.completed_groups += 1
                 self.stats.generated_tokens += result.tokens
             self._cond.notify_all()
@@ -351,7 +401,7 @@ class StreamingRollout:
         filling = sampler.begin(len(inputs))
         rounds = [self._first_round(inputs, round_groups)]
         self._plan_ahead(rounds, round_groups, filling)
-        self._wait = 0.0
+        self._wait, self._passes = 0.0, 0
         while True:
             filling.stats["rounds"] += 1
             filling.round_dropped = []
@@ -362,12 +412,10 @@ class StreamingRollout:
             self._plan_ahead(rounds, round_groups, filling)
         observed = filling.stats["groups_kept"] / max(filling.stats["groups_generated"], 1)
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
-        carried_rows, trained_rows = filling.carried_in_rows, filling.target_rows
         batch, metrics = sampler.finish(filling)
         metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
-        staleness = self.generation - self.version  # the lag, less in the first steps (no older weights)
-        metrics["rollout/staleness_mean"] = staleness + min(carried_rows, trained_rows) / trained_rows
-        metrics["rollout/staleness_max"] = float(staleness + (carried_rows > 0))
+        metrics.update(self._staleness(batch.pop(ROW_VERSION, None), batch.get("completion_mask")))
+        metrics["rollout/scoring_passes"] = float(self._passes)
         metrics["rollout/trainer_wait_seconds"] = self._wait
         consumed = {key for groups in rounds for key, _ in groups}
         self.generation += 1
@@ -378,6 +426,19 @@ class StreamingRollout:
             if self.lag > 0:  # generate the next batch while this one trains
                 self._plan_stream(self.expected_rounds(round_groups) * round_groups)
         return batch, metrics
+
+    def _staleness(self, versions: torch.Tensor | None, completion_mask: torch.Tensor | None) -> dict[str, float]:
+        """Mean and max of (generation - the version that sampled the row) over the batch's trained rows (filler
+        rows, masked out of the loss, left out). A carried group from a checkpoint older than per-row versions
+        counts as one step older than this batch's own version."""
+        if versions is None:  # carried from a checkpoint written before rows carried their version
+            versions = torch.full((len(completion_mask),), self.version - 1, dtype=torch.long)
+        ages = (self.generation - versions.cpu().long()).float()
+        if completion_mask is not None:
+            ages = ages[completion_mask.sum(dim=1).cpu() > 0]
+        if ages.numel() == 0:
+            return {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
+        return {"rollout/staleness_mean": ages.mean().item(), "rollout/staleness_max": ages.max().item()}
 
     def expected_rounds(self, round_groups: int) -> int:
         """How many rounds of the next batch to admit while the trainer trains: twice what the running keep rate
@@ -436,17 +497,28 @@ class StreamingRollout:
     def _stream_round(self, groups: list, score_wave: WaveScorer, filling: Filling) -> None:
         """Score the round in waves of in-order finished groups; stop early once full unless surplus is carried."""
         keys = [key for key, _ in groups]
-        start = 0
+        start, least = 0, self.least_wave(len(groups))
         while start < len(groups):
-            wave = self._next_wave(keys[start:])
+            wave = self._next_wave(keys[start:], least)
             results = wave.results or []
             count = len(results)
             rows, prepared = self._wave_rows(groups[start : start + count], results)
-            self.sampler.add(filling, score_wave(rows, prepared))
+            scored = score_wave(rows, prepared)
+            self._passes += 1
+            versions = [result.version for result in results for _ in range(self.group_size)]
+            scored.rows[ROW_VERSION] = torch.tensor(versions, device=scored.rows["advantages"].device)
+            self.sampler.add(filling, scored)
             start += count
             if filling.full and not self.sampler.args.filter_groups_carry_surplus:
                 filling.stats["groups_cancelled"] += len(groups) - start
                 break
+
+    def least_wave(self, round_length: int) -> int:
+        """The fewest groups a wave holds (but a round's last): a round is scored in at most MAX_WAVES_PER_ROUND
+        passes, each a whole number of `unit`s. Each pass is a full forward of the policy (and the reference): with
+        a wave per finished group, ZeRO-3 would gather every parameter once per group."""
+        least = max(1, math.ceil(round_length / MAX_WAVES_PER_ROUND))
+        return math.ceil(least / self.unit) * self.unit
 
     def owns(self, key: tuple) -> bool:
         """Whether this process's engine generates the group at `key` (with one engine: the main process, all)."""
@@ -454,16 +526,16 @@ class StreamingRollout:
             return True
         return key[-1] % self.process.count == self.process.index  # the n-th of the stream / g-th of the batch
 
-    def _next_wave(self, keys: list[tuple]) -> Wave:
-        """Main: wait for the next in-order finished groups (a multiple of `unit`, or the round's rest). Every
-        process: receive them."""
+    def _next_wave(self, keys: list[tuple], least: int) -> Wave:
+        """Main: wait for the next in-order finished groups (at least `least`, a multiple of `unit`, or the round's
+        rest). Every process: receive them."""
         if self.engine_per_process:
-            return self._next_spread_wave(keys)
+            return self._next_spread_wave(keys, least)
         wave = None
         if self.driver is not None:
             try:
                 started = time.monotonic()
-                minimum = min(self.unit, len(keys))
+                minimum = min(least, len(keys))
                 ready = self.driver.ready_prefix(keys, minimum, self.wave_timeout)
                 wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
                 self._wait += time.monotonic() - started
@@ -479,11 +551,11 @@ class StreamingRollout:
         the rows split equally across processes), or the round's whole rest."""
         return ready if ready == remaining else ready - ready % self.unit
 
-    def _next_spread_wave(self, keys: list[tuple]) -> Wave:
+    def _next_spread_wave(self, keys: list[tuple], least: int) -> Wave:
         """Every process reports which of its groups are done until the in-order prefix of `keys` holds a wave,
         then the processes' results in it are gathered. The main process's clock decides a timeout, so all stop."""
         started = time.monotonic()
-        minimum = min(self.unit, len(keys))
+        minimum = min(least, len(keys))
         mine = [key for key in keys if self.owns(key)]
         while True:
             try:
@@ -513,7 +585,7 @@ class StreamingRollout:
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""
-        rows, completions, logprobs, versions = [], [], [], []
+        rows, completions, logprobs = [], [], []
         for (key, row), result in zip(groups, results, strict=True):
             if result.key != key or len(result.completion_ids) != self.group_size:
                 raise RuntimeError(f"the engine answered {result.key} with {len(result.completion_ids)} completions "
@@ -521,10 +593,9 @@ class StreamingRollout:
             rows.extend(dict(row) for _ in range(self.group_size))
             completions.extend(result.completion_ids)
             logprobs.extend(result.logprobs)
-            versions.extend([result.version] * self.group_size)
         share = len(rows) // self.process.count
         local = slice(self.process.index * share, (self.process.index + 1) * share)
-        prepared = {"completion_ids": completions[local], "logprobs": logprobs[local], "versions": versions[local]}
+        prepared = {"completion_ids": completions[local], "logprobs": logprobs[local]}
         return rows[local], prepared
 
     # ------------------------------------------------------------------------------------------- checkpoints

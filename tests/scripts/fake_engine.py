@@ -1,8 +1,11 @@
 """A deterministic stand-in for a vLLM server in streaming-rollout tests.
 
-A group's completions are a hash of (prompt token ids, weights version, index in the group): the same whatever the
-timing, so a streamed run and a round-by-round one can be compared batch for batch. Each request finishes after a
-random delay (from `timing_seed`), so groups complete out of order and differently in every run.
+A group's completions are a hash of (the request's seed, prompt token ids, weights version, index in the group), as a
+seeded, batch-invariant engine would sample them: the same whatever the timing, so a streamed run and a
+round-by-round one can be compared batch for batch, and a group sent with another seed gets other completions (a
+broken per-group seed fails the tests). An unseeded request (a tool loop's later turns) hashes the prompt alone. Each
+request finishes after a random delay (from `timing_seed`), so groups complete out of order and differently in every
+run.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
 COMPLETION_TOKENS = range(10, 60)
 
 
-def fake_completion(prompt_ids: list[int], version: int, index: int, eos_id: int, max_tokens: int,
+def fake_completion(prompt_ids: list[int], seed: int | None, version: int, index: int, eos_id: int, max_tokens: int,
                     tool_call_ids: list[int] | None = None):  # fmt: skip
-    """(token ids, log-probs) of completion `index` of a prompt under weights `version`; with `tool_call_ids`, half
-    of the completions are that tool call."""
-    digest = hashlib.sha256(repr((list(prompt_ids), version, index)).encode()).digest()
+    """(token ids, log-probs) of completion `index` of a prompt sampled with `seed` under weights `version`; with
+    `tool_call_ids`, half of the completions are that tool call."""
+    digest = hashlib.sha256(repr((seed, list(prompt_ids), version, index)).encode()).digest()
     if tool_call_ids is not None and digest[30] % 2 == 0:
         return list(tool_call_ids), [-0.1] * len(tool_call_ids)
     length = 2 + digest[0] % (max_tokens - 1)
@@ -62,7 +65,9 @@ class FakeEngine:
     def _run(self, request: GroupRequest, done, delay: float) -> None:
         time.sleep(delay)
         pairs = [
-            fake_completion(request.prompt_ids, request.version, i, self.eos_id, self.max_tokens, self.tool_call_ids)
+            fake_completion(
+                request.prompt_ids, request.seed, request.version, i, self.eos_id, self.max_tokens, self.tool_call_ids
+            )
             for i in range(self.group_size)
         ]
         with self.lock:

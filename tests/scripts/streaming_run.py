@@ -29,6 +29,7 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.training.rollout_stream import group_seed
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False}
 
@@ -48,17 +49,49 @@ class FakeGenerationTrainer(RecordingTrainer):
         self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
         return self.fake_engine
 
+    def _generate_and_score_completions(self, inputs):
+        if self._rollout is None and self.model.training:
+            self._rounds_in_step, self._generations = 0, self._generations + 1
+        return super()._generate_and_score_completions(inputs)
+
+    def _score_round(self, round_inputs):
+        """Rounds: each group's key as streaming names it (the dataloader's g-th group of generation j, or the n-th
+        prompt drawn from the stream), so the fake generation can seed it as the streamed request is seeded."""
+        if self._rollout is None and self.model.training:
+            first = self.accelerator.process_index * len(round_inputs)
+            groups = [(first + row) // self.num_generations for row in range(len(round_inputs))]
+            if self._rounds_in_step == 0:
+                keys = [("batch", self._generations, g) for g in groups]
+            else:
+                keys = [("stream", self._draws_before + g) for g in groups]
+            self._round_keys, self._rounds_in_step = keys, self._rounds_in_step + 1
+        return super()._score_round(round_inputs)
+
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
         if self._prepared_completions is not None:  # streamed: the fake engine sampled them
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs)
+        keys, self._round_keys = getattr(self, "_round_keys", None), None  # a round's first turn; later turns unseeded
         version = self.state.global_step  # rounds: the weights TRL would have synced
         first_row = self.accelerator.process_index * len(prompt_ids)  # groups are contiguous in the global rows
         pairs = [
-            fake_completion(ids, version, (first_row + row) % num_generations, self.processing_class.eos_token_id,
+            fake_completion(ids, None if keys is None else group_seed(self.args.seed, keys[row]), version,
+                            (first_row + row) % num_generations, self.processing_class.eos_token_id,
                             self.args.max_completion_length, self.tool_call_ids)
             for row, ids in enumerate(prompt_ids)
         ]  # fmt: skip
         return [ids for ids, _ in pairs], [logprobs for _, logprobs in pairs]
+
+
+def count_draws(trainer: FakeGenerationTrainer) -> None:
+    """Rounds: number the prompts drawn from the sampler's stream, as streaming's cursor numbers them."""
+    stream, trainer._draws, trainer._generations = trainer._sampler.stream, 0, -1
+    draw = stream.draw
+
+    def counted(count):
+        trainer._draws_before, trainer._draws = trainer._draws, trainer._draws + count
+        return draw(count)
+
+    stream.draw = counted
 
 
 def main() -> None:
@@ -95,6 +128,8 @@ def main() -> None:
     )
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
+    if trainer._rollout is None:
+        count_draws(trainer)
     trainer.train(resume_from_checkpoint=resume)
     engine = getattr(trainer, "fake_engine", None)
     if trainer.accelerator.is_main_process:
