@@ -23,6 +23,7 @@ from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training import rollout_engine, rollout_stream
 from dapo_trl.training.rollout_engine import (
     GroupRequest,
+    GroupResult,
     SamplingSettings,
     VLLMColocateEngine,
     VLLMServerEngine,
@@ -451,3 +452,185 @@ def test_streaming_without_an_engine_is_refused_with_the_fix(tmp_path):
     dataset = Dataset.from_list([{"prompt": "1 + 1?", "solution": "2"}] * 4)
     with pytest.raises(ValueError, match="rollout_streaming needs vLLM: pass --use_vllm true"):
         DAPOTrainer(model=model, args=settings(output_dir=str(tmp_path / "out")), train_dataset=dataset)
+
+
+# ------------------------------------------------------------------ races, each interleaving forced with events
+class GatedEngine:
+    """A `GroupEngine` whose `start` and `load_weights` can be held at a gate, and which, like a real server,
+    ignores a cancel that comes before the request started and runs a group only on its own weights."""
+
+    def __init__(self, hold_start: bool = False, hold_load: bool = False):
+        self.version: object = None
+        self.loads: list[int] = []
+        self.started: list[GroupRequest] = []
+        self.cancelled: list[GroupRequest] = []
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.hold_start, self.hold_load = hold_start, hold_load
+
+    def _gate(self, hold: bool) -> None:
+        if hold:
+            self.entered.set()
+            assert self.release.wait(10)
+
+    def start(self, request, done):
+        self._gate(self.hold_start)
+        assert request.version == self.version, f"group of version {request.version} ran on weights {self.version}"
+        self.started.append(request)
+        done(request, GroupResult(request.key, request.version, [[5, 2]] * GROUP, [[-0.5, -0.5]] * GROUP))
+
+    def cancel(self, request):
+        if request in self.started:
+            self.cancelled.append(request)
+
+    def load_weights(self, version):
+        self._gate(self.hold_load)
+        self.version = version
+        self.loads.append(version)
+
+    def close(self):
+        pass
+
+
+def test_a_group_withdrawn_between_admission_and_start_is_cancelled_once_started():
+    engine = GatedEngine(hold_start=True)
+    driver = RolloutDriver(engine, max_in_flight=2)
+    request = GroupRequest(("stream", 0), [1], 7, version=0)
+    driver.loaded_externally(0)
+    engine.version = 0
+    driver.plan([request])
+    assert engine.entered.wait(10)  # admitted; engine.start has begun but not returned
+    driver.withdraw()
+    engine.release.set()
+    deadline = time.monotonic() + 10
+    while request not in engine.cancelled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine.cancelled == [request]  # not left running on the server as an orphan
+    driver.close()
+
+
+def test_a_reload_concurrent_with_an_evaluation_sync_never_overrides_it():
+    """evaluate(): withdraw, loaded_externally(None), TRL syncs other weights. A reload the driver was running must
+    end before, and must not leave the driver believing its version is loaded."""
+    engine = GatedEngine(hold_load=True)
+    driver = RolloutDriver(engine, max_in_flight=2)
+    request = GroupRequest(("stream", 0), [1], 7, version=1)
+    driver.plan([request])
+    driver.publish(1)
+    assert engine.entered.wait(10)  # the driver is reloading version 1
+
+    def evaluation_sync():
+        driver.withdraw()
+        driver.loaded_externally(None)
+        engine.version = "evaluation weights"  # TRL's sync of the current weights
+
+    evaluation = threading.Thread(target=evaluation_sync)
+    evaluation.start()
+    engine.release.set()
+    evaluation.join(10)
+    assert engine.version == "evaluation weights"
+    driver.plan([request])  # the next batch asks for version 1 again: it must be reloaded
+    assert driver.ready_prefix([request.key], 1, timeout=10) == 1
+    assert engine.loads == [1, 1] and engine.started == [request]
+    driver.close()
+
+
+class UnstartableEngine(GatedEngine):
+    def start(self, request, done):
+        raise ConnectionRefusedError("[Errno 111] Connection refused")
+
+
+def test_an_engine_start_that_raises_surfaces_at_once():
+    driver = RolloutDriver(UnstartableEngine(), max_in_flight=2)
+    driver.publish(0)
+    request = GroupRequest(("stream", 0), [1], 7, version=0)
+    driver.plan([request])
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="could not start group .* Connection refused"):
+        driver.ready_prefix([request.key], 1, timeout=60)
+    assert time.monotonic() - started < 10  # not after the wave timeout
+    driver.close()
+
+
+def test_held_results_bound_the_look_ahead_but_never_what_the_caller_waits_for():
+    engine = GatedEngine()
+    engine.version = 0
+    driver = RolloutDriver(engine, max_in_flight=8, max_held_tokens=3 * GROUP * 2)  # three groups' tokens
+    driver.loaded_externally(0)
+    requests = [GroupRequest(("stream", n), [1], n, version=0) for n in range(12)]
+    driver.plan(requests)
+    time.sleep(0.2)  # let it admit all it may (nothing it holds is taken meanwhile)
+    assert len(engine.started) == 3
+    keys = [request.key for request in requests]
+    assert driver.ready_prefix(keys, 5, timeout=10) >= 5  # the caller needs five: admitted whatever is held
+    driver.take(keys[:5])
+    assert driver.ready_prefix(keys[5:], 7, timeout=10) == 7
+    driver.close()
+
+
+class MetricsAndCompletions(FakeCompletions):
+    """FakeCompletions plus vLLM's `/metrics`: the server still runs `running[0]` requests, one fewer per poll."""
+
+    running = [3]
+    reload_saw: list = []
+
+    def do_GET(self):
+        if self.path != "/metrics":
+            return super().do_GET()
+        text = f'vllm:num_requests_running{{engine="0"}} {float(self.running[0])}\nvllm:num_requests_waiting 0.0\n'
+        self.running[0] = max(0, self.running[0] - 1)
+        data = text.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def serve(handler):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_the_server_runs_none_of_our_requests_when_weights_are_reloaded(tmp_path):
+    """An aborted request may hold KV blocks for a while: the engine asks the server before reloading."""
+    server = serve(MetricsAndCompletions)
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v1" / "model.safetensors").write_bytes(b"")
+
+    def reload(base_url, weights, timeout):
+        MetricsAndCompletions.reload_saw.append((weights, MetricsAndCompletions.running[0]))
+
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10,
+                              "/server/weights", reload, tmp_path)  # fmt: skip
+    engine.load_weights(1)
+    assert MetricsAndCompletions.reload_saw == [("/server/weights/v1", 0)]
+    engine.close()
+    server.shutdown()
+
+
+def test_a_group_cancelled_before_its_connection_opens_is_never_sent(monkeypatch):
+    connecting, proceed = threading.Event(), threading.Event()
+    open_connection = rollout_engine.asyncio.open_connection
+
+    async def gated_open_connection(*args, **kwargs):
+        connecting.set()
+        await rollout_engine.asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
+        return await open_connection(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_engine.asyncio, "open_connection", gated_open_connection)
+    FakeCompletions.bodies = []
+    server = serve(FakeCompletions)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10)
+    answers = []
+    request = GroupRequest(("stream", 0), [7, 8], seed=11, version=0)
+    engine.start(request, lambda r, result: answers.append(result))
+    assert connecting.wait(10)
+    engine.cancel(request)
+    proceed.set()
+    deadline = time.monotonic() + 10
+    while engine.running() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.4)  # a request that was sent would have been answered by now (the stub answers after 0.3 s)
+    assert engine.running() == 0 and FakeCompletions.bodies == [] and answers == []
+    engine.close()
+    server.shutdown()
