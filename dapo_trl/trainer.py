@@ -23,7 +23,8 @@ from .config import DAPOConfig
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
-from .training import evaluation, steps, streams, trl_seam
+from .training import batch_metrics, evaluation, steps, streams, trl_seam
+from .training.batch_metrics import row_statistics
 from .training.batching import (
     StepPlanner,
     TokenWeightedMetrics,
@@ -37,6 +38,7 @@ from .training.packing import forward_count_agreement, one_forward_per_backward,
 from .training.reference import build_reference_model, needs_own_reference
 from .training.rollout_engine import GroupEngine, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE, RolloutDriver, StreamingRollout, driver_metrics
+from .training.round_scoring import RoundScoring
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.shaping import GenerationRecord, ShapingColumns
@@ -100,7 +102,7 @@ class DAPOTrainer(GRPOTrainer):
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
         self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
-        self._captured_rewards: list[torch.Tensor] | None = None
+        self._round: RoundScoring | None = None  # the round TRL is scoring for dynamic sampling (`_score_round`)
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
         self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
         self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
@@ -125,8 +127,6 @@ class DAPOTrainer(GRPOTrainer):
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
-        self._prepared_completions: dict[str, list] | None = None  # a streamed wave's completions (`_score_wave`)
-        self._colocated_turns: Callable | None = None  # while a wave is scored: the colocated engine's next turns
         self._rollout = self._build_streaming_rollout(args) if args.rollout_streaming else None
 
     # ----------------------------------------------------------------------------------------------------- rewards
@@ -134,9 +134,19 @@ class DAPOTrainer(GRPOTrainer):
         self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, self._generation)
-        if self._captured_rewards is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
-            self._captured_rewards.append(rewards_per_func)
+        if self._round is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
+            self._round.rewards_per_func = rewards_per_func
+            if self._round.streamed:
+                self._round.row_stats = self._row_statistics(rewards_per_func, completion_ids_list)
         return rewards_per_func
+
+    def _row_statistics(self, rewards_per_func: torch.Tensor, completion_ids_list: list) -> dict[str, Any]:
+        """A streamed wave's per-row figures for the step's metrics (`training.batch_metrics`), every process's."""
+        device, ends = rewards_per_func.device, {*self.eos_token_ids, trl_seam.tokenizer(self).pad_token_id}
+        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device)
+        truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
+        stats = row_statistics(rewards_per_func, gather(lengths), gather(truncated))
+        return {**stats, "names": list(self.reward_func_names), "weights": self.reward_weights.detach().cpu()}
 
     # -------------------------------------------------------------- micro-batches: balance, exact denominator
     def _get_dataloader(self, dataset, *args, **kwargs):  # TRL's loader, each process slicing one whole stream
@@ -283,16 +293,16 @@ class DAPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        if self._prepared_completions is not None:  # a streamed wave's first turn: the engine sampled these rows
-            prepared, self._prepared_completions = self._prepared_completions, None  # later turns: TRL's generation
+        prepared = None if self._round is None else self._round.take_prepared()
+        if prepared is not None:  # a streamed wave's first turn: the engine sampled these rows (later turns: below)
             if len(prepared["completion_ids"]) != len(prompt_ids):
                 raise RuntimeError(
                     f"streaming rollout prepared {len(prepared['completion_ids'])} completions for "
                     f"{len(prompt_ids)} prompts"
                 )
             completion_ids, logprobs = prepared["completion_ids"], prepared["logprobs"]
-        elif self._colocated_turns is not None:  # a streamed wave's tool loop: the next turns on the engine's thread
-            completion_ids, logprobs = self._colocated_turns(prompt_ids)
+        elif self._round is not None and self._round.next_turns is not None:  # colocated: on the engine's thread
+            completion_ids, logprobs = self._round.next_turns(prompt_ids)
         else:
             completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
@@ -325,16 +335,16 @@ class DAPOTrainer(GRPOTrainer):
         finally:
             self._shaping.hide(self)  # the user's reward lists again, once the batch is scored
 
-    def _score_round(self, round_inputs: list[dict[str, Any]]) -> ScoredRound:
+    def _score_round(self, round_inputs: list[dict[str, Any]], scoring: RoundScoring | None = None) -> ScoredRound:
         """One TRL generation + scoring pass, gathered from every process, with the raw accuracy of each row. With
         carried surplus on, behaviour-policy log-probs are stored too: a carried group trains one step later, so its
         ratio must be against the policy that sampled it."""
-        self._captured_rewards = []
+        self._round = scoring = scoring or RoundScoring()
         try:
             output = super()._generate_and_score_completions(round_inputs)
-            (rewards_per_func,) = self._captured_rewards  # TRL's gathered rewards of this round, (rows, funcs)
+            rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
         finally:
-            self._captured_rewards = None
+            self._round = None
         check_regroupable(output)  # before any forward of the rows
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -348,19 +358,22 @@ class DAPOTrainer(GRPOTrainer):
             gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
             (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
+            scoring.row_stats,
         )
 
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
         engine = self._colocated_engine()
-        self._prepared_completions = prepared
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
-        self._colocated_turns = None if engine is None else engine.generate_turns
-        try:
-            return self._score_round(rows)
-        finally:
-            self._prepared_completions = self._colocated_turns = None
+        scoring = RoundScoring(prepared, None if engine is None else engine.generate_turns, streamed=True)
+        pending = trl_seam.metrics(self, "train")
+        before = {name: len(values) for name, values in pending.items() if batch_metrics.replaced(name)}
+        scored = self._score_round(rows, scoring)
+        for name, values in pending.items():  # per-pass figures: the step's own come from the rows it decided on
+            if batch_metrics.replaced(name):
+                del values[before.get(name, 0) :]
+        return scored
 
     def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
         if getattr(self, "environment_factories", None):
@@ -377,6 +390,8 @@ class DAPOTrainer(GRPOTrainer):
                 "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
                 "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
             )
+
+        self.check_off_policy_correction(args)
 
         def broadcast(value: Any) -> Any:
             from accelerate.utils import broadcast_object_list
@@ -406,6 +421,18 @@ class DAPOTrainer(GRPOTrainer):
             lag=args.rollout_max_staleness, lookahead_rounds=args.rollout_lookahead_rounds,
             wave_timeout=2 * args.vllm_request_timeout + 60, engine_per_process=self.colocated_rollout_engines,
         )  # fmt: skip
+
+    def check_off_policy_correction(self, args: DAPOConfig) -> None:
+        """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
+        importance weight (vllm_importance_sampling_*) only from vLLM's sampling log-probs, so another engine at
+        k >= 1 would train them uncorrected: refused."""
+        if args.rollout_max_staleness >= 1 and not args.use_vllm:
+            raise ValueError(
+                f"rollout_max_staleness={args.rollout_max_staleness} with an engine of your own "
+                "(build_rollout_engine) would train stale rows without the off-policy correction: TRL computes the "
+                "importance weight only from vLLM's log-probs. Stream from a vLLM server (--use_vllm true "
+                "--vllm_mode server --vllm_weight_sync shared_storage), or set --rollout_max_staleness 0."
+            )
 
     @property
     def colocated_rollout_engines(self) -> bool:

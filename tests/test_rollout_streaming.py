@@ -61,6 +61,12 @@ def rollout_metrics(out) -> list[dict]:
     return [entry for entry in history if "rollout/staleness_mean" in entry]
 
 
+def decided_metrics(out) -> list[dict]:
+    """Each step's reward, length and dynamic-sampling metrics: those timing must not change."""
+    names = ("reward", "frac_reward_zero_std", "rewards/", "completions/", "dynamic_sampling/")
+    return [{name: value for name, value in entry.items() if name.startswith(names)} for entry in rollout_metrics(out)]
+
+
 @pytest.mark.e2e
 def test_streaming_gives_the_batches_of_rounds(tmp_path):
     """k = 0: groups finish in any order, yet every step trains exactly the batch rounds would (same prompts, same
@@ -76,6 +82,8 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
           per_device=4)  # fmt: skip
     assert batches(tmp_path / "spread", processes=2) == rounds
     metrics = rollout_metrics(tmp_path / "stream")
+    # Two runs that trained the same batches with other timings and wave splits log the same step metrics.
+    assert decided_metrics(tmp_path / "stream") == decided_metrics(tmp_path / "spread")
     assert all(0 < entry["tools/call_frequency"] < 1 for entry in metrics)  # the loop ran, on some rows
     assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 0, 0]
     assert sum(entry["dynamic_sampling/rounds"] for entry in metrics) > 3  # extra rounds were streamed
@@ -179,7 +187,7 @@ def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
 
 @pytest.mark.parametrize("lag", [1, 2])
 def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
-    reference = synchronous_lagged_batches(lag, steps=5)
+    reference, figures = synchronous_lagged_batches(lag, steps=5), []
     for timing_seed in (1, 2):
         metrics = []
         streamed, loads = streamed_batches(lag, steps=5, timing_seed=timing_seed, metrics=metrics)
@@ -192,6 +200,8 @@ def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
         assert all(
             1 <= m["rollout/scoring_passes"] <= MAX_WAVES_PER_ROUND * m["dynamic_sampling/rounds"] for m in metrics
         )
+        figures.append([{k: v for k, v in m.items() if k.startswith("dynamic_sampling/")} for m in metrics])
+    assert figures[0] == figures[1]  # keep counts of the decided groups: the same whatever finished when
 
 
 def test_a_wrong_group_seed_changes_the_batches(monkeypatch):
@@ -634,3 +644,17 @@ def test_a_group_cancelled_before_its_connection_opens_is_never_sent(monkeypatch
     assert engine.running() == 0 and FakeCompletions.bodies == [] and answers == []
     engine.close()
     server.shutdown()
+
+
+def test_streaming_refuses_k1_for_an_engine_of_your_own(tmp_path):
+    """TRL applies the off-policy correction only to vLLM's log-probs: an engine of your own at k >= 1 is refused."""
+
+    class OwnEngineTrainer(DAPOTrainer):
+        def build_rollout_engine(self, max_in_flight):
+            return FakeEngine(GROUP, EOS, MAX_TOKENS, 0)
+
+    model = str(build_tiny_model(tmp_path / "tiny"))
+    dataset = Dataset.from_list([{"prompt": "1 + 1?", "solution": "2"}] * 4)
+    args = settings(output_dir=str(tmp_path / "out"), rollout_max_staleness=1)
+    with pytest.raises(ValueError, match="without the off-policy correction.*--rollout_max_staleness 0"):
+        OwnEngineTrainer(model=model, args=args, train_dataset=dataset)

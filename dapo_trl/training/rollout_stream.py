@@ -28,13 +28,15 @@ import hashlib
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ..algorithm import group_keep_mask
+from .batch_metrics import decided_groups, trained_batch_metrics
 from .rollout_engine import GroupEngine, GroupRequest, GroupResult
 from .sampling import DynamicSampler, Filling, ScoredRound
 
@@ -402,6 +404,8 @@ class StreamingRollout:
         rounds = [self._first_round(inputs, round_groups)]
         self._plan_ahead(rounds, round_groups, filling)
         self._wait, self._passes = 0.0, 0
+        self._decided = Counter()  # groups decided on before the batch filled (`batch_metrics.decided_groups`)
+        self._decided_rows: list[dict[str, Any]] = []  # their `row_stats`
         while True:
             filling.stats["rounds"] += 1
             filling.round_dropped = []
@@ -416,6 +420,7 @@ class StreamingRollout:
         metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
         metrics.update(self._staleness(batch.pop(ROW_VERSION, None), batch.get("completion_mask")))
         metrics["rollout/scoring_passes"] = float(self._passes)
+        metrics.update(self._decided_metrics())
         metrics["rollout/trainer_wait_seconds"] = self._wait
         consumed = {key for groups in rounds for key, _ in groups}
         self.generation += 1
@@ -426,6 +431,37 @@ class StreamingRollout:
             if self.lag > 0:  # generate the next batch while this one trains
                 self._plan_stream(self.expected_rounds(round_groups) * round_groups)
         return batch, metrics
+
+    def _record_decided(self, scored: ScoredRound, filling: Filling) -> None:
+        """Count the wave's groups that any timing scores for this batch (all of them with carried surplus, whose
+        rounds are always scored whole; else those up to the one that fills the batch), and keep their rows'
+        figures: the step's reward, length and keep metrics are over these."""
+        size, args = self.group_size, self.sampler.args
+        kept = group_keep_mask(scored.accuracy.cpu(), size, args.filter_groups_atol)
+        decided = len(kept) if args.filter_groups_carry_surplus else decided_groups(
+            kept, size, filling.kept_rows, filling.target_rows)  # fmt: skip
+        self._decided["generated"] += decided
+        self._decided["kept"] += int(kept[:decided].sum())
+        if scored.row_stats is not None and decided:
+            stats = scored.row_stats
+            rows = {key: stats[key][: decided * size] for key in ("rewards_per_func", "lengths", "truncated")}
+            self._decided_rows.append({**rows, "names": stats["names"], "weights": stats["weights"]})
+
+    def _decided_metrics(self) -> dict[str, float]:
+        """The step's reward and completion metrics and keep counts over the decided groups (`_record_decided`);
+        without carried surplus every other group of its rounds counts as cancelled."""
+        metrics = {}
+        if self._decided_rows:
+            last = self._decided_rows[-1]
+            metrics = trained_batch_metrics(self._decided_rows, last["weights"], last["names"], self.group_size)
+        if not self.sampler.args.filter_groups_carry_surplus:
+            generated, kept = self._decided["generated"], self._decided["kept"]
+            metrics["dynamic_sampling/groups_cancelled"] = float(self._decided["planned"] - generated)
+            metrics["dynamic_sampling/groups_generated"] = float(generated)
+            metrics["dynamic_sampling/groups_kept"] = float(kept)
+            metrics["dynamic_sampling/keep_rate"] = kept / max(generated, 1)
+            metrics["dynamic_sampling/surplus_discarded_groups"] = 0.0
+        return metrics
 
     def _staleness(self, versions: torch.Tensor | None, completion_mask: torch.Tensor | None) -> dict[str, float]:
         """Mean and max of (generation - the version that sampled the row) over the batch's trained rows (filler
@@ -498,6 +534,7 @@ class StreamingRollout:
         """Score the round in waves of in-order finished groups; stop early once full unless surplus is carried."""
         keys = [key for key, _ in groups]
         start, least = 0, self.least_wave(len(groups))
+        self._decided["planned"] += len(groups)
         while start < len(groups):
             wave = self._next_wave(keys[start:], least)
             results = wave.results or []
@@ -505,6 +542,7 @@ class StreamingRollout:
             rows, prepared = self._wave_rows(groups[start : start + count], results)
             scored = score_wave(rows, prepared)
             self._passes += 1
+            self._record_decided(scored, filling)
             versions = [result.version for result in results for _ in range(self.group_size)]
             scored.rows[ROW_VERSION] = torch.tensor(versions, device=scored.rows["advantages"].device)
             self.sampler.add(filling, scored)

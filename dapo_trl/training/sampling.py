@@ -52,13 +52,15 @@ SAMPLING_STATE_FILE = "dapo_sampling_state.pt"
 
 @dataclass
 class ScoredRound:
-    """One generation round as every process sees it: all rows in global (process) order, their raw accuracy and
+    """One generation round as every process sees it: all rows in global (process) order, their raw accuracy,
     (rewards_per_func, reward_weights) as TRL weighted them (only read when advantages are normalised by batch
-    statistics: `advantages.batch_level_rewards`)."""
+    statistics: `advantages.batch_level_rewards`), and for a streamed wave its rows' figures for the step's metrics
+    (`batch_metrics.row_statistics`)."""
 
     rows: dict[str, torch.Tensor]
     accuracy: torch.Tensor
     rewards: tuple[torch.Tensor, torch.Tensor] | None = None
+    row_stats: dict[str, Any] | None = None
 
 
 RoundScorer = Callable[[list[dict[str, Any]]], ScoredRound]

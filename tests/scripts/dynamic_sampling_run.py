@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import PartialState
 from datasets import Dataset
 from denominator_run import full_parameters
 from script_args import leave_together, parse_overrides
@@ -118,6 +119,9 @@ class CrashAfterSave(TrainerCallback):
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.step:
+            # Every process has returned from its save, so the main one has written the whole checkpoint; without
+            # this the launcher can kill it mid-write when another process dies first.
+            PartialState().wait_for_everyone()
             os._exit(3)
 
 

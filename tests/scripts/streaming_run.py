@@ -43,6 +43,11 @@ class FakeGenerationTrainer(RecordingTrainer):
     def tool_call_ids(self) -> list[int] | None:
         return self.processing_class(TOOL_CALL, add_special_tokens=False)["input_ids"] if self.tools else None
 
+    def check_off_policy_correction(self, args):
+        """Lifted for the fake engine: its k >= 1 runs test which rows make each batch (selection, versions, resume),
+        not the loss's correction (its log-probs are no policy's); test_streaming_refuses_k1_for_an_engine_of_your_own
+        checks the refusal users get."""
+
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
         timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
@@ -68,7 +73,7 @@ class FakeGenerationTrainer(RecordingTrainer):
         return super()._score_round(round_inputs)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
-        if self._prepared_completions is not None:  # streamed: the fake engine sampled them
+        if self._round is not None and self._round.prepared is not None:  # streamed: the fake engine sampled them
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, **kwargs)
         keys, self._round_keys = getattr(self, "_round_keys", None), None  # a round's first turn; later turns unseeded
         version = self.state.global_step  # rounds: the weights TRL would have synced

@@ -1,0 +1,94 @@
+"""Per-step metrics of the rows a streamed step decided on, whatever was scored when.
+
+TRL logs `reward`, `rewards/*`, `completions/*` once per scoring pass and averages the passes at log time. A
+streamed step scores in waves whose sizes depend on timing, and without carried surplus it stops at the first wave
+that fills the batch, so those figures would change from run to run with the same trained batches. Here they are
+computed once per step over a set of rows that timing cannot change: the groups in stream order up to the one that
+filled the batch (with carried surplus, whole rounds: they are always scored whole). Formulas are TRL 1.16's
+(`GRPOTrainer._generate_and_score_completions` and `_generate`), over those rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# TRL's per-pass metrics that `trained_batch_metrics` replaces (`rewards/<name>/mean|std` too).
+REPLACED = (
+    "reward",
+    "reward_std",
+    "frac_reward_zero_std",
+    "completions/mean_length",
+    "completions/min_length",
+    "completions/max_length",
+    "completions/clipped_ratio",
+    "completions/mean_terminated_length",
+    "completions/min_terminated_length",
+    "completions/max_terminated_length",
+)
+
+
+def replaced(name: str) -> bool:
+    return name in REPLACED or name.startswith("rewards/")
+
+
+def row_statistics(rewards_per_func: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
+    """What the step's metrics need of each row (global rows, every process the same), kept on the CPU.
+
+    Args:
+        rewards_per_func: (rows, funcs) as TRL weighted them (NaN where a function did not apply).
+        lengths: (rows,) completion lengths in tokens; truncated: (rows,) bool, no EOS at the end.
+    """
+    return {
+        "rewards_per_func": rewards_per_func.detach().float().cpu(),
+        "lengths": lengths.detach().float().cpu(),
+        "truncated": truncated.detach().bool().cpu(),
+    }
+
+
+def decided_groups(group_kept: torch.Tensor, group_size: int, kept_rows: int, target_rows: int) -> int:
+    """How many leading groups of a scored part are decided before the batch is full (`kept_rows` of `target_rows`
+    kept before it): the ones a run with any other timing also scores for this batch."""
+    decided = 0
+    for kept in group_kept.tolist():
+        if kept_rows >= target_rows:
+            break
+        decided += 1
+        kept_rows += group_size * int(kept)
+    return decided
+
+
+def trained_batch_metrics(
+    parts: list[dict], weights: torch.Tensor, names: list[str], group_size: int
+) -> dict[str, float]:
+    """TRL's reward and completion metrics over the rows of `parts` (`row_statistics`, stream order)."""
+    if not parts:
+        return {}
+    rewards_per_func = torch.cat([part["rewards_per_func"] for part in parts])
+    lengths = torch.cat([part["lengths"] for part in parts])
+    truncated = torch.cat([part["truncated"] for part in parts])
+    metrics: dict[str, float] = {}
+    for column, name in enumerate(names[: rewards_per_func.size(1)]):
+        metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, column]).item()
+        metrics[f"rewards/{name}/std"] = _nanstd(rewards_per_func[:, column])
+    rewards = (rewards_per_func * weights.float().cpu().unsqueeze(0)).nansum(dim=1)
+    rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable rows: left out, as TRL does
+    grouped = rewards.view(-1, group_size)
+    spread = torch.nan_to_num(grouped, nan=0.0).std(dim=1) if group_size > 1 else torch.zeros(len(grouped))
+    metrics["reward"] = torch.nanmean(rewards).item()
+    metrics["reward_std"] = _nanstd(rewards)
+    metrics["frac_reward_zero_std"] = torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()
+    metrics["completions/mean_length"] = lengths.mean().item()
+    metrics["completions/min_length"] = lengths.min().item()
+    metrics["completions/max_length"] = lengths.max().item()
+    metrics["completions/clipped_ratio"] = truncated.float().mean().item()
+    terminated = lengths[~truncated] if (~truncated).any() else torch.zeros(1)
+    metrics["completions/mean_terminated_length"] = terminated.mean().item()
+    metrics["completions/min_terminated_length"] = terminated.min().item()
+    metrics["completions/max_terminated_length"] = terminated.max().item()
+    return metrics
+
+
+def _nanstd(values: torch.Tensor) -> float:
+    """TRL's `nanstd`: the unbiased standard deviation of the non-NaN values."""
+    present = values[~torch.isnan(values)]
+    return present.std().item() if present.numel() > 1 else float("nan")

@@ -1,0 +1,30 @@
+"""What one dynamic-sampling round (or streamed wave) hands between DAPOTrainer's overrides while TRL scores it.
+
+TRL's `_generate_and_score_completions` calls back into the trainer (`_generate_single_turn`, `_calculate_rewards`)
+with no room for the round's own inputs and outputs; the trainer keeps one `RoundScoring` for the round being scored
+instead of a field per item.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class RoundScoring:
+    """One round's hand-offs: what goes into TRL's scoring, and what comes out of it."""
+
+    prepared: dict[str, list] | None = None  # a streamed wave's sampled completions: TRL's first turn returns them
+    next_turns: Callable[[list[list[int]]], Any] | None = None  # colocated streaming: a tool loop's next turns
+    streamed: bool = False  # a streamed wave: its rows' statistics are kept for the trained-batch metrics
+    rewards_per_func: torch.Tensor | None = None  # TRL's gathered rewards, (rows, funcs), shaping columns included
+    row_stats: dict[str, Any] | None = None  # `batch_metrics.row_statistics` of a streamed wave
+
+    def take_prepared(self) -> dict[str, list] | None:
+        """The prepared completions, once: a tool loop's later turns are sampled afresh."""
+        prepared, self.prepared = self.prepared, None
+        return prepared
