@@ -59,7 +59,7 @@ class FakeGenerationTrainer(RecordingTrainer):
             self._rounds_in_step, self._generations = 0, self._generations + 1
         return super()._generate_and_score_completions(inputs)
 
-    def _score_round(self, round_inputs):
+    def _score_round(self, round_inputs, scoring=None):
         """Rounds: each group's key as streaming names it (the dataloader's g-th group of generation j, or the n-th
         prompt drawn from the stream), so the fake generation can seed it as the streamed request is seeded."""
         if self._rollout is None and self.model.training:
@@ -70,7 +70,7 @@ class FakeGenerationTrainer(RecordingTrainer):
             else:
                 keys = [("stream", self._draws_before + g) for g in groups]
             self._round_keys, self._rounds_in_step = keys, self._rounds_in_step + 1
-        return super()._score_round(round_inputs)
+        return super()._score_round(round_inputs, scoring)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, **kwargs):
         if self._round is not None and self._round.prepared is not None:  # streamed: the fake engine sampled them
