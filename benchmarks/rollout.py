@@ -129,8 +129,10 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from dapo_trl import DAPOConfig, DAPOTrainer
     from dapo_trl.training import trl_seam
-    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
+    from dapo_trl.training.colocate_engine import VLLMColocateEngine
+    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings
     from dapo_trl.training.rollout_stream import group_seed
+    from dapo_trl.training.server_engine import VLLMServerEngine
     from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
 
     quiet()

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from typing import Any
 
 import torch
 from accelerate.utils import gather, gather_object
-from transformers import TrainerCallback
 from trl import GRPOTrainer
 
 from .algorithm import clamp_log_ratio, ratio_anchor
@@ -34,13 +32,17 @@ from .training.batching import (
     process_rows,
     select_rows,
 )
+from .training.colocate_engine import VLLMColocateEngine
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.reference import build_reference_model, needs_own_reference
-from .training.rollout_engine import GroupEngine, SamplingSettings, VLLMColocateEngine, VLLMServerEngine
-from .training.rollout_stream import ROLLOUT_STATE_FILE, RolloutDriver, StreamingRollout, driver_metrics
+from .training.rollout_driver import driver_metrics
+from .training.rollout_engine import GroupEngine, SamplingSettings
+from .training.rollout_setup import build_streaming_rollout
+from .training.rollout_stream import ROLLOUT_STATE_FILE, StreamingRollout
 from .training.round_scoring import RoundScoring
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
+from .training.server_engine import VLLMServerEngine
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
     backend_for,
@@ -376,51 +378,13 @@ class DAPOTrainer(GRPOTrainer):
         return scored
 
     def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
-        if getattr(self, "environment_factories", None):
-            raise ValueError(
-                "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
-                "environment's tools as tools=[...] (the tool loop streams)."
-            )
-        round_groups = (
-            args.per_device_train_batch_size * args.steps_per_generation * self.accelerator.num_processes
-            * args.filter_groups_oversample // self.num_generations
-        )  # fmt: skip
         if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
             raise ValueError(
                 "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
                 "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
             )
-
         self.check_off_policy_correction(args)
-
-        def broadcast(value: Any) -> Any:
-            from accelerate.utils import broadcast_object_list
-
-            box = [value]
-            if self.accelerator.num_processes > 1:
-                broadcast_object_list(box, from_process=0)
-            return box[0]
-
-        driver, error = None, None
-        in_flight = args.rollout_max_in_flight_groups or round_groups
-        if self.accelerator.is_main_process or self.colocated_rollout_engines:
-            # Finished groups held for later waves: at most one batch at full length (int32 ids + float32 log-probs).
-            held = None if self.colocated_rollout_engines else round_groups * self.num_generations * (
-                args.max_completion_length // args.filter_groups_oversample)  # fmt: skip
-            try:
-                driver = RolloutDriver(self.build_rollout_engine(in_flight), in_flight, held)
-                self.add_callback(_CloseRollout(driver, self._wait_for_colocated_engine))
-            except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
-                error = f"{type(exc).__name__}: {exc}"
-        errors = [error for error in self._sampler.process.gather_objects([error]) if error is not None]
-        if errors:
-            raise RuntimeError(f"streaming rollout: could not reach its engine: {errors[0]}")
-
-        return StreamingRollout(
-            self._sampler, driver, lambda prompts: trl_seam.tokenize_prompts(self, prompts), broadcast,
-            lag=args.rollout_max_staleness, lookahead_rounds=args.rollout_lookahead_rounds,
-            wave_timeout=2 * args.vllm_request_timeout + 60, engine_per_process=self.colocated_rollout_engines,
-        )  # fmt: skip
+        return build_streaming_rollout(self, args, self._sampler, self._wait_for_colocated_engine)
 
     def check_off_policy_correction(self, args: DAPOConfig) -> None:
         """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
@@ -529,16 +493,3 @@ class DAPOTrainer(GRPOTrainer):
                 part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
         if self._rollout is not None and checkpoint is not None and self.accelerator.is_main_process:
             restore_rollout_versions(self.args, checkpoint)
-
-
-class _CloseRollout(TrainerCallback):
-    """Cancels what the streaming driver still runs when training ends (a later `train()` plans afresh), and waits
-    until a colocated engine is free for the caller's own use."""
-
-    def __init__(self, driver: RolloutDriver, wait_for_engine: Callable[[], None]):
-        self.driver = driver
-        self.wait_for_engine = wait_for_engine
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.driver.withdraw()
-        self.wait_for_engine()

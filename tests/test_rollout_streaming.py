@@ -20,16 +20,12 @@ from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training import rollout_engine, rollout_stream
-from dapo_trl.training.rollout_engine import (
-    GroupRequest,
-    GroupResult,
-    SamplingSettings,
-    VLLMColocateEngine,
-    VLLMServerEngine,
-)
-from dapo_trl.training.rollout_stream import MAX_WAVES_PER_ROUND, RolloutDriver, StreamingRollout, group_seed
+from dapo_trl.training import colocate_engine, rollout_stream, server_engine
+from dapo_trl.training.colocate_engine import VLLMColocateEngine
+from dapo_trl.training.rollout_engine import GroupRequest, GroupResult, SamplingSettings
+from dapo_trl.training.rollout_stream import MAX_WAVES_PER_ROUND, RolloutDriver, ServerStreamingRollout, group_seed
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound
+from dapo_trl.training.server_engine import VLLMServerEngine
 from dapo_trl.training.streams import PromptStream
 
 from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command
@@ -151,7 +147,7 @@ def streamed_batches(
     sampler = DynamicSampler(args, dataset, GROUP, {}, shuffle=True)
     engine = FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed, max_delay=0.01)
     driver = RolloutDriver(engine, max_in_flight=3)
-    rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, lag, 1, wave_timeout=30)
+    rollout = ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, lag, 1, wave_timeout=30)
     pace = random.Random(timing_seed)
     out = []
     for _ in range(steps):
@@ -227,7 +223,7 @@ def test_a_failing_engine_stops_sampling_with_its_error():
     args = settings()
     sampler = DynamicSampler(args, [{"prompt": p} for p in PROMPTS], GROUP, {}, shuffle=True)
     driver = RolloutDriver(FailingEngine(GROUP, EOS, MAX_TOKENS, 0), max_in_flight=2)
-    rollout = StreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=5)
+    rollout = ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=5)
     driver.publish(0)
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="no answer within 5 s"):
@@ -400,7 +396,7 @@ def colocated_engine(monkeypatch, fake: FakeLLMEngine) -> VLLMColocateEngine:
         def __init__(self, **kwargs):
             super().__init__(kwargs)
 
-    monkeypatch.setattr(rollout_engine, "vllm_sampling_params", lambda: (Params, "final-only"))
+    monkeypatch.setattr(colocate_engine, "vllm_sampling_params", lambda: (Params, "final-only"))
     return VLLMColocateEngine(SimpleNamespace(llm_engine=fake), SamplingSettings(n=3, max_tokens=8), timeout=5)
 
 
@@ -620,14 +616,14 @@ def test_the_server_runs_none_of_our_requests_when_weights_are_reloaded(tmp_path
 
 def test_a_group_cancelled_before_its_connection_opens_is_never_sent(monkeypatch):
     connecting, proceed = threading.Event(), threading.Event()
-    open_connection = rollout_engine.asyncio.open_connection
+    open_connection = server_engine.asyncio.open_connection
 
     async def gated_open_connection(*args, **kwargs):
         connecting.set()
-        await rollout_engine.asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
+        await server_engine.asyncio.get_running_loop().run_in_executor(None, proceed.wait, 10)
         return await open_connection(*args, **kwargs)
 
-    monkeypatch.setattr(rollout_engine.asyncio, "open_connection", gated_open_connection)
+    monkeypatch.setattr(server_engine.asyncio, "open_connection", gated_open_connection)
     FakeCompletions.bodies = []
     server = serve(FakeCompletions)
     engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10)

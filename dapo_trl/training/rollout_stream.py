@@ -26,18 +26,18 @@ from __future__ import annotations
 
 import hashlib
 import math
-import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Container
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..algorithm import group_keep_mask
 from .batch_metrics import decided_groups, trained_batch_metrics
-from .rollout_engine import GroupEngine, GroupRequest, GroupResult
+from .rollout_driver import RolloutDriver, done_prefix
+from .rollout_engine import GroupRequest, GroupResult
 from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
@@ -51,14 +51,6 @@ def group_seed(run_seed: int, key: tuple) -> int:
     """The sampling seed of the group at `key`: the same in every run with this seed, and on resume."""
     digest = hashlib.sha256(repr((run_seed, key)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
-    """How many leading keys of `keys` are in `done` (the in-order prefix a reorder buffer may pass on)."""
-    count = 0
-    while count < len(keys) and keys[count] in done:
-        count += 1
-    return count
 
 
 class StreamCursor:
@@ -92,259 +84,6 @@ class StreamCursor:
 
 
 @dataclass
-class DriverStats:
-    """What the engine did since the last `take_metrics`."""
-
-    since: float = field(default_factory=time.monotonic)
-    busy: float = 0.0  # seconds with at least one request in flight
-    completed_groups: int = 0
-    generated_tokens: int = 0
-    cancelled_groups: int = 0
-    discarded_tokens: int = 0  # completed, then not used (admitted ahead for a batch that was already full)
-
-
-class RolloutDriver:
-    """Admits planned group requests to the engine in order, at most `max_in_flight` at a time, each under its
-    weights version (loaded only when nothing is in flight, once published), and keeps finished groups until taken.
-
-    Runs a thread on the main process; `wait` raises the engine's error (a dead server, a timeout) on the caller.
-    """
-
-    def __init__(self, engine: GroupEngine, max_in_flight: int, max_held_tokens: int | None = None):
-        self.engine = engine
-        self.max_in_flight = max_in_flight
-        self.max_held_tokens = max_held_tokens  # admission pauses while finished, untaken groups hold this many
-        self._planned: deque[GroupRequest] = deque()
-        self._in_flight: dict[tuple, GroupRequest] = {}
-        self._done: dict[tuple, GroupResult] = {}
-        self._held_tokens = 0  # in `_done`
-        self._wanted: set[tuple] = set()  # what a caller waits for now: admitted whatever is held
-        self._known: set[tuple] = set()  # planned, in flight or done
-        self._loaded: int | None = None
-        self._loading = False  # a load_weights call runs on the driver's thread
-        self._epoch = 0  # bumped whenever the weights are set outside the driver: a load begun before is void
-        self._starting: GroupRequest | None = None  # admitted, engine.start not yet returned
-        self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
-        self._published = -1
-        self._error: BaseException | None = None
-        self._closed = False
-        self._busy_since: float | None = None
-        self.stats = DriverStats()
-        self._cond = threading.Condition()
-        self._thread = threading.Thread(target=self._admit_loop, name="dapo-rollout-driver", daemon=True)
-        self._thread.start()
-
-    # ---------------------------------------------------------------------------------------------- caller side
-    def plan(self, requests: list[GroupRequest]) -> None:
-        with self._cond:
-            for request in requests:
-                if request.key not in self._known:
-                    self._planned.append(request)
-                    self._known.add(request.key)
-            self._cond.notify_all()
-
-    def publish(self, version: int) -> None:
-        """Weights `version` (and every earlier one) can be loaded."""
-        with self._cond:
-            self._published = max(self._published, version)
-            self._cond.notify_all()
-
-    def loaded_externally(self, version: int | None) -> None:
-        """The engine's weights were set outside the driver (a synchronous sync, an evaluation): now `version`.
-
-        Waits for a reload the driver is running to end first, so that the server's weights have one owner at a
-        time: the caller's sync comes after it, and the driver never marks its version loaded over the caller's."""
-        with self._cond:
-            while self._loading and self._error is None:
-                self._cond.wait(1.0)
-            self._epoch += 1
-            self._loaded = version
-            self._cond.notify_all()
-
-    def planned_keys(self) -> set[tuple]:
-        with self._cond:
-            return set(self._known)
-
-    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
-        """Block until the first `minimum` of `keys` are done (or fail after `timeout`); return how many leading
-        keys are done."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            missing = [key for key in keys[:minimum] if key not in self._known]
-            if missing:
-                raise RuntimeError(f"streaming rollout waits for groups that were never planned: {missing[:3]}")
-            self._wanted = set(keys[:minimum])
-            self._cond.notify_all()
-            while True:
-                if self._error is not None:
-                    raise RuntimeError(f"generation failed: {self._error}") from self._error
-                count = done_prefix(keys, self._done)
-                if count >= minimum:
-                    self._wanted = set()
-                    return count
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(
-                        f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "
-                        "vLLM server is stuck or too slow (raise vllm_request_timeout if it is just slow)"
-                    )
-                self._cond.wait(min(remaining, 1.0))
-
-    def done_among(self, keys: list[tuple], timeout: float) -> set[tuple]:
-        """The keys of `keys` that are done, after waiting up to `timeout` for the first one that is not (if any)."""
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                if self._error is not None:
-                    raise RuntimeError(f"generation failed: {self._error}") from self._error
-                waiting = next((key for key in keys if key not in self._done), None)
-                remaining = deadline - time.monotonic()
-                if waiting is None or remaining <= 0:
-                    return {key for key in keys if key in self._done}
-                self._cond.wait(remaining)
-
-    def take(self, keys: list[tuple]) -> list[GroupResult]:
-        with self._cond:
-            results = [self._done.pop(key) for key in keys]
-            self._held_tokens -= sum(result.tokens for result in results)
-            self._known.difference_update(keys)
-            self._cond.notify_all()
-            return results
-
-    def withdraw(self, keep: Callable[[GroupRequest | GroupResult], bool] = lambda request: False) -> None:
-        """Drop every planned, running or finished group that `keep` rejects; running ones are cancelled (their
-        answers, if any still come, are ignored)."""
-        with self._cond:
-            dropped = [request for request in self._planned if not keep(request)]
-            self._planned = deque(request for request in self._planned if keep(request))
-            self._known.difference_update(request.key for request in dropped)
-            for key, result in list(self._done.items()):
-                if not keep(result):
-                    del self._done[key]
-                    self._known.discard(key)
-                    self._held_tokens -= result.tokens
-                    self.stats.discarded_tokens += result.tokens
-            cancelled = [request for request in self._in_flight.values() if not keep(request)]
-            for request in cancelled:
-                del self._in_flight[request.key]
-                self._known.discard(request.key)
-                self.stats.cancelled_groups += 1
-            if self._starting is not None and self._starting in cancelled:
-                cancelled.remove(self._starting)  # not started yet: the driver's thread cancels it once it is
-                self._cancel_after_start = True
-            self._update_busy()
-            self._cond.notify_all()
-        for request in cancelled:
-            self.engine.cancel(request)
-
-    def take_metrics(self) -> DriverStats:
-        with self._cond:
-            now = time.monotonic()
-            if self._busy_since is not None:
-                self.stats.busy += now - self._busy_since
-                self._busy_since = now
-            stats, self.stats = self.stats, DriverStats(since=now)
-            return stats
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self.withdraw()
-        self.engine.close()
-
-    # ---------------------------------------------------------------------------------------------- the thread
-    def _admit_loop(self) -> None:
-        while True:
-            with self._cond:
-                request = None
-                while not self._closed and request is None:
-                    request, load = self._next_admission()
-                    if request is None:
-                        self._cond.wait(0.5)
-                if self._closed:
-                    return
-                if load:
-                    self._loaded, self._loading, epoch = None, True, self._epoch
-                else:
-                    self._planned.popleft()
-                    self._in_flight[request.key] = request
-                    self._starting, self._cancel_after_start = request, False
-                    self._update_busy()
-            if load:
-                self._load(request.version, epoch)
-            else:
-                self._start(request)
-            if self._error is not None:
-                return
-
-    def _load(self, version: int, epoch: int) -> None:
-        try:
-            self.engine.load_weights(version)
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
-            self._fail(exc)
-            return
-        with self._cond:
-            self._loading = False
-            if self._epoch == epoch:  # else the weights were set by the trainer meanwhile: theirs stand
-                self._loaded = version
-            self._cond.notify_all()
-
-    def _start(self, request: GroupRequest) -> None:
-        try:
-            self.engine.start(request, self._on_done)
-        except BaseException as exc:  # noqa: BLE001 - the caller raises it at once, not after a wave timeout
-            self._fail(RuntimeError(f"the engine could not start group {request.key}: {type(exc).__name__}: {exc}"))
-            return
-        with self._cond:
-            cancel, self._starting, self._cancel_after_start = self._cancel_after_start, None, False
-        if cancel:
-            self.engine.cancel(request)
-
-    def _fail(self, exc: BaseException) -> None:
-        with self._cond:
-            self._error, self._loading, self._starting = exc, False, None
-            self._cond.notify_all()
-
-    def _next_admission(self) -> tuple[GroupRequest | None, bool]:
-        """(request, whether its weights must be loaded first), or (None, _) when nothing can start now."""
-        if self._error is not None or not self._planned:
-            return None, False
-        request = self._planned[0]
-        if self._loaded == request.version:
-            held = self.max_held_tokens is not None and self._held_tokens >= self.max_held_tokens
-            if held and request.key not in self._wanted:
-                return None, False  # finished groups wait to be taken: look ahead no further (memory)
-            return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
-        if self._in_flight or request.version > self._published:
-            return None, False  # a new version waits for the old one's requests to end, and to be published
-        return request, True
-
-    def _on_done(self, request: GroupRequest, result: GroupResult | BaseException) -> None:
-        with self._cond:
-            if self._in_flight.get(request.key) is not request:
-                return  # cancelled meanwhile
-            del self._in_flight[request.key]
-            self._update_busy()
-            if isinstance(result, BaseException):
-                self._error = result
-            else:
-                self._done[request.key] = result
-                self._held_tokens += result.tokens
-                self.stats.completed_groups += 1
-                self.stats.generated_tokens += result.tokens
-            self._cond.notify_all()
-
-    def _update_busy(self) -> None:
-        now = time.monotonic()
-        if self._in_flight and self._busy_since is None:
-            self._busy_since = now
-        elif not self._in_flight and self._busy_since is not None:
-            self.stats.busy += now - self._busy_since
-            self._busy_since = None
-
-
-@dataclass
 class Wave:
     """A scored part of a round as the main process broadcasts it: its groups' results, or the error that stopped
     generation (so that every process raises instead of waiting in a collective)."""
@@ -357,28 +96,23 @@ WaveScorer = Callable[[list[dict[str, Any]], dict[str, list]], ScoredRound]
 
 
 class StreamingRollout:
-    """`DynamicSampler`'s rounds, streamed (see the module docstring). Every process builds one. With one engine
-    (a vLLM server) only the main process has a `driver` and broadcasts each wave; with `engine_per_process`
-    (colocated vLLM) every process drives its own engine with the groups it owns (`owns`), and the finished groups
-    are gathered. `tokenize(prompts)` gives prompt token ids as TRL tokenizes them; `broadcast(obj)` returns the main
-    process's object on every process."""
+    """`DynamicSampler`'s rounds, streamed (see the module docstring); every process builds one. Where the groups
+    are generated and how each wave reaches every process is the subclasses': `ServerStreamingRollout` (one engine,
+    driven by the main process) and `ColocatedStreamingRollout` (an engine on every process). `tokenize(prompts)`
+    gives prompt token ids as TRL tokenizes them."""
 
     def __init__(
         self,
         sampler: DynamicSampler,
         driver: RolloutDriver | None,
         tokenize: Callable[[list[Any]], list[list[int]]],
-        broadcast: Callable[[Any], Any],
         lag: int,
         lookahead_rounds: int,
         wave_timeout: float,
-        engine_per_process: bool = False,
     ):
         self.sampler = sampler
-        self.engine_per_process = engine_per_process
         self.driver = driver
         self.tokenize = tokenize
-        self.broadcast = broadcast
         self.lag = lag
         self.lookahead_rounds = lookahead_rounds
         self.wave_timeout = wave_timeout
@@ -559,67 +293,18 @@ class StreamingRollout:
         return math.ceil(least / self.unit) * self.unit
 
     def owns(self, key: tuple) -> bool:
-        """Whether this process's engine generates the group at `key` (with one engine: the main process, all)."""
-        if not self.engine_per_process:
-            return True
-        return key[-1] % self.process.count == self.process.index  # the n-th of the stream / g-th of the batch
+        """Whether this process's driver generates the group at `key`."""
+        return True
 
     def _next_wave(self, keys: list[tuple], least: int) -> Wave:
-        """Main: wait for the next in-order finished groups (at least `least`, a multiple of `unit`, or the round's
-        rest). Every process: receive them."""
-        if self.engine_per_process:
-            return self._next_spread_wave(keys, least)
-        wave = None
-        if self.driver is not None:
-            try:
-                started = time.monotonic()
-                minimum = min(least, len(keys))
-                ready = self.driver.ready_prefix(keys, minimum, self.wave_timeout)
-                wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
-                self._wait += time.monotonic() - started
-            except Exception as exc:  # noqa: BLE001 - every process raises it below
-                wave = Wave(None, f"{type(exc).__name__}: {exc}")
-        wave = self.broadcast(wave)
-        if wave.error is not None:
-            raise RuntimeError(f"streaming rollout stopped: {wave.error}")
-        return wave
+        """Wait for the next in-order finished groups of `keys` (at least `least`, a multiple of `unit`, or the
+        round's rest) and return them on every process."""
+        raise NotImplementedError
 
     def _wave_size(self, ready: int, remaining: int) -> int:
         """Groups in the next wave when `ready` leading ones of the `remaining` are done: a multiple of `unit` (so
         the rows split equally across processes), or the round's whole rest."""
         return ready if ready == remaining else ready - ready % self.unit
-
-    def _next_spread_wave(self, keys: list[tuple], least: int) -> Wave:
-        """Every process reports which of its groups are done until the in-order prefix of `keys` holds a wave,
-        then the processes' results in it are gathered. The main process's clock decides a timeout, so all stop."""
-        started = time.monotonic()
-        minimum = min(least, len(keys))
-        mine = [key for key in keys if self.owns(key)]
-        while True:
-            try:
-                done, error = self.driver.done_among(mine, SPREAD_POLL_SECONDS), None
-            except Exception as exc:  # noqa: BLE001 - every process raises it below
-                done, error = set(), f"{type(exc).__name__}: {exc}"
-            timed_out = time.monotonic() - started > self.wave_timeout
-            reports = self.process.gather_objects([(done, error, timed_out)])
-            errors = [error for _, error, _ in reports if error is not None]
-            if errors:
-                raise RuntimeError(f"streaming rollout stopped: {errors[0]}")
-            ready = done_prefix(keys, set().union(*(done for done, _, _ in reports)))
-            if ready >= minimum:
-                break
-            if reports[0][2]:
-                raise RuntimeError(
-                    f"streaming rollout stopped: no generated group arrived for {self.wave_timeout:g} s (the "
-                    "colocated vLLM engines are stuck or too slow; raise vllm_request_timeout if just slow)"
-                )
-            if len(done) == len(mine):  # this engine is ahead: wait for the others without spinning
-                time.sleep(SPREAD_POLL_SECONDS)
-        count = self._wave_size(ready, len(keys))
-        own = self.driver.take([key for key in keys[:count] if self.owns(key)])
-        results = {result.key: result for part in self.process.gather_objects([own]) for result in part}
-        self._wait += time.monotonic() - started
-        return Wave([results[key] for key in keys[:count]])
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""
@@ -650,14 +335,67 @@ class StreamingRollout:
         self.generation = state["generation"]
 
 
-def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
-    """The `rollout/*` metrics of one generation batch from the driver's counters."""
-    wall = max(time.monotonic() - stats.since, 1e-9)
-    return {
-        "rollout/engine_busy_fraction": min(stats.busy / wall, 1.0),
-        "rollout/trainer_wait_fraction": min(trainer_wait / wall, 1.0),
-        "rollout/groups_per_second": stats.completed_groups / wall,
-        "rollout/generated_tokens": float(stats.generated_tokens),
-        "rollout/cancelled_groups": float(stats.cancelled_groups),
-        "rollout/discarded_tokens": float(stats.discarded_tokens),
-    }
+class ServerStreamingRollout(StreamingRollout):
+    """One engine for every process (a vLLM server): only the main process has a driver; it waits for each wave and
+    broadcasts it (`broadcast(obj)` returns the main process's object on every process), errors included, so that
+    every process raises together instead of one waiting in a collective."""
+
+    def __init__(self, sampler: DynamicSampler, driver: RolloutDriver | None,
+                 tokenize: Callable[[list[Any]], list[list[int]]], broadcast: Callable[[Any], Any], lag: int,
+                 lookahead_rounds: int, wave_timeout: float):  # fmt: skip
+        super().__init__(sampler, driver, tokenize, lag, lookahead_rounds, wave_timeout)
+        self.broadcast = broadcast
+
+    def _next_wave(self, keys: list[tuple], least: int) -> Wave:
+        wave = None
+        if self.driver is not None:
+            try:
+                started = time.monotonic()
+                ready = self.driver.ready_prefix(keys, min(least, len(keys)), self.wave_timeout)
+                wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
+                self._wait += time.monotonic() - started
+            except Exception as exc:  # noqa: BLE001 - every process raises it below
+                wave = Wave(None, f"{type(exc).__name__}: {exc}")
+        wave = self.broadcast(wave)
+        if wave.error is not None:
+            raise RuntimeError(f"streaming rollout stopped: {wave.error}")
+        return wave
+
+
+class ColocatedStreamingRollout(StreamingRollout):
+    """An engine on every process (colocated vLLM): each process's driver generates the groups it owns (every P-th
+    of the stream), the processes compare which are done until the round's in-order prefix holds a wave, then gather
+    the wave's results. The main process's clock decides a timeout, so all stop together."""
+
+    def owns(self, key: tuple) -> bool:
+        return key[-1] % self.process.count == self.process.index  # the n-th of the stream / g-th of the batch
+
+    def _next_wave(self, keys: list[tuple], least: int) -> Wave:
+        started = time.monotonic()
+        minimum = min(least, len(keys))
+        mine = [key for key in keys if self.owns(key)]
+        while True:
+            try:
+                done, error = self.driver.done_among(mine, SPREAD_POLL_SECONDS), None
+            except Exception as exc:  # noqa: BLE001 - every process raises it below
+                done, error = set(), f"{type(exc).__name__}: {exc}"
+            timed_out = time.monotonic() - started > self.wave_timeout
+            reports = self.process.gather_objects([(done, error, timed_out)])
+            errors = [error for _, error, _ in reports if error is not None]
+            if errors:
+                raise RuntimeError(f"streaming rollout stopped: {errors[0]}")
+            ready = done_prefix(keys, set().union(*(done for done, _, _ in reports)))
+            if ready >= minimum:
+                break
+            if reports[0][2]:
+                raise RuntimeError(
+                    f"streaming rollout stopped: no generated group arrived for {self.wave_timeout:g} s (the "
+                    "colocated vLLM engines are stuck or too slow; raise vllm_request_timeout if just slow)"
+                )
+            if len(done) == len(mine):  # this engine is ahead: wait for the others without spinning
+                time.sleep(SPREAD_POLL_SECONDS)
+        count = self._wave_size(ready, len(keys))
+        own = self.driver.take([key for key in keys[:count] if self.owns(key)])
+        results = {result.key: result for part in self.process.gather_objects([own]) for result in part}
+        self._wait += time.monotonic() - started
+        return Wave([results[key] for key in keys[:count]])

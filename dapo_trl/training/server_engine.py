@@ -1,0 +1,233 @@
+"""The streaming rollout's engine for a `vllm serve` server: one OpenAI `/v1/completions` request per group (prompt
+token ids, `n`, `seed`, `max_tokens`, sampled-token log-probs), all on one event loop, each on its own connection so
+that cancelling a group closes it (vLLM then aborts the request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .rollout_engine import Callback, GroupRequest, GroupResult, SamplingSettings
+
+
+class VLLMServerEngine:
+    """Group requests to a `vllm serve` server, all on one event loop (one thread, however many groups run), each
+    request on its own connection, at most `max_in_flight` open at once; cancelling a request closes its connection,
+    which vLLM answers by aborting it (its `with_cancellation`), and a request cancelled before it connected is never
+    sent.
+
+    Weights: `load_weights(version)` waits until the server runs no request (it asks `/metrics`: an aborted request
+    may still hold KV blocks for a moment), then asks the dev-mode server to reload `weights_root/v{version}` (as the
+    server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
+    previous weights must not be reused). Every request and reload is bounded by `timeout`.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        sampling: SamplingSettings,
+        max_in_flight: int,
+        timeout: float,
+        weights_server_root: str | Path | None = None,
+        reload: Callable[[str, str, float], None] | None = None,
+        weights_local_root: str | Path | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        parsed = urllib.parse.urlparse(self.base_url)
+        self._host, self._port = parsed.hostname or "localhost", parsed.port or 80
+        self.sampling = sampling
+        self.timeout = timeout
+        self.weights_server_root = None if weights_server_root is None else str(weights_server_root)
+        self._reload = reload
+        self.weights_local_root = None if weights_local_root is None else Path(weights_local_root)
+        self.model = self._model_name()
+        self._max_in_flight = max(1, max_in_flight)
+        self._tasks: dict[int, asyncio.Task] = {}  # id(request) -> its task (a cancelled key is requested again)
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._connections = asyncio.Semaphore(self._max_in_flight)
+        self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
+        self._thread.start()
+
+    def _model_name(self) -> str:
+        status, body = self._get("/v1/models")
+        if status != 200:
+            raise RuntimeError(f"GET {self.base_url}/v1/models: HTTP {status}: {body[:500]!r}")
+        return json.loads(body)["data"][0]["id"]
+
+    def _get(self, path: str) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        try:
+            connection.request("GET", path)
+            answer = connection.getresponse()
+            return answer.status, answer.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise RuntimeError(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
+        finally:
+            connection.close()
+
+    # ---------------------------------------------------------------------------------------------- caller side
+    def start(self, request: GroupRequest, done: Callback) -> None:
+        if self._closed:
+            raise RuntimeError(f"the rollout engine for {self.base_url} is closed")
+        self._loop.call_soon_threadsafe(self._launch, request, done)
+
+    def cancel(self, request: GroupRequest) -> None:
+        """Cancel `request` (started earlier from any thread: the loop runs calls in the order they were made)."""
+        if not self._closed:
+            self._loop.call_soon_threadsafe(self._cancel, id(request))
+
+    def running(self) -> int:
+        """Requests of ours still open (cancelled ones included until their connection is closed)."""
+        return len(self._tasks)
+
+    def request_payload(self, request: GroupRequest) -> dict[str, Any]:
+        """The JSON body of one group's request (override to change sampling per group)."""
+        return self.sampling.payload(self.model, request)
+
+    def load_weights(self, version: int) -> None:
+        if self._reload is None or self.weights_server_root is None:
+            raise RuntimeError("this VLLMServerEngine was built without a weights directory to reload versions from")
+        local = (
+            None if self.weights_local_root is None else self.weights_local_root / f"v{version}" / "model.safetensors"
+        )
+        if local is not None and not local.exists():  # a reload from a missing directory kills vLLM's engine
+            raise RuntimeError(
+                f"weights version {version} is not in {local.parent}: a resumed run with rollout_max_staleness k "
+                "needs the k versions before its checkpoint (saved in checkpoint/rollout_weights)"
+            )
+        self.wait_server_idle()
+        self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout)
+
+    def wait_server_idle(self, poll: float = 0.05) -> None:
+        """Return once none of our connections is open and the server reports no running or waiting request: a
+        request still running under the old weights would hold KV blocks (the prefix-cache reset is refused) and
+        finish with tokens of two versions."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            ours = self.running()
+            theirs = self.server_requests() if ours == 0 else None
+            if ours == 0 and not theirs:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the vLLM server at {self.base_url} still runs requests {self.timeout:g} s after ours were "
+                    f"cancelled ({ours} connections of ours open, server reports {theirs}): another client shares "
+                    "it, or it is stuck; weights cannot be reloaded under running requests"
+                )
+            time.sleep(poll)
+
+    def server_requests(self) -> int | None:
+        """Requests the server runs or queues (`vllm:num_requests_running` + `_waiting` of `/metrics`), or None when
+        it exports no such metric (not a vLLM server: nothing to ask)."""
+        status, body = self._get("/metrics")
+        if status != 200:
+            return None
+        total, seen = 0.0, False
+        for line in body.decode(errors="replace").splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+                total += float(line.rsplit(" ", 1)[1])
+                seen = True
+        return int(total) if seen else None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+
+        async def stop() -> None:
+            for task in list(self._tasks.values()):
+                task.cancel()
+            await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+            self._loop.stop()
+
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(stop()))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------------------------------- the event loop
+    def _launch(self, request: GroupRequest, done: Callback) -> None:
+        task = self._loop.create_task(self._run(request, done))
+        self._tasks[id(request)] = task
+        task.add_done_callback(lambda _: self._tasks.pop(id(request), None))
+
+    def _cancel(self, request_id: int) -> None:
+        task = self._tasks.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    async def _run(self, request: GroupRequest, done: Callback) -> None:
+        started = time.monotonic()
+        try:
+            async with self._connections:
+                post = self._post("/v1/completions", self.request_payload(request))
+                status, raw = await asyncio.wait_for(post, self.timeout)
+            if status != 200:
+                raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
+            choices = json.loads(raw)["choices"]
+            result: GroupResult | BaseException = GroupResult(
+                request.key, request.version, [list(choice["token_ids"]) for choice in choices],
+                [_sampled_logprobs(choice) for choice in choices], seconds=time.monotonic() - started,
+            )  # fmt: skip
+        except asyncio.CancelledError:
+            return  # cancelled: the connection is closed, the driver expects no answer
+        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11
+            result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
+        except RuntimeError as exc:
+            result = exc
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
+        done(request, result)
+
+    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
+        """One HTTP/1.1 POST on a connection of its own (closed after the answer, or when the task is cancelled)."""
+        reader, writer = await asyncio.open_connection(self._host, self._port)
+        try:
+            body = json.dumps(payload).encode()
+            head = (
+                f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            )
+            writer.write(head.encode() + body)
+            await writer.drain()
+            return await _read_response(reader)
+        finally:
+            writer.close()
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 response: Content-Length, chunked, or read to the end."""
+    status_line = await reader.readline()
+    parts = status_line.split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
+        raise ValueError(f"not an HTTP response: {status_line[:200]!r}")
+    headers: dict[str, str] = {}
+    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "content-length" in headers:
+        return int(parts[1]), await reader.readexactly(int(headers["content-length"]))
+    if headers.get("transfer-encoding", "").lower() == "chunked":
+        chunks = []
+        while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
+            chunks.append(await reader.readexactly(size))
+            await reader.readline()
+        return int(parts[1]), b"".join(chunks)
+    return int(parts[1]), await reader.read()
+
+
+def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:
+    """The sampled tokens' log-probs of one OpenAI completion choice (`logprobs=0`)."""
+    logprobs = choice.get("logprobs") or {}
+    values = logprobs.get("token_logprobs")
+    if values is None:
+        raise ValueError("the vLLM server returned no token log-probs (needs logprobs=0 support)")
+    return [float("-inf") if value is None else float(value) for value in values]
