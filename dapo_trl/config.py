@@ -284,10 +284,11 @@ class DAPOConfig(GRPOConfig):
     rollout_streaming: bool = field(
         default=False,
         metadata={
-            "help": "Streaming dynamic sampling with a vLLM server: every group is its own seeded request, the engine "
-            "is kept full (the next round starts before the current one drains) and groups are scored as soon as "
-            "an in-order prefix of the round is done. The same batches as rounds (accepted in prompt-stream order), "
-            "without waiting on each round's longest response."
+            "help": "Streaming dynamic sampling with vLLM (a server or colocated): every group is its own seeded "
+            "request, the engine is kept full (the next round starts before the current one drains) and groups are "
+            "scored as soon as an in-order prefix of the round is done. The prompts and keep decisions of rounds "
+            "(accepted in prompt-stream order, never by finishing order), without waiting on each round's longest "
+            "response; the same tokens on every run only where the engine is batch-invariant (docs/rollout.md)."
         },
     )
     rollout_max_staleness: int = field(

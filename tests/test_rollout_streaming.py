@@ -654,3 +654,15 @@ def test_streaming_refuses_k1_for_an_engine_of_your_own(tmp_path):
     args = settings(output_dir=str(tmp_path / "out"), rollout_max_staleness=1)
     with pytest.raises(ValueError, match="without the off-policy correction.*--rollout_max_staleness 0"):
         OwnEngineTrainer(model=model, args=args, train_dataset=dataset)
+
+
+@pytest.mark.e2e
+def test_the_driver_moves_a_dapo_scale_batch_within_its_memory_and_thread_budget():
+    """512 groups x 16 responses x 16k tokens (134M tokens, the worst case of a DAPO batch) through the driver on one
+    process: held as arrays and bounded by the held-token budget, with no thread per group."""
+    result = run_command(python_command(str(SCRIPTS / "rollout_scale_run.py"), "512", "16384", "64"), timeout=300)
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    print(figures)
+    assert figures["tokens"] == 512 * 16 * 16384
+    assert figures["rss_growth_mb"] < 1024  # 64 running + 64 held + a 128-group wave at 8 bytes a token: ~400 MB
+    assert figures["peak_threads"] <= 4  # the caller, the driver, the engine's worker

