@@ -8,9 +8,10 @@ and a trainer model that only say how long things take.
 What is the project's code (run unmodified)
 -------------------------------------------
 - `dapo_trl.training.sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds, the batch cut.
-- `dapo_trl.training.rollout_stream.StreamingRollout`: planning, lookahead, waves (reorder buffer, coalesced to at
-  most `MAX_WAVES_PER_ROUND` scoring passes per round), withdrawal and regeneration of groups admitted ahead, lag.
-- `dapo_trl.training.rollout_stream.RolloutDriver`: admission (`max_in_flight`, `max_held_tokens`, weights
+- `dapo_trl.training.rollout_stream.ServerStreamingRollout` (`StreamingRollout`'s vLLM-server path): planning,
+  lookahead, waves (reorder buffer, coalesced to at most `MAX_WAVES_PER_ROUND` scoring passes per round),
+  withdrawal and regeneration of groups admitted ahead, lag.
+- `dapo_trl.training.rollout_driver.RolloutDriver`: admission (`max_in_flight`, `max_held_tokens`, weights
   versions: load only when nothing of the old version runs), finished-group buffer, cancellation. `VirtualDriver`
   below subclasses it only to run its own admission loop (`_admit_loop`) on the caller's thread at each virtual
   instant instead of on a background thread, and to let its condition variable's `wait` advance the virtual clock.
@@ -120,8 +121,9 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from dapo_trl import DAPOConfig  # noqa: E402
+from dapo_trl.training.rollout_driver import RolloutDriver  # noqa: E402
 from dapo_trl.training.rollout_engine import GroupRequest, GroupResult  # noqa: E402
-from dapo_trl.training.rollout_stream import RolloutDriver, StreamingRollout, group_seed  # noqa: E402
+from dapo_trl.training.rollout_stream import ServerStreamingRollout, group_seed  # noqa: E402
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
@@ -271,13 +273,15 @@ class Replica:
         return self.offset + self.running * self.progress if self.running else 0.0
 
     def _rates(self) -> tuple[float, float]:
-        return STEP_FLOOR_S + PER_SEQ_S * self.running + PER_CONTEXT_TOKEN_S * self.kv(), PER_CONTEXT_TOKEN_S * self.running
+        """(seconds per token now, their growth per token): the decode step time and its slope."""
+        step = STEP_FLOOR_S + PER_SEQ_S * self.running + PER_CONTEXT_TOKEN_S * self.kv()
+        return step, PER_CONTEXT_TOKEN_S * self.running
 
     def _head(self) -> float:
-        """Progress at which the next running sequence finishes."""
+        """Progress at which the next running sequence finishes (inf when none runs)."""
         while self.heap and (self.heap[0][2].state != RUNNING or self.heap[0][2].finish != self.heap[0][0]):
             heapq.heappop(self.heap)
-        return self.heap[0][0]
+        return self.heap[0][0] if self.heap else math.inf
 
     def _next(self) -> tuple[float, float]:
         """(tokens x to the next event, seconds until it) from `t`; x is inf when nothing runs."""
@@ -394,8 +398,7 @@ class Replica:
             elif sequence.state == WAITING:
                 sequence.state = DROPPED
                 self.unfinished -= 1
-            if sequence.state == DROPPED:
-                wasted += sequence.generated
+            wasted += sequence.generated  # finished ones included: the group is not used
         self.schedule()
         return wasted
 
@@ -582,9 +585,9 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     lag, streaming = LAG[arm], arm != "rounds"
     config = DAPOConfig(
         output_dir=tempfile.gettempdir(), num_generations=GROUP, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-        use_cpu=True, rollout_streaming=streaming, rollout_max_staleness=lag, max_filter_gen_batches=args.max_gen_batches,
-        filter_groups_oversample=1, rollout_lookahead_rounds=1, max_completion_length=MAX_TOKENS, report_to="none",
-        seed=args.seed,
+        use_cpu=True, rollout_streaming=streaming, rollout_max_staleness=lag, filter_groups_oversample=1,
+        max_filter_gen_batches=args.max_gen_batches, rollout_lookahead_rounds=1, max_completion_length=MAX_TOKENS,
+        report_to="none", seed=args.seed,
     )  # fmt: skip
     dataset = [{"prompt": index} for index in range(DATASET_PROMPTS)]
     sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
@@ -592,19 +595,21 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     trainer = TrainerModel(args.trainer_gpus)
     round_groups = PROMPTS_PER_STEP * config.filter_groups_oversample
     in_flight = config.rollout_max_in_flight_groups or round_groups  # as DAPOTrainer builds the driver
-    held = round_groups * GROUP * (config.max_completion_length // config.filter_groups_oversample)
+    held = round_groups * GROUP * config.max_completion_length // config.filter_groups_oversample  # rollout_setup
     driver = VirtualDriver(engine, in_flight, held) if streaming else None
     rollout = None
     if driver is not None:
-        rollout = StreamingRollout(sampler, driver, lambda prompts: [[p] for p in prompts], lambda value: value, lag,
-                                   config.rollout_lookahead_rounds, wave_timeout=1e12)  # fmt: skip
+        rollout = ServerStreamingRollout(sampler, driver, lambda prompts: [[p] for p in prompts], lambda value: value,
+                                         lag, config.rollout_lookahead_rounds, wave_timeout=1e12)  # fmt: skip
     loader = torch.randperm(DATASET_PROMPTS, generator=torch.Generator().manual_seed(args.seed)).tolist()
 
     round_waits = [0.0]  # rounds: virtual seconds the trainer waited for generation
+    scored_tokens = [0.0]  # response tokens of every scored wave or round
     stream_drawn = [0]  # rounds: prompts drawn from the sampler's stream (the n of ("stream", n))
 
     def score_wave(rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         wave = scored(rows, prepared["completion_ids"])
+        scored_tokens[0] += float(wave.rows["completion_ids"].sum())
         engine.advance(trainer.score_s(row_tokens(workload, wave.rows["prompt_ids"], wave.rows["completion_ids"])))
         return wave
 
@@ -634,7 +639,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             start = engine.counters()
-            start["waited"] = round_waits[0] + (driver.waited if driver else 0.0)
+            start.update(waited=round_waits[0] + (driver.waited if driver else 0.0), scored=scored_tokens[0],
+                         generating=round_waits[0])  # fmt: skip
         rows = [dict(dataset[index]) for index in loader[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]]
         inputs = [row for row in rows for _ in range(GROUP)]  # TRL's RepeatSampler: each prompt G times
         engine.advance(WEIGHT_SYNC_S)  # k=0 / rounds: TRL's sync (nothing runs); k=1: the shared-storage write
@@ -656,7 +662,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         records.append({**metrics, "trained_tokens": float(batch["completion_ids"][trained, 0].sum()),
                         "digest": digest.hexdigest()})  # fmt: skip
     end = engine.counters()
-    end["waited"] = round_waits[0] + (driver.waited if driver else 0.0)
+    end.update(waited=round_waits[0] + (driver.waited if driver else 0.0), scored=scored_tokens[0],
+               generating=round_waits[0])  # fmt: skip
     if driver is not None:
         driver.close()
     assert start is not None
@@ -675,6 +682,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         "passes_max": max(r["rollout/scoring_passes"] for r in timed),
         "generated": (end["generated"] - start["generated"]) / args.steps,
         "untrained": (end["generated"] - start["generated"] - sum(r["trained_tokens"] for r in timed)) / args.steps,
+        "unscored": (end["generated"] - start["generated"] - end["scored"] + start["scored"]) / args.steps,
+        "t_gen": (end["generating"] - start["generating"]) / args.steps,  # rounds: waiting for each round's longest
         "cancelled": (end["cancelled"] - start["cancelled"]) / args.steps,
         "preemptions": (end["preemptions"] - start["preemptions"]) / args.steps,
         "staleness": float(np.mean([r.get("rollout/staleness_mean", 0.0) for r in timed])),
@@ -691,7 +700,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-rate", type=float, default=0.5, help="expected share of groups with spread (kept)")
     parser.add_argument("--engine-gpus", type=int, default=8, help="vLLM replicas, one H100 each")
     parser.add_argument("--trainer-gpus", type=int, default=8, help="H100s of the ZeRO-3 trainer")
-    parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches (0: no cap)")
+    parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches, 0: none")
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 4 if args.quick else 8
@@ -717,17 +726,23 @@ def main(argv: list[str] | None = None) -> int:
           f"capped at {MAX_TOKENS}), keep rate {args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, "
           f"{args.steps} timed steps per arm after {args.warmup}, seed {args.seed}\n")  # fmt: skip
     print("| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
-          "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | cancelled groups/step "
-          "| staleness |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | of which never scored "
+          "| cancelled groups/step | staleness |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arm, row in results.items():
         print(f"| {arm} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
               f"{row['steps_per_hour'] / base:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
               f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
               f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
-              f"{row['untrained'] / 1e6:.1f}M | {row['cancelled']:.0f} | {row['staleness']:.2f} |")  # fmt: skip
+              f"{row['untrained'] / 1e6:.1f}M | {row['unscored'] / 1e6:.1f}M | {row['cancelled']:.0f} | "
+              f"{row['staleness']:.2f} |")  # fmt: skip
+    rounds = results["rounds"]
+    t_gen, t_rest = rounds["t_gen"], rounds["seconds_per_step"] - rounds["t_gen"]
+    print(f"\nrounds: T_gen {t_gen:.0f} s (waiting for each round's longest response), T_train {t_rest:.0f} s "
+          f"(scoring, training, weight sync) per step, T_gen / T_train = {t_gen / t_rest:.2f}, overlap ceiling "
+          f"(T_gen + T_train) / max = {(t_gen + t_rest) / max(t_gen, t_rest):.2f}x")  # fmt: skip
     same = results["rounds"]["digests"] == results["stream k=0"]["digests"]
-    print(f"\nstreaming k=0 trained {'the same' if same else 'DIFFERENT'} batches as rounds; "
+    print(f"streaming k=0 trained {'the same' if same else 'DIFFERENT'} batches as rounds; "
           f"simulated in {time.perf_counter() - started:.0f} s")  # fmt: skip
     k1 = results["stream k=1"]
     print(

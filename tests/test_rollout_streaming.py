@@ -666,3 +666,24 @@ def test_the_driver_moves_a_dapo_scale_batch_within_its_memory_and_thread_budget
     assert figures["tokens"] == 512 * 16 * 16384
     assert figures["rss_growth_mb"] < 1024  # 64 running + 64 held + a 128-group wave at 8 bytes a token: ~400 MB
     assert figures["peak_threads"] <= 4  # the caller, the driver, the engine's worker
+
+
+def test_a_round_is_scored_in_at_most_four_passes_however_its_groups_finish():
+    """Rounds of 32 groups finishing one by one in random order: each wave holds at least a quarter of its round (but
+    the round's last), so a round costs at most MAX_WAVES_PER_ROUND scoring forwards, not one per finished group."""
+    args = settings(per_device_train_batch_size=128, filter_groups_carry_surplus=True)  # whole rounds are scored
+    sampler = DynamicSampler(args, [{"prompt": prompt} for prompt in PROMPTS], GROUP, {}, shuffle=True)
+    driver = RolloutDriver(FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed=4, max_delay=0.05), max_in_flight=32)
+    rollout = ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=30)
+    waves = []
+
+    def score(rows, prepared):
+        waves.append(len(rows) // GROUP)
+        return scored(rows, prepared["completion_ids"])
+
+    driver.publish(0)
+    _, metrics = rollout.sample([{}] * 128, score)
+    driver.close()
+    rounds = metrics["dynamic_sampling/rounds"]
+    assert rounds >= 2 and sum(waves) == 32 * rounds and len(waves) <= MAX_WAVES_PER_ROUND * rounds
+    assert sorted(waves)[len(waves) // 2] >= 8 and metrics["rollout/scoring_passes"] == len(waves)
