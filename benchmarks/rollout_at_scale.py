@@ -586,6 +586,7 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     config = DAPOConfig(
         output_dir=tempfile.gettempdir(), num_generations=GROUP, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
         use_cpu=True, rollout_streaming=streaming, rollout_max_staleness=lag, filter_groups_oversample=1,
+        rollout_max_in_flight_groups=args.in_flight,
         max_filter_gen_batches=args.max_gen_batches, rollout_lookahead_rounds=1, max_completion_length=MAX_TOKENS,
         report_to="none", seed=args.seed,
     )  # fmt: skip
@@ -700,6 +701,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-rate", type=float, default=0.5, help="expected share of groups with spread (kept)")
     parser.add_argument("--engine-gpus", type=int, default=8, help="vLLM replicas, one H100 each")
     parser.add_argument("--trainer-gpus", type=int, default=8, help="H100s of the ZeRO-3 trainer")
+    parser.add_argument("--in-flight", type=int, default=None, help="rollout_max_in_flight_groups (default: a round)")
     parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches, 0: none")
     args = parser.parse_args(argv)
     if args.steps is None:

@@ -90,9 +90,12 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
 
 @pytest.mark.e2e
 def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
-    """k = 1: the batches of an uninterrupted run on one process equal those of a ZeRO-3 run on two processes that
-    dies right after its step-2 checkpoint and resumes from it (other engine timings in each leg)."""
-    settings = ("rollout_streaming=true", "rollout_max_staleness=1", "save_strategy=steps", "save_steps=2")
+    """k = 1 with carried surplus: the batches of an uninterrupted run on one process equal those of a ZeRO-3 run on
+    two processes that dies right after its step-2 checkpoint and resumes from it (other engine timings in each leg;
+    carried groups keep the weights version that sampled them across the checkpoint). Under ZeRO-3 each scoring
+    forward gathers every parameter: one per scoring pass, a few per step."""
+    settings = ("rollout_streaming=true", "rollout_max_staleness=1", "save_strategy=steps", "save_steps=2",
+                "filter_groups_carry_surplus=true", "filter_groups_oversample=2")  # fmt: skip
     train(tmp_path / "whole", 4, *settings, "timing_seed=1")
     zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
     crashed = tmp_path / "crashed"
@@ -105,8 +108,22 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     assert sorted(whole) == [0, 1, 2, 3]
     assert batches(crashed, processes=2) == whole
     metrics = rollout_metrics(tmp_path / "whole")
-    assert [entry["rollout/staleness_max"] for entry in metrics] == [0, 1, 1, 1]  # step 0 has no older weights
+    # Step 0 has no older weights; a carried group is one step older than the batch's own rows.
+    carried = [entry["dynamic_sampling/carried_in_groups"] > 0 for entry in metrics]
+    assert any(carried) and [entry["rollout/staleness_max"] for entry in metrics] == [
+        float(step > 0) + carried_in for step, carried_in in enumerate(carried)
+    ]
     assert json.loads((tmp_path / "whole" / "engine.json").read_text())["loads"][:3] == [0, 1, 2]
+    # Gathers: scoring forwards per step are a few per pass (a round's 8 local rows in chunks of at most 4 rows,
+    # token-balanced), and passes at most 4 per round: bounded by rounds, not by finished groups.
+    logged = rollout_metrics(crashed)
+    for rank in range(2):
+        forwards = {record["step"]: record["forwards"] for record in read_jsonl(crashed / f"forwards_rank{rank}.jsonl")}
+        resumed = {step: count for step, count in forwards.items() if step >= 2}
+        assert sorted(resumed) == [2, 3]
+        for step, count in resumed.items():
+            passes, rounds = logged[step]["rollout/scoring_passes"], logged[step]["dynamic_sampling/rounds"]
+            assert passes <= MAX_WAVES_PER_ROUND * rounds and passes <= count <= 2 * 2 * passes, (step, count, passes)
 
 
 # ----------------------------------------------------------------------------- lag equivalence, without a model

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import torch
 from dynamic_sampling_run import (
     SCRIPT_OPTIONS,
     CrashAfterSave,
@@ -24,7 +25,7 @@ from dynamic_sampling_run import (
 from fake_engine import FakeEngine, fake_completion
 from script_args import leave_together, parse_overrides
 from scripted_tools import TOOL_CALL, add
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, TrainerCallback
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
@@ -87,6 +88,23 @@ class FakeGenerationTrainer(RecordingTrainer):
         return [ids for ids, _ in pairs], [logprobs for _, logprobs in pairs]
 
 
+class ScoringForwards(TrainerCallback):
+    """Counts the policy's forwards without gradient (scoring: the old log-probs of carried groups) per optimizer
+    step on this process, into OUT/forwards_rank<r>.jsonl: under ZeRO-3 each one gathers every parameter."""
+
+    def __init__(self, trainer: FakeGenerationTrainer, out: Path):
+        self.path, self.count = out / f"forwards_rank{trainer.accelerator.process_index}.jsonl", 0
+        trainer.model.register_forward_pre_hook(self.seen)
+
+    def seen(self, module, args) -> None:
+        self.count += not torch.is_grad_enabled()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        with open(self.path, "a") as file:
+            file.write(json.dumps({"step": state.global_step - 1, "forwards": self.count}) + "\n")
+        self.count = 0
+
+
 def count_draws(trainer: FakeGenerationTrainer) -> None:
     """Rounds: number the prompts drawn from the sampler's stream, as streaming's cursor numbers them."""
     stream, trainer._draws, trainer._generations = trainer._sampler.stream, 0, -1
@@ -135,6 +153,7 @@ def main() -> None:
         trainer.add_callback(CrashAfterSave(crash_after))
     if trainer._rollout is None:
         count_draws(trainer)
+    trainer.add_callback(ScoringForwards(trainer, out))
     trainer.train(resume_from_checkpoint=resume)
     engine = getattr(trainer, "fake_engine", None)
     if trainer.accelerator.is_main_process:
