@@ -16,7 +16,7 @@ What is the project's code (run unmodified)
   below subclasses it only to run its own admission loop (`_admit_loop`) on the caller's thread at each virtual
   instant instead of on a background thread, and to let its condition variable's `wait` advance the virtual clock.
 - `dapo_trl.training.rollout_stream.group_seed`, `dapo_trl.DAPOConfig` (the arms' settings, as the trainer builds
-  them: in-flight groups = one round, held tokens = one round at full length).
+  them: in-flight groups = one round unless `--in-flight`, held tokens = one round at full length).
 
 What is modelled (this file)
 ----------------------------
@@ -85,11 +85,19 @@ Constants and their sources (approximate where marked; from published figures, n
 - DAPO-7B setting: 512 prompts x 16 responses per step, responses up to 20,480 tokens, at most 10 generation batches
   (DAPO paper, Yu et al. 2025, arXiv 2503.14476, and verl's recipe/dapo: train_prompt_bsz 512, n_resp_per_prompt 16,
   max_response_length 20480, max_num_gen_batches 10). Median response 3,000 tokens (an assumption).
-  The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds near 2 (the ratio at which
-  overlap matters, see docs/rollout.md); `--engine-gpus 1` is a single H100 against the 8-GPU trainer.
+  The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds at about 1.5 (docs/rollout.md:
+  overlap matters from 1 up); `--engine-gpus 1` is a single H100 against the 8-GPU trainer (T_gen / T_train ~9).
 
-    python benchmarks/rollout_at_scale.py             # 1 + 8 steps per arm, about a minute on 2 cores
-    python benchmarks/rollout_at_scale.py --quick     # 1 + 4 steps per arm
+    python benchmarks/rollout_at_scale.py             # 1 + 8 steps per arm: about 25 s on 2 cores
+    python benchmarks/rollout_at_scale.py --quick     # 1 + 4 steps per arm: about 15 s
+    python benchmarks/rollout_at_scale.py --in-flight 256 --engine-gpus 1 --keep-rate 0.3   # other settings
+
+The table reports per arm, over the timed steps: generation batches (optimizer-step batches) per virtual hour,
+seconds per step, the ratio to rounds, the engine's busy share and KV occupancy, generated tokens per second per
+engine GPU, the trainer's share of time waiting for generation, rounds and scoring passes per step, generated tokens
+per step, the tokens generated but not trained (filtered groups, surplus past the cut, cancelled and discarded
+groups) and how many of those were never even scored (cancelled or discarded: admitted ahead of a batch that filled),
+running groups cancelled per step, and the trained rows' mean staleness.
 
 The last line reads `rollout at scale: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy
 NN%` (the k=1 arm's engine busy: share of replica time with at least one sequence running, as the trainer's
@@ -453,7 +461,7 @@ class SimEngine:
         self.pump()
         replica = min(self.replicas, key=Replica.next_event)
         when = replica.next_event()
-        if when > limit:
+        if when > limit or when == math.inf:  # nothing comes by `limit` (or nothing runs at all)
             if limit < math.inf:
                 for other in self.replicas:
                     other.sync(limit)

@@ -384,7 +384,8 @@ class DAPOTrainer(GRPOTrainer):
                 "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
             )
         self.check_off_policy_correction(args)
-        return build_streaming_rollout(self, args, self._sampler, self._wait_for_colocated_engine)
+        # At train end only a colocated engine must be free (the caller may generate with it next).
+        return build_streaming_rollout(self, args, self._sampler, lambda: self._wait_for_rollout_engine(server=False))
 
     def check_off_policy_correction(self, args: DAPOConfig) -> None:
         """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
@@ -437,7 +438,7 @@ class DAPOTrainer(GRPOTrainer):
         # engine) must sample with them, so TRL must not sync the current ones.
         trl_seam.set_weights_loaded(self, True)
         if lag == 0:
-            self._wait_for_colocated_engine()  # the trainer may use it only while no streamed request runs
+            self._wait_for_rollout_engine()  # the trainer may use it only while no streamed request runs
             trl_seam.vllm_backend(self).sync_weights()
             if driver is not None:
                 driver.loaded_externally(version)
@@ -453,11 +454,15 @@ class DAPOTrainer(GRPOTrainer):
         engine = None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
         return engine if isinstance(engine, VLLMColocateEngine) else None
 
-    def _wait_for_colocated_engine(self) -> None:
-        """Return once this process's colocated engine runs nothing streamed (after `withdraw`): TRL's weight sync
-        and TRL's own generation use the same engine from this thread, and vLLM's engine is not thread-safe."""
-        if (engine := self._colocated_engine()) is not None:
+    def _wait_for_rollout_engine(self, server: bool = True) -> None:
+        """Return once the streamed requests withdrawn before are gone from the engine, before TRL uses it (its
+        weight sync, its own generation): a colocated engine is not thread-safe, and a server (`server`) still
+        running an aborted request would refuse TRL's prefix-cache reset, or sample with two weights versions."""
+        engine = None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
+        if isinstance(engine, VLLMColocateEngine):
             engine.wait_idle()
+        elif server and isinstance(engine, VLLMServerEngine):
+            engine.wait_server_idle()
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -469,7 +474,7 @@ class DAPOTrainer(GRPOTrainer):
             driver.withdraw()
             driver.loaded_externally(None)
             trl_seam.set_weights_loaded(self, False)  # the engine may hold an older version: TRL syncs
-            self._wait_for_colocated_engine()
+            self._wait_for_rollout_engine()
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing
