@@ -88,7 +88,7 @@ Constants and their sources (approximate where marked; from published figures, n
   The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds at about 1.5 (docs/rollout.md:
   overlap matters from 1 up); `--engine-gpus 1` is a single H100 against the 8-GPU trainer (T_gen / T_train ~9).
 
-    python benchmarks/rollout_at_scale.py             # 1 + 8 steps per arm: about 25 s on 2 cores
+    python benchmarks/rollout_at_scale.py             # 1 + 12 steps per arm: about 35 s on 2 cores
     python benchmarks/rollout_at_scale.py --quick     # 1 + 4 steps per arm: about 15 s
     python benchmarks/rollout_at_scale.py --in-flight 256 --engine-gpus 1 --keep-rate 0.3   # other settings
 
@@ -702,8 +702,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 timed steps per arm instead of 8")
-    parser.add_argument("--steps", type=int, default=None, help="timed generation batches per arm (default 8)")
+    parser.add_argument("--quick", action="store_true", help="4 timed steps per arm instead of 12")
+    parser.add_argument("--steps", type=int, default=None, help="timed generation batches per arm (default 12)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps of each arm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-rate", type=float, default=0.5, help="expected share of groups with spread (kept)")
@@ -713,7 +713,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches, 0: none")
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = 4 if args.quick else 8
+        args.steps = 4 if args.quick else 12
     if args.steps < 1 or args.warmup < 0 or args.engine_gpus < 1 or args.trainer_gpus < 1:
         parser.error("--steps, --engine-gpus and --trainer-gpus must be >= 1, --warmup >= 0")
     return args

@@ -44,7 +44,7 @@ from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
-AHEAD_FACTOR = 2.0  # with staleness >= 1: the next batch's expected rounds x this are admitted while it trains
+PLAN_MARGIN = 1.1  # groups admitted ahead: what the running keep rate says the batch still needs, times this
 MAX_WAVES_PER_ROUND = 4  # a round is scored in at most this many passes (each a full forward: under ZeRO-3 a gather)
 ROW_VERSION = "dapo_sampled_version"  # per-row tensor while a batch is filled: the weights version that sampled it
 
@@ -138,7 +138,7 @@ class StreamingRollout:
         round_groups = args.filter_groups_oversample * len(inputs) * self.process.count // self.group_size
         filling = sampler.begin(len(inputs))
         rounds = [self._first_round(inputs, round_groups)]
-        self._plan_ahead(rounds, round_groups, filling)
+        self._round_groups = round_groups
         self._wait, self._passes = 0.0, 0
         self._decided = Counter()  # groups decided on before the batch filled (`batch_metrics.decided_groups`)
         self._decided_rows: list[dict[str, Any]] = []  # their `row_stats`
@@ -149,7 +149,6 @@ class StreamingRollout:
             if filling.full or not sampler.rounds_left(filling):
                 break
             rounds.append(self._keyed(self._take(round_groups)))
-            self._plan_ahead(rounds, round_groups, filling)
         observed = filling.stats["groups_kept"] / max(filling.stats["groups_generated"], 1)
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
         batch, metrics = sampler.finish(filling)
@@ -165,7 +164,8 @@ class StreamingRollout:
             self.driver.withdraw(keep=lambda item: item.version == version and item.key[0] == "stream"
                                  and item.key not in consumed)  # fmt: skip
             if self.lag > 0:  # generate the next batch while this one trains
-                self._plan_stream(self.expected_rounds(round_groups) * round_groups)
+                ahead, cap = self._horizon(len(inputs) * self.process.count, 0), args.max_filter_gen_batches
+                self._plan_stream(min(ahead, cap * round_groups) if cap else ahead)
         return batch, metrics
 
     def _record_decided(self, scored: ScoredRound, filling: Filling) -> None:
@@ -212,14 +212,11 @@ class StreamingRollout:
             return {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0}
         return {"rollout/staleness_mean": ages.mean().item(), "rollout/staleness_max": ages.max().item()}
 
-    def expected_rounds(self, round_groups: int) -> int:
-        """How many rounds of the next batch to admit while the trainer trains: twice what the running keep rate
-        says it needs (an engine that runs out of work idles until the trainer scores; work past the batch's cut
-        costs only otherwise idle engine time), capped by max_filter_gen_batches."""
-        target_groups = round_groups / self.sampler.args.filter_groups_oversample
-        rounds = max(1, math.ceil(AHEAD_FACTOR * target_groups / self.keep_rate / round_groups))
-        cap = self.sampler.args.max_filter_gen_batches
-        return min(rounds, cap) if cap else rounds
+    def _horizon(self, target_rows: int, kept_rows: int) -> int:
+        """How many more groups the batch is expected to need: its missing kept groups over the running keep rate,
+        with a margin. Only what is generated ahead depends on it (and so on timing), never what is trained."""
+        missing = max(0, target_rows - kept_rows) / self.group_size
+        return math.ceil(missing / self.keep_rate * PLAN_MARGIN)
 
     def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
         if self.lag > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
@@ -243,15 +240,17 @@ class StreamingRollout:
         dataset, streamed = self.sampler.dataset, not hasattr(self.sampler.dataset, "__len__")
         return [(("stream", index), dict(item) if streamed else dict(dataset[item])) for index, item in drawn]
 
-    def _plan_ahead(self, rounds: list, round_groups: int, filling: Filling) -> None:
-        """Main process: admit the current round, and the stream beyond it while the batch may still need it."""
+    def _plan_ahead(self, rest: list, filling: Filling, least: int) -> None:
+        """Admit the groups the batch is expected to need after the scored ones (`_horizon`), and at least the next
+        wave's `least`: first the rest of the current round, then the stream beyond it (at most
+        `lookahead_rounds` rounds). Planning less than a whole round ahead keeps the engine off groups that the cut
+        would cancel (at k >= 1 the engine is the bottleneck, and every cancelled token is lost time)."""
         if self.driver is None:
             return
-        self._plan(rounds[-1])
-        pending_groups = len(rounds[-1])
-        needed = (filling.target_rows - filling.kept_rows) / self.group_size
-        if pending_groups * self.keep_rate < needed or self.lag > 0:
-            self._plan_stream(self.lookahead_rounds * round_groups)
+        want = max(self._horizon(filling.target_rows, filling.kept_rows), least)
+        self._plan(rest[:want])
+        if want > len(rest):
+            self._plan_stream(min(want - len(rest), self.lookahead_rounds * self._round_groups))
 
     def _plan_stream(self, groups: int) -> None:
         self._plan(self._keyed(self.cursor.peek(groups)))
@@ -269,9 +268,13 @@ class StreamingRollout:
     def _stream_round(self, groups: list, score_wave: WaveScorer, filling: Filling) -> None:
         """Score the round in waves of in-order finished groups; stop early once full unless surplus is carried."""
         keys = [key for key, _ in groups]
-        start, least = 0, self.least_wave(len(groups))
+        start, most = 0, self.least_wave(len(groups))
         self._decided["planned"] += len(groups)
         while start < len(groups):
+            # Wait for a quarter of the round, or for what the batch is still expected to need if that is less.
+            needed = self._horizon(filling.target_rows, filling.kept_rows) if not filling.full else most
+            least = min(most, max(self.unit, math.ceil(needed / self.unit) * self.unit))
+            self._plan_ahead(groups[start:], filling, min(least, len(groups) - start))
             wave = self._next_wave(keys[start:], least)
             results = wave.results or []
             count = len(results)
