@@ -182,7 +182,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
         def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations):
             """Rounds: the round's groups sent at once, back when the longest is done (exact lengths per group)."""
-            if self._prepared_completions is not None or self.args.rollout_streaming:
+            if self.args.rollout_streaming:  # streamed waves and tool turns: the trainer's own path
                 return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations)
             if self.state.global_step != getattr(self, "_round_synced", -1):  # as TRL syncs once per step
                 trl_seam.vllm_backend(self).sync_weights()

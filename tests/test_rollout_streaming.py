@@ -8,6 +8,7 @@ and differently in every run. The batches must not care.
 import contextlib
 import http.server
 import json
+import math
 import random
 import threading
 import time
@@ -23,7 +24,14 @@ from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training import colocate_engine, rollout_stream, server_engine
 from dapo_trl.training.colocate_engine import VLLMColocateEngine
 from dapo_trl.training.rollout_engine import GroupRequest, GroupResult, SamplingSettings
-from dapo_trl.training.rollout_stream import MAX_WAVES_PER_ROUND, RolloutDriver, ServerStreamingRollout, group_seed
+from dapo_trl.training.rollout_stream import (
+    MAX_TAIL_WAVES,
+    MAX_WAVES_PER_ROUND,
+    RolloutDriver,
+    ServerStreamingRollout,
+    group_seed,
+    plan_horizon,
+)
 from dapo_trl.training.sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.server_engine import VLLMServerEngine
 from dapo_trl.training.streams import PromptStream
@@ -123,7 +131,11 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
         assert sorted(resumed) == [2, 3]
         for step, count in resumed.items():
             passes, rounds = logged[step]["rollout/scoring_passes"], logged[step]["dynamic_sampling/rounds"]
-            assert passes <= MAX_WAVES_PER_ROUND * rounds and passes <= count <= 2 * 2 * passes, (step, count, passes)
+            assert passes <= MAX_WAVES_PER_ROUND * rounds + MAX_TAIL_WAVES and passes <= count <= 2 * 2 * passes, (
+                step,
+                count,
+                passes,
+            )
 
 
 # ----------------------------------------------------------------------------- lag equivalence, without a model
@@ -211,7 +223,8 @@ def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
         assert [m["rollout/staleness_mean"] for m in metrics] == [min(j, lag) for j in range(5)]
         # Waves coalesced: a round is scored in at most MAX_WAVES_PER_ROUND passes, whatever finished when.
         assert all(
-            1 <= m["rollout/scoring_passes"] <= MAX_WAVES_PER_ROUND * m["dynamic_sampling/rounds"] for m in metrics
+            1 <= m["rollout/scoring_passes"] <= MAX_WAVES_PER_ROUND * m["dynamic_sampling/rounds"] + MAX_TAIL_WAVES
+            for m in metrics
         )
         figures.append([{k: v for k, v in m.items() if k.startswith("dynamic_sampling/")} for m in metrics])
     assert figures[0] == figures[1]  # keep counts of the decided groups: the same whatever finished when
@@ -687,7 +700,8 @@ def test_the_driver_moves_a_dapo_scale_batch_within_its_memory_and_thread_budget
 
 def test_a_round_is_scored_in_at_most_four_passes_however_its_groups_finish():
     """Rounds of 32 groups finishing one by one in random order: each wave holds at least a quarter of its round (but
-    the round's last), so a round costs at most MAX_WAVES_PER_ROUND scoring forwards, not one per finished group."""
+    the round's last, and a few short ones for the batch's last groups), so a round costs at most MAX_WAVES_PER_ROUND
+    scoring forwards (plus MAX_TAIL_WAVES a step), not one per finished group."""
     args = settings(per_device_train_batch_size=128, filter_groups_carry_surplus=True)  # whole rounds are scored
     sampler = DynamicSampler(args, [{"prompt": prompt} for prompt in PROMPTS], GROUP, {}, shuffle=True)
     driver = RolloutDriver(FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed=4, max_delay=0.05), max_in_flight=32)
@@ -702,5 +716,14 @@ def test_a_round_is_scored_in_at_most_four_passes_however_its_groups_finish():
     _, metrics = rollout.sample([{}] * 128, score)
     driver.close()
     rounds = metrics["dynamic_sampling/rounds"]
-    assert rounds >= 2 and sum(waves) == 32 * rounds and len(waves) <= MAX_WAVES_PER_ROUND * rounds
+    assert rounds >= 2 and sum(waves) == 32 * rounds and len(waves) <= MAX_WAVES_PER_ROUND * rounds + MAX_TAIL_WAVES
     assert sorted(waves)[len(waves) // 2] >= 8 and metrics["rollout/scoring_passes"] == len(waves)
+
+
+def test_the_planning_horizon_is_the_smallest_count_that_keeps_enough_at_the_normal_bound():
+    for missing in (1, 2, 4, 7, 64, 512):
+        for keep in (0.1, 0.3, 0.5, 0.9, 1.0):
+            z, spread = 1.28, math.sqrt(keep * (1 - keep))
+            smallest = next(g for g in range(1, 100_000) if g * keep - z * spread * math.sqrt(g) >= missing)
+            assert plan_horizon(missing, keep) == smallest, (missing, keep)
+    assert plan_horizon(0, 0.5) == 0 and plan_horizon(512, 0.5) < 1.05 * 1024 and plan_horizon(4, 0.5) == 13

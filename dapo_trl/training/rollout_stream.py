@@ -44,8 +44,9 @@ from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
-PLAN_MARGIN = 1.1  # groups admitted ahead: what the running keep rate says the batch still needs, times this
+PLAN_CONFIDENCE_Z = 1.28  # groups admitted ahead: enough to fill the batch with ~90% odds at the running keep rate
 MAX_WAVES_PER_ROUND = 4  # a round is scored in at most this many passes (each a full forward: under ZeRO-3 a gather)
+MAX_TAIL_WAVES = 4  # plus at most this many short passes a step, for the batch's last groups
 ROW_VERSION = "dapo_sampled_version"  # per-row tensor while a batch is filled: the weights version that sampled it
 
 
@@ -53,6 +54,18 @@ def group_seed(run_seed: int, key: tuple) -> int:
     """The sampling seed of the group at `key`: the same in every run with this seed, and on resume."""
     digest = hashlib.sha256(repr((run_seed, key)).encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def plan_horizon(missing: float, keep_rate: float, z: float = PLAN_CONFIDENCE_Z) -> int:
+    """The fewest groups g with g p - z sqrt(g p (1 - p)) >= missing (p = keep_rate): enough to keep `missing` groups
+    at the one-sided normal bound. About missing / p when many are missing (a 512-group batch at p = 0.5: 1.04x), a
+    wider margin when few are (4 groups: 13, not 8), so a small batch rarely waits for a second planning."""
+    if missing <= 0:
+        return 0
+    p = min(max(keep_rate, 1e-3), 1.0)
+    spread = z * math.sqrt(p * (1 - p))
+    root = (spread + math.sqrt(spread**2 + 4 * p * missing)) / (2 * p)
+    return math.ceil(root**2 - 1e-9)
 
 
 class StreamCursor:
@@ -139,7 +152,7 @@ class StreamingRollout:
         filling = sampler.begin(len(inputs))
         rounds = [self._first_round(inputs, round_groups)]
         self._round_groups = round_groups
-        self._wait, self._passes = 0.0, 0
+        self._wait, self._passes, self._tail_passes = 0.0, 0, 0
         self._decided = Counter()  # groups decided on before the batch filled (`batch_metrics.decided_groups`)
         self._decided_rows: list[dict[str, Any]] = []  # their `row_stats`
         while True:
@@ -149,7 +162,7 @@ class StreamingRollout:
             if filling.full or not sampler.rounds_left(filling):
                 break
             rounds.append(self._keyed(self._take(round_groups)))
-        observed = filling.stats["groups_kept"] / max(filling.stats["groups_generated"], 1)
+        observed = self._decided["kept"] / max(self._decided["generated"], 1)  # the groups any timing scores
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
         batch, metrics = sampler.finish(filling)
         metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
@@ -213,10 +226,10 @@ class StreamingRollout:
         return {"rollout/staleness_mean": ages.mean().item(), "rollout/staleness_max": ages.max().item()}
 
     def _horizon(self, target_rows: int, kept_rows: int) -> int:
-        """How many more groups the batch is expected to need: its missing kept groups over the running keep rate,
-        with a margin. Only what is generated ahead depends on it (and so on timing), never what is trained."""
-        missing = max(0, target_rows - kept_rows) / self.group_size
-        return math.ceil(missing / self.keep_rate * PLAN_MARGIN)
+        """How many more groups to generate for the batch: the fewest whose kept count reaches its missing kept
+        groups with ~90% odds if each is kept with the running keep rate (`plan_horizon`). Only what is generated
+        ahead depends on it (and so on timing), never what is trained."""
+        return plan_horizon(max(0, target_rows - kept_rows) / self.group_size, self.keep_rate)
 
     def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
         if self.lag > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
@@ -271,9 +284,7 @@ class StreamingRollout:
         start, most = 0, self.least_wave(len(groups))
         self._decided["planned"] += len(groups)
         while start < len(groups):
-            # Wait for a quarter of the round, or for what the batch is still expected to need if that is less.
-            needed = self._horizon(filling.target_rows, filling.kept_rows) if not filling.full else most
-            least = min(most, max(self.unit, math.ceil(needed / self.unit) * self.unit))
+            least = self._wave_least(filling, most)
             self._plan_ahead(groups[start:], filling, min(least, len(groups) - start))
             wave = self._next_wave(keys[start:], least)
             results = wave.results or []
@@ -289,6 +300,16 @@ class StreamingRollout:
             if filling.full and not self.sampler.args.filter_groups_carry_surplus:
                 filling.stats["groups_cancelled"] += len(groups) - start
                 break
+
+    def _wave_least(self, filling: Filling, most: int) -> int:
+        """The fewest groups the next wave waits for: a quarter of the round (`most`), or, for the batch's last
+        groups, what it is still expected to need if that is less (at most MAX_TAIL_WAVES such short waves a step),
+        so the engine is not kept on groups past the cut only to fill a wave."""
+        needed = self._horizon(filling.target_rows, filling.kept_rows)
+        if filling.full or needed >= most or self._tail_passes >= MAX_TAIL_WAVES:
+            return most
+        self._tail_passes += 1
+        return max(self.unit, math.ceil(needed / self.unit) * self.unit)
 
     def least_wave(self, round_length: int) -> int:
         """The fewest groups a wave holds (but a round's last): a round is scored in at most MAX_WAVES_PER_ROUND
