@@ -145,7 +145,9 @@ class DAPOTrainer(GRPOTrainer):
     def _row_statistics(self, rewards_per_func: torch.Tensor, completion_ids_list: list) -> dict[str, Any]:
         """A streamed wave's per-row figures for the step's metrics (`training.batch_metrics`), every process's."""
         device, ends = rewards_per_func.device, {*self.eos_token_ids, trl_seam.tokenizer(self).pad_token_id}
-        lengths = torch.tensor([len(ids) for ids in completion_ids_list], device=device)
+        tool_mask = None if self._generation.output is None else self._generation.output.tool_mask
+        model_tokens = [sum(mask) for mask in tool_mask] if tool_mask else [len(ids) for ids in completion_ids_list]
+        lengths = torch.tensor(model_tokens, device=device)  # as TRL counts them: tool results left out
         truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
         stats = row_statistics(rewards_per_func, gather(lengths), gather(truncated))
         return {**stats, "names": list(self.reward_func_names), "weights": self.reward_weights.detach().cpu()}

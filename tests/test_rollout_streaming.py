@@ -535,12 +535,13 @@ def test_a_group_withdrawn_between_admission_and_start_is_cancelled_once_started
     engine.version = 0
     driver.plan([request])
     assert engine.entered.wait(10)  # admitted; engine.start has begun but not returned
-    driver.withdraw()
+    withdrawing = threading.Thread(target=driver.withdraw)
+    withdrawing.start()
+    time.sleep(0.2)
+    assert withdrawing.is_alive()  # withdraw waits for the start in progress ...
     engine.release.set()
-    deadline = time.monotonic() + 10
-    while request not in engine.cancelled and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert engine.cancelled == [request]  # not left running on the server as an orphan
+    withdrawing.join(10)
+    assert engine.cancelled == [request]  # ... and returns once it is cancelled: no orphan on the server
     driver.close()
 
 
@@ -727,3 +728,49 @@ def test_the_planning_horizon_is_the_smallest_count_that_keeps_enough_at_the_nor
             smallest = next(g for g in range(1, 100_000) if g * keep - z * spread * math.sqrt(g) >= missing)
             assert plan_horizon(missing, keep) == smallest, (missing, keep)
     assert plan_horizon(0, 0.5) == 0 and plan_horizon(512, 0.5) < 1.05 * 1024 and plan_horizon(4, 0.5) == 13
+
+
+class ClosingMidBody(http.server.BaseHTTPRequestHandler):
+    """Answers /v1/completions with a Content-Length it never fills, then closes the connection."""
+
+    def do_GET(self):
+        FakeCompletions._answer(self, {"data": [{"id": "tiny"}]})
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", "1000")
+        self.end_headers()
+        self.wfile.write(b'{"choices": [')
+        self.close_connection = True
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_connection_closed_mid_answer_fails_the_group_at_once():
+    server = serve(ClosingMidBody)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 60)
+    answers, finished = [], threading.Event()
+    engine.start(GroupRequest(("stream", 0), [1], 3, 0), lambda r, result: (answers.append(result), finished.set()))
+    assert finished.wait(10)  # not after the 60 s request timeout
+    assert isinstance(answers[0], RuntimeError) and "IncompleteReadError" in str(answers[0])
+    engine.close()
+    server.shutdown()
+
+
+def test_a_colocated_answer_that_cannot_be_read_fails_its_group(monkeypatch):
+    class NoLogprobs(FakeLLMEngine):
+        def step(self):
+            outputs = super().step()
+            for output in outputs:
+                for completion in output.outputs:
+                    completion.logprobs = None
+            return outputs
+
+    engine = colocated_engine(monkeypatch, NoLogprobs(steps=1))
+    answers, finished = [], threading.Event()
+    engine.start(GroupRequest(("stream", 0), [1], 3, 0), lambda r, result: (answers.append(result), finished.set()))
+    assert finished.wait(10)
+    assert isinstance(answers[0], RuntimeError) and "returned no log-probs" in str(answers[0])
+    engine.close()

@@ -5,7 +5,8 @@ streamed step scores in waves whose sizes depend on timing, and without carried 
 that fills the batch, so those figures would change from run to run with the same trained batches. Here they are
 computed once per step over a set of rows that timing cannot change: the groups in stream order up to the one that
 filled the batch (with carried surplus, whole rounds: they are always scored whole). Formulas are TRL 1.16's
-(`GRPOTrainer._generate_and_score_completions` and `_generate`), over those rows.
+(`GRPOTrainer._generate_and_score_completions` and `_generate`, lengths in model tokens), over those rows;
+`frac_reward_zero_std` is the share of groups without spread, as TRL logs it under per-group scaling (DAPO's).
 """
 
 from __future__ import annotations
@@ -72,11 +73,11 @@ def trained_batch_metrics(
         metrics[f"rewards/{name}/std"] = _nanstd(rewards_per_func[:, column])
     rewards = (rewards_per_func * weights.float().cpu().unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable rows: left out, as TRL does
-    grouped = rewards.view(-1, group_size)
-    spread = torch.nan_to_num(grouped, nan=0.0).std(dim=1) if group_size > 1 else torch.zeros(len(grouped))
+    spread = torch.tensor([_nanstd(group) for group in rewards.view(-1, group_size)]) if group_size > 1 else None
     metrics["reward"] = torch.nanmean(rewards).item()
     metrics["reward_std"] = _nanstd(rewards)
-    metrics["frac_reward_zero_std"] = torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()
+    no_spread = torch.ones(1) if spread is None else torch.isclose(spread, torch.zeros_like(spread)).float()
+    metrics["frac_reward_zero_std"] = no_spread.mean().item()  # the share of groups (TRL's per-group scaling)
     metrics["completions/mean_length"] = lengths.mean().item()
     metrics["completions/min_length"] = lengths.min().item()
     metrics["completions/max_length"] = lengths.max().item()

@@ -166,20 +166,25 @@ class VLLMColocateEngine:
         if aborted:
             self._engine.abort_request(aborted)
 
-    def _finished(self, outputs: list[Any]) -> list[tuple[GroupRequest, Callback, GroupResult]]:
+    def _finished(self, outputs: list[Any]) -> list[tuple[GroupRequest, Callback, GroupResult | BaseException]]:
+        """The finished groups' results; one that cannot be read (no log-probs) answers with its error, so that no
+        group is left without an answer."""
         finished = []
         with self._cond:
             for output in outputs:
                 if not output.finished or output.request_id not in self._running:
                     continue  # still running, or aborted meanwhile
                 request, done, started = self._running.pop(output.request_id)
-                completions = sorted(output.outputs, key=lambda completion: completion.index)
-                result = GroupResult(
-                    key=request.key, version=request.version,
-                    completion_ids=[list(completion.token_ids) for completion in completions],
-                    logprobs=[_sampled_token_logprobs(completion) for completion in completions],
-                    seconds=time.monotonic() - started,
-                )  # fmt: skip
+                try:
+                    completions = sorted(output.outputs, key=lambda completion: completion.index)
+                    result: GroupResult | BaseException = GroupResult(
+                        key=request.key, version=request.version,
+                        completion_ids=[list(completion.token_ids) for completion in completions],
+                        logprobs=[_sampled_token_logprobs(completion) for completion in completions],
+                        seconds=time.monotonic() - started,
+                    )  # fmt: skip
+                except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
+                    result = RuntimeError(f"the colocated vLLM engine's answer to {request.key}: {exc}")
                 finished.append((request, done, result))
         return finished
 

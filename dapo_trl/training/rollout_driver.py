@@ -52,6 +52,7 @@ class RolloutDriver:
         self._in_flight: dict[tuple, GroupRequest] = {}
         self._done: dict[tuple, GroupResult] = {}
         self._held_tokens = 0  # in `_done`
+        self.last_done = 0.0  # time.monotonic() when a group last finished
         self._wanted: set[tuple] = set()  # what a caller waits for now: admitted whatever is held
         self._known: set[tuple] = set()  # planned, in flight or done
         self._loaded: int | None = None
@@ -102,7 +103,7 @@ class RolloutDriver:
     def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
         """Block until the first `minimum` of `keys` are done (or fail after `timeout`); return how many leading
         keys are done."""
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
         with self._cond:
             missing = [key for key in keys[:minimum] if key not in self._known]
             if missing:
@@ -116,7 +117,8 @@ class RolloutDriver:
                 if count >= minimum:
                     self._wanted = set()
                     return count
-                remaining = deadline - time.monotonic()
+                # A timeout means nothing finished for that long (a wave may rightly take several request times).
+                remaining = max(started, self.last_done) + timeout - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(
                         f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "
@@ -168,6 +170,8 @@ class RolloutDriver:
                 self._cancel_after_start = True
             self._update_busy()
             self._cond.notify_all()
+            while self._starting is not None:  # so that, once this returns, every withdrawn request is cancelled
+                self._cond.wait(0.1)
         for request in cancelled:
             self.engine.cancel(request)
 
@@ -231,9 +235,12 @@ class RolloutDriver:
             self._fail(RuntimeError(f"the engine could not start group {request.key}: {type(exc).__name__}: {exc}"))
             return
         with self._cond:
-            cancel, self._starting, self._cancel_after_start = self._cancel_after_start, None, False
-        if cancel:
+            cancel = self._cancel_after_start
+        if cancel:  # withdrawn while starting; `withdraw` waits for this before it returns
             self.engine.cancel(request)
+        with self._cond:
+            self._starting, self._cancel_after_start = None, False
+            self._cond.notify_all()
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -260,6 +267,7 @@ class RolloutDriver:
                 return  # cancelled meanwhile
             del self._in_flight[request.key]
             self._update_busy()
+            self.last_done = time.monotonic()
             if isinstance(result, BaseException):
                 self._error = result
             else:

@@ -144,12 +144,18 @@ class StreamingRollout:
         """The weights version that samples the current batch."""
         return max(0, self.generation - self.lag)
 
+    @property
+    def _previous_version(self) -> int:
+        return max(0, self.generation - 1 - self.lag)
+
     # ------------------------------------------------------------------------------------------------- a batch
     def sample(self, inputs: list[dict[str, Any]], score_wave: WaveScorer) -> tuple[dict[str, torch.Tensor], dict]:
         """The step's whole batch and its metrics, as `DynamicSampler.sample` would build it from these prompts."""
         sampler, args = self.sampler, self.sampler.args
         round_groups = args.filter_groups_oversample * len(inputs) * self.process.count // self.group_size
         filling = sampler.begin(len(inputs))
+        for part in filling.parts:  # carried from a checkpoint written before rows carried their version
+            part.setdefault(ROW_VERSION, torch.full_like(part["advantages"], self._previous_version, dtype=torch.long))
         rounds = [self._first_round(inputs, round_groups)]
         self._round_groups = round_groups
         self._wait, self._passes, self._tail_passes = 0.0, 0, 0
@@ -214,10 +220,9 @@ class StreamingRollout:
 
     def _staleness(self, versions: torch.Tensor | None, completion_mask: torch.Tensor | None) -> dict[str, float]:
         """Mean and max of (generation - the version that sampled the row) over the batch's trained rows (filler
-        rows, masked out of the loss, left out). A carried group from a checkpoint older than per-row versions
-        counts as one step older than this batch's own version."""
-        if versions is None:  # carried from a checkpoint written before rows carried their version
-            versions = torch.full((len(completion_mask),), self.version - 1, dtype=torch.long)
+        rows, masked out of the loss, left out)."""
+        if versions is None:
+            return {}
         ages = (self.generation - versions.cpu().long()).float()
         if completion_mask is not None:
             ages = ages[completion_mask.sum(dim=1).cpu() > 0]
@@ -405,7 +410,7 @@ class ColocatedStreamingRollout(StreamingRollout):
                 done, error = self.driver.done_among(mine, SPREAD_POLL_SECONDS), None
             except Exception as exc:  # noqa: BLE001 - every process raises it below
                 done, error = set(), f"{type(exc).__name__}: {exc}"
-            timed_out = time.monotonic() - started > self.wave_timeout
+            timed_out = time.monotonic() - max(started, self.driver.last_done) > self.wave_timeout
             reports = self.process.gather_objects([(done, error, timed_out)])
             errors = [error for _, error, _ in reports if error is not None]
             if errors:

@@ -52,6 +52,7 @@ class VLLMServerEngine:
         self._max_in_flight = max(1, max_in_flight)
         self._tasks: dict[int, asyncio.Task] = {}  # id(request) -> its task (a cancelled key is requested again)
         self._closed = False
+        self._queued, self._queued_lock = 0, threading.Lock()  # started, not yet on the loop
         self._loop = asyncio.new_event_loop()
         self._connections = asyncio.Semaphore(self._max_in_flight)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
@@ -78,6 +79,8 @@ class VLLMServerEngine:
     def start(self, request: GroupRequest, done: Callback) -> None:
         if self._closed:
             raise RuntimeError(f"the rollout engine for {self.base_url} is closed")
+        with self._queued_lock:
+            self._queued += 1
         self._loop.call_soon_threadsafe(self._launch, request, done)
 
     def cancel(self, request: GroupRequest) -> None:
@@ -86,8 +89,9 @@ class VLLMServerEngine:
             self._loop.call_soon_threadsafe(self._cancel, id(request))
 
     def running(self) -> int:
-        """Requests of ours still open (cancelled ones included until their connection is closed)."""
-        return len(self._tasks)
+        """Requests of ours started and not yet over (cancelled ones included until their connection is closed)."""
+        with self._queued_lock:
+            return self._queued + len(self._tasks)
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
         """The JSON body of one group's request (override to change sampling per group)."""
@@ -156,7 +160,8 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------------------------------- the event loop
     def _launch(self, request: GroupRequest, done: Callback) -> None:
         task = self._loop.create_task(self._run(request, done))
-        self._tasks[id(request)] = task
+        with self._queued_lock:
+            self._tasks[id(request)], self._queued = task, self._queued - 1
         task.add_done_callback(lambda _: self._tasks.pop(id(request), None))
 
     def _cancel(self, request_id: int) -> None:
@@ -183,7 +188,7 @@ class VLLMServerEngine:
             result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
         except RuntimeError as exc:
             result = exc
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a closed connection (IncompleteReadError), a malformed answer: the run must stop now
             result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
         done(request, result)
 
@@ -217,10 +222,14 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
         return int(parts[1]), await reader.readexactly(int(headers["content-length"]))
     if headers.get("transfer-encoding", "").lower() == "chunked":
         chunks = []
-        while size := int((await reader.readline()).split(b";")[0].strip() or b"0", 16):
+        while True:
+            line = await reader.readline()
+            if not line:
+                raise ValueError("the connection closed inside a chunked HTTP body")
+            if not (size := int(line.split(b";")[0].strip() or b"0", 16)):
+                return int(parts[1]), b"".join(chunks)
             chunks.append(await reader.readexactly(size))
             await reader.readline()
-        return int(parts[1]), b"".join(chunks)
     return int(parts[1]), await reader.read()
 
 
