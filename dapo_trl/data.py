@@ -8,6 +8,7 @@ built-in generated arithmetic problems for offline runs.
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import random
@@ -66,7 +67,7 @@ class DatasetLoadError(ValueError):
     """A dataset that cannot be used as named (unreadable, unknown, unsupported file, missing columns, no rows).
 
     The message is the whole story (what failed and the flag or file to change), so the command line prints it
-    without a traceback.
+    without a traceback. Rows and lines in every message count from 1, as an editor shows them.
     """
 
 
@@ -122,7 +123,7 @@ def _check_messages(prompt: Any, index: int, column: str) -> list[dict[str, str]
     if not prompt or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt
     ):
-        raise MalformedRowError(f"row {index}, column {column!r}: expected chat messages with 'role' and 'content'")
+        raise MalformedRowError(f"row {index + 1}, column {column!r}: expected chat messages with 'role' and 'content'")
     return [{"role": m["role"], "content": m["content"]} for m in prompt]
 
 
@@ -161,17 +162,19 @@ def prepare_prompt_dataset(
             problem, answer = _get_field(raw, problem_column), _get_field(raw, answer_column)
             if isinstance(problem, str):
                 if not problem.strip():
-                    raise MalformedRowError(f"row {index}, column {problem_column!r}: empty prompt")
+                    raise MalformedRowError(f"row {index + 1}, column {problem_column!r}: empty prompt")
                 prompt = make_prompt(problem, template)
             elif isinstance(problem, list):
                 prompt = _check_messages(problem, index, problem_column)
             else:
                 raise MalformedRowError(
-                    f"row {index}, column {problem_column!r}: expected text or chat messages, got "
+                    f"row {index + 1}, column {problem_column!r}: expected text or chat messages, got "
                     f"{type(problem).__name__}"
                 )
             if isinstance(answer, bool) or not isinstance(answer, str | int | float) or not str(answer).strip():
-                raise MalformedRowError(f"row {index}, column {answer_column!r}: missing or empty answer ({answer!r})")
+                raise MalformedRowError(
+                    f"row {index + 1}, column {answer_column!r}: missing or empty answer ({answer!r})"
+                )
             solution = str(answer).strip()
             if answer_extractor is not None:
                 solution = answer_extractor(solution)
@@ -197,6 +200,52 @@ def prepare_prompt_dataset(
     if not rows:
         raise DatasetLoadError("no usable rows in the dataset")
     return Dataset.from_list(rows)
+
+
+def unreadable_file_message(path: str, extension: str, error: BaseException) -> str:
+    """Why a local dataset file does not load: for JSON Lines the first line that does not parse, or is not an
+    object (lines count from 1), with the parser's words; for a JSON document the line of its error; otherwise the
+    loader's underlying cause, in one line."""
+    if extension in (".jsonl", ".json"):
+        with open(path, encoding="utf-8", errors="replace") as file:
+            lines = file.read().splitlines()
+        document = "\n".join(lines)
+        if extension == ".json" and not _is_json_lines(lines):
+            try:
+                json.loads(document)
+            except json.JSONDecodeError as exc:
+                return f"dataset file {path!r}, line {exc.lineno}: not valid JSON ({exc.msg} at column {exc.colno})."
+        else:
+            for number, line in enumerate(lines, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    return (
+                        f"dataset file {path!r}, line {number}: not valid JSON ({exc.msg} at column {exc.colno}): "
+                        f"{line[:200]!r}. Fix or remove that line."
+                    )
+                if not isinstance(row, dict):
+                    return (
+                        f"dataset file {path!r}, line {number}: a JSON Lines row must be an object of columns, got "
+                        f"{type(row).__name__}: {line[:200]!r}."
+                    )
+    cause = error
+    while cause.__cause__ is not None or cause.__context__ is not None:
+        cause = cause.__cause__ or cause.__context__
+    first_line = (str(cause).splitlines() or [""])[0][:300]
+    return f"dataset file {path!r} could not be read: {type(cause).__name__}: {first_line}"
+
+
+def _is_json_lines(lines: list[str]) -> bool:
+    """Whether a .json file is JSON Lines (its first non-empty line is a whole JSON object), as `datasets` reads
+    either."""
+    first = next((line for line in lines if line.strip()), "")
+    try:
+        return isinstance(json.loads(first), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def load_prompt_dataset(
@@ -227,7 +276,10 @@ def load_prompt_dataset(
             raise DatasetLoadError(
                 f"dataset file {source!r}: unsupported extension; use one of {sorted(LOCAL_FORMATS)}."
             )
-        dataset = load_dataset(LOCAL_FORMATS[extension], data_files=source, split="train")
+        try:
+            dataset = load_dataset(LOCAL_FORMATS[extension], data_files=source, split="train")
+        except Exception as error:  # datasets wraps the parser's error deep in a DatasetGenerationError
+            raise DatasetLoadError(unreadable_file_message(source, extension, error)) from None
     else:
         split = split or (preset.split if preset else "train")
         try:
@@ -327,7 +379,7 @@ def check_stream_start(
     if policy == "error" and overlong:
         row, length = overlong[0]
         raise ValueError(
-            f"a streamed prompt has {length} tokens > max_prompt_length={max_prompt_length} (row {row}); raise "
+            f"a streamed prompt has {length} tokens > max_prompt_length={max_prompt_length} (row {row + 1}); raise "
             "max_prompt_length or use overlong_prompt_policy='filter'."
         )
 
@@ -382,8 +434,9 @@ def filter_overlong_prompts(
         return dataset
     if policy == "error":
         raise ValueError(
-            f"{len(too_long)} prompts exceed max_prompt_length={max_prompt_length} tokens (first: row {too_long[0]} "
-            f"with {lengths[too_long[0]]}); raise max_prompt_length or use overlong_prompt_policy='filter'."
+            f"{len(too_long)} prompts exceed max_prompt_length={max_prompt_length} tokens (first: row "
+            f"{too_long[0] + 1} with {lengths[too_long[0]]}); raise max_prompt_length or use "
+            "overlong_prompt_policy='filter'."
         )
     if len(too_long) == len(dataset):
         raise ValueError(

@@ -9,6 +9,7 @@ from datasets import Dataset
 from dapo_trl.data import (
     DAPO_PROMPT_TEMPLATE,
     STREAM_LOOKAHEAD_ROWS,
+    DatasetLoadError,
     MalformedRowError,
     StreamPeek,
     filter_overlong_prompts,
@@ -85,9 +86,9 @@ def test_local_table_with_named_columns_and_template(tmp_path):
 @pytest.mark.parametrize(
     "bad_row,message",
     [
-        ({"problem": "b", "answer": ""}, "row 1, column 'answer': missing or empty answer"),
-        ({"problem": "", "answer": "1"}, "row 1, column 'problem': empty prompt"),
-        ({"problem": "b", "answer": None}, "row 1, column 'answer': missing or empty answer"),
+        ({"problem": "b", "answer": ""}, "row 2, column 'answer': missing or empty answer"),
+        ({"problem": "", "answer": "1"}, "row 2, column 'problem': empty prompt"),
+        ({"problem": "b", "answer": None}, "row 2, column 'answer': missing or empty answer"),
     ],
 )
 def test_malformed_row_names_row_and_column(bad_row, message):
@@ -100,7 +101,7 @@ def test_malformed_row_names_row_and_column(bad_row, message):
 def test_malformed_chat_messages_are_named():
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "hi"}], "answer": "1"}] * 2)
     dataset = dataset.add_item({"prompt": [{"role": "user", "content": None}], "answer": "1"})
-    with pytest.raises(MalformedRowError, match="row 2, column 'prompt': expected chat messages"):
+    with pytest.raises(MalformedRowError, match="row 3, column 'prompt': expected chat messages"):
         prepare_prompt_dataset(dataset)
 
 
@@ -130,7 +131,7 @@ def test_overlong_prompts_filtered_or_rejected(tmp_path):
     assert len(filter_overlong_prompts(dataset, tokenizer, 50)) == 2
     with pytest.raises(ValueError, match="all 2 prompts exceed max_prompt_length=50.*nothing is left to train on"):
         filter_overlong_prompts(Dataset.from_list([long, long]), tokenizer, 50)  # not a run of 0 steps that exits 0
-    with pytest.raises(ValueError, match="row 1"):
+    with pytest.raises(ValueError, match="row 2 with"):  # rows count from 1
         filter_overlong_prompts(dataset, tokenizer, 50, policy="error")
     streamed = dataset.to_iterable_dataset()
     assert [row["prompt"] for row in filter_overlong_prompts(streamed, tokenizer, 50)] == [short["prompt"]] * 2
@@ -164,7 +165,7 @@ def test_a_stream_without_a_prompt_that_fits_is_an_error_up_front(tmp_path):
     with pytest.raises(ValueError, match="the streamed train_dataset yielded no rows"):
         filter_overlong_prompts(stream(), tokenizer, 50)
     # policy 'error': an overlong prompt before the first that fits stops the run at the call
-    with pytest.raises(ValueError, match=r"a streamed prompt has \d+ tokens > max_prompt_length=50 \(row 0\)"):
+    with pytest.raises(ValueError, match=r"a streamed prompt has \d+ tokens > max_prompt_length=50 \(row 1\)"):
         filter_overlong_prompts(stream(LONG, SHORT), tokenizer, 50, policy="error")
     # every process raises, or none: here another process's stream has no prompt that fits
     other = StreamPeek(rows=5, fits=False, ended=True, shortest=99, first_overlong=(0, 120))
@@ -192,3 +193,25 @@ def test_every_process_decides_the_same_on_a_stream_split_by_process(tmp_path):
     run_command(python_command(str(SCRIPTS / "overlong_stream_run.py"), str(tmp_path), "20", num_processes=2))
     outcomes = {(tmp_path / f"rank{rank}.txt").read_text() for rank in (0, 1)}
     assert len(outcomes) == 1 and "all 4 prompts of the streamed train_dataset (process 1's stream)" in outcomes.pop()
+
+
+def test_a_broken_jsonl_line_is_named_by_file_and_line(tmp_path):
+    path = tmp_path / "problems.jsonl"
+    good = json.dumps({"problem": "1 + 1?", "answer": "2"})
+    path.write_text(f"{good}\n{good}\n\n{{\"problem\": \"2 + 2?\", \"answer\": 4\n{good}\n")
+    with pytest.raises(DatasetLoadError, match=r"problems.jsonl', line 4: not valid JSON \(Expecting ',' delimiter"):
+        load_prompt_dataset(str(path))
+    path.write_text(f"{good}\n[1, 2]\n")
+    with pytest.raises(DatasetLoadError, match="line 2: a JSON Lines row must be an object"):
+        load_prompt_dataset(str(path))
+
+
+def test_a_broken_json_document_is_named_by_line_and_other_files_by_their_cause(tmp_path):
+    document = tmp_path / "problems.json"
+    document.write_text('[\n  {"problem": "1 + 1?", "answer": "2"},\n  {"problem": "2 + 2?" "answer": "4"}\n]\n')
+    with pytest.raises(DatasetLoadError, match=r"problems.json', line 3: not valid JSON \(Expecting ','"):
+        load_prompt_dataset(str(document))
+    table = tmp_path / "problems.parquet"
+    table.write_bytes(b"not a parquet file")
+    with pytest.raises(DatasetLoadError, match=r"problems.parquet' could not be read: \w+"):
+        load_prompt_dataset(str(table))
