@@ -21,7 +21,7 @@ from .config import DAPOConfig
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
-from .training import batch_metrics, evaluation, steps, streams, trl_seam
+from .training import batch_metrics, checkpoints, evaluation, steps, streams, trl_seam
 from .training.batch_metrics import row_statistics
 from .training.batching import (
     StepPlanner,
@@ -485,18 +485,42 @@ class DAPOTrainer(GRPOTrainer):
         rollout = {} if self._rollout is None else {ROLLOUT_STATE_FILE: self._rollout}
         return {**self._sampler.checkpoint_files(), **self._shaping.checkpoint_files(), **rollout}
 
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
+        """TRL's training; `resume_from_checkpoint` may be `latest` (or `true`): the newest complete checkpoint in
+        output_dir, or a fresh start when there is none. A checkpoint that is not complete is refused, naming what
+        it lacks (`training.checkpoints`)."""
+        resume = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
+        return super().train(resume, *args, **kwargs)
+
     def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = trl_seam.checkpoint_folder(self, trial)
-        for file, part in self._checkpointed_state().items() if self.args.should_save else ():
-            torch.save(part.state_dict(), os.path.join(folder, file))
-        if self._rollout is not None and self.args.should_save:  # the older weights a resumed run samples from
-            save_rollout_versions(self.args, self._rollout, folder)
+        """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
+        are rotated away only once this one is complete."""
+        folder, limit = trl_seam.checkpoint_folder(self, trial), self.args.save_total_limit
+        self.args.save_total_limit = None  # Trainer would rotate before DAPO's state and the record are written
+        try:
+            super()._save_checkpoint(model, trial)
+            for file, part in self._checkpointed_state().items() if self.args.should_save else ():
+                torch.save(part.state_dict(), os.path.join(folder, file))
+            if self._rollout is not None and self.args.should_save:  # the older weights a resumed run samples from
+                save_rollout_versions(self.args, self._rollout, folder)
+        except (OSError, RuntimeError) as exc:
+            raise checkpoints.save_failure(folder, exc) from exc
+        finally:
+            self.args.save_total_limit = limit
+        self.accelerator.wait_for_everyone()  # every process's files (shards, RNG states) are written
+        if self.args.should_save:
+            checkpoints.mark_complete(folder)
+            checkpoints.rotate(os.path.dirname(folder), limit, self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         for file, part in self._checkpointed_state().items() if checkpoint is not None else ():
-            if os.path.exists(path := os.path.join(checkpoint, file)):
-                part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
+            if not os.path.exists(path := os.path.join(checkpoint, file)):
+                raise checkpoints.IncompleteCheckpointError(
+                    f"{checkpoint} has no {file}, which this run's settings need to resume exactly (it was saved "
+                    "with dynamic sampling, streaming or KL in the reward set otherwise): resume with the settings "
+                    "it was saved with."
+                )
+            part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
         if self._rollout is not None and checkpoint is not None and self.accelerator.is_main_process:
             restore_rollout_versions(self.args, checkpoint)

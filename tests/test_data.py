@@ -198,7 +198,7 @@ def test_every_process_decides_the_same_on_a_stream_split_by_process(tmp_path):
 def test_a_broken_jsonl_line_is_named_by_file_and_line(tmp_path):
     path = tmp_path / "problems.jsonl"
     good = json.dumps({"problem": "1 + 1?", "answer": "2"})
-    path.write_text(f"{good}\n{good}\n\n{{\"problem\": \"2 + 2?\", \"answer\": 4\n{good}\n")
+    path.write_text(f'{good}\n{good}\n\n{{"problem": "2 + 2?", "answer": 4\n{good}\n')
     with pytest.raises(DatasetLoadError, match=r"problems.jsonl', line 4: not valid JSON \(Expecting ',' delimiter"):
         load_prompt_dataset(str(path))
     path.write_text(f"{good}\n[1, 2]\n")

@@ -1,0 +1,122 @@
+"""Checkpoints that are complete or never resumed from.
+
+Transformers' Trainer writes a checkpoint file by file into `checkpoint-N` and then deletes older ones
+(`save_total_limit`): a run killed, preempted or out of disk mid-save leaves a `checkpoint-N` without some files,
+and may already have deleted the last good one; resuming it restarts the optimizer or the prompt stream without a
+word. Here a checkpoint is complete once `dapo_checkpoint.json` is in it: written last, by the main process, after
+every process has written its files, listing each file and its size. Older checkpoints are rotated away only after
+that. A resume accepts only a complete checkpoint whose listed files are all there, and `latest` (or `true`) picks
+the newest complete one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+COMPLETE_FILE = "dapo_checkpoint.json"
+LATEST = ("latest", "true")  # --resume_from_checkpoint values that mean "the newest complete one, if any"
+_STEP = re.compile(r"^checkpoint-(\d+)$")
+
+
+class IncompleteCheckpointError(ValueError):
+    """A checkpoint a resume cannot restore exactly; the message names what is missing and what to use instead."""
+
+
+def mark_complete(folder: str | Path) -> None:
+    """Record `folder` as complete: every file under it with its size, written atomically (the last write)."""
+    folder = Path(folder)
+    files = {
+        str(path.relative_to(folder)): path.stat().st_size
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.name != COMPLETE_FILE
+    }
+    temporary = folder / f".{COMPLETE_FILE}.tmp"
+    with open(temporary, "w") as handle:
+        json.dump({"files": files}, handle, indent=1)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temporary, folder / COMPLETE_FILE)
+
+
+def problems(folder: str | Path) -> list[str]:
+    """Why `folder` cannot be resumed from (empty when it can): no completion record, or listed files missing or
+    of another size."""
+    folder = Path(folder)
+    record = folder / COMPLETE_FILE
+    if not record.is_file():
+        return [f"{COMPLETE_FILE} is missing (the save was interrupted, or an older dapo-trl wrote it)"]
+    try:
+        files = json.loads(record.read_text())["files"]
+    except (ValueError, KeyError) as exc:
+        return [f"{COMPLETE_FILE} is unreadable ({exc})"]
+    found = []
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            found.append(f"{name} is missing")
+        elif path.stat().st_size != size:
+            found.append(f"{name} has {path.stat().st_size} bytes, {size} when saved")
+    return found
+
+
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete `checkpoint-N` folders of `output_dir`, oldest step first."""
+    if not Path(output_dir).is_dir():
+        return []
+    steps = [(int(m.group(1)), path) for path in Path(output_dir).iterdir() if (m := _STEP.match(path.name))]
+    return [path for _, path in sorted(steps) if path.is_dir() and not problems(path)]
+
+
+def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | None:
+    """The checkpoint folder to resume from: `latest` / `true` -> the newest complete one in `output_dir` (None, a
+    fresh start, when there is none, so that one command can be requeued forever); a path -> that folder, if
+    complete; None / False -> None."""
+    if value is None or value is False:
+        return None
+    newest = complete_checkpoints(output_dir)
+    if value is True or str(value).lower() in LATEST:
+        if not newest:
+            logger.info("resume_from_checkpoint=%s: no complete checkpoint in %s, starting fresh", value, output_dir)
+            return None
+        logger.info("resuming from the newest complete checkpoint, %s", newest[-1])
+        return str(newest[-1])
+    instead = f"resume from {newest[-1]}" if newest else f"no complete checkpoint is in {output_dir}"
+    if not Path(value).is_dir():
+        raise IncompleteCheckpointError(
+            f"resume_from_checkpoint={value!r} is not a directory; {instead} (or pass --resume_from_checkpoint latest)."
+        )
+    found = problems(value)
+    if found:
+        raise IncompleteCheckpointError(
+            f"cannot resume exactly from {value}: {'; '.join(found[:5])}. Instead {instead} "
+            "(--resume_from_checkpoint latest picks the newest complete one)."
+        )
+    return str(value)
+
+
+def rotate(run_dir: str | Path, save_total_limit: int | None, best: str | None) -> None:
+    """Trainer's own rotation (`save_total_limit`, the best checkpoint kept), run once the newest is complete."""
+    from transformers.trainer_utils import rotate_checkpoints
+
+    rotate_checkpoints(str(run_dir), save_total_limit, best, use_mtime=True)
+
+
+def save_failure(folder: str | Path, error: BaseException) -> OSError:
+    """A checkpoint write that failed, said with the disk it was writing to and the space left there (a full disk
+    surfaces from torch.save as `unexpected pos`)."""
+    try:
+        usage = shutil.disk_usage(Path(folder).parent)
+        space = f"{usage.free / 2**30:.2f} GiB free of {usage.total / 2**30:.1f} GiB"
+    except OSError:
+        space = "free space unknown"
+    return OSError(
+        f"writing checkpoint {folder} failed: {type(error).__name__}: {error}. That disk has {space}. The checkpoint "
+        "stays incomplete (never resumed from); the previous complete one is kept."
+    )
