@@ -40,7 +40,7 @@ def test_latest_is_the_newest_complete_checkpoint_or_a_fresh_start(tmp_path):
 def test_an_incomplete_checkpoint_is_refused_naming_what_is_missing_and_what_to_use(tmp_path):
     fake_checkpoint(tmp_path, 2)
     interrupted = fake_checkpoint(tmp_path, 4, complete=False)
-    with pytest.raises(IncompleteCheckpointError, match=f"{COMPLETE_FILE} is missing.*resume from .*checkpoint-2"):
+    with pytest.raises(IncompleteCheckpointError, match=f"{COMPLETE_FILE} is missing.*Resume from .*checkpoint-2"):
         resolve_resume(str(interrupted), tmp_path)
     lost = fake_checkpoint(tmp_path, 6)
     (lost / "global_step1" / "shard.pt").unlink()

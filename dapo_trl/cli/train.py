@@ -17,6 +17,7 @@ from trl import ModelConfig, get_peft_config
 
 from ..config import DAPOConfig
 from ..data import DatasetLoadError, load_prompt_dataset
+from ..training.checkpoints import IncompleteCheckpointError
 from .arguments import DAPOParser
 from .components import UserFacingError, build_tools, resolve_reward_function
 from .run_summary import print_summary, write_charts
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             tools=tools or None,
         )
         trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    except (UserFacingError, DatasetLoadError) as error:  # messages that say what to change: no traceback
+    except (UserFacingError, DatasetLoadError, IncompleteCheckpointError) as error:  # say what to change, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     trainer.save_model(training_args.output_dir)

@@ -87,17 +87,16 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
             return None
         logger.info("resuming from the newest complete checkpoint, %s", newest[-1])
         return str(newest[-1])
-    instead = f"resume from {newest[-1]}" if newest else f"no complete checkpoint is in {output_dir}"
+    instead = (
+        f"Resume from {newest[-1]}, the newest complete checkpoint (--resume_from_checkpoint latest picks it)."
+        if newest
+        else f"There is no complete checkpoint in {output_dir}: start fresh, or pass --resume_from_checkpoint latest."
+    )
     if not Path(value).is_dir():
-        raise IncompleteCheckpointError(
-            f"resume_from_checkpoint={value!r} is not a directory; {instead} (or pass --resume_from_checkpoint latest)."
-        )
+        raise IncompleteCheckpointError(f"resume_from_checkpoint={value!r} is not a directory. {instead}")
     found = problems(value)
     if found:
-        raise IncompleteCheckpointError(
-            f"cannot resume exactly from {value}: {'; '.join(found[:5])}. Instead {instead} "
-            "(--resume_from_checkpoint latest picks the newest complete one)."
-        )
+        raise IncompleteCheckpointError(f"cannot resume exactly from {value}: {'; '.join(found[:5])}. {instead}")
     return str(value)
 
 
