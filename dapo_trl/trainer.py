@@ -451,16 +451,20 @@ class DAPOTrainer(GRPOTrainer):
             prune_versions(local_root, keep_from=version - lag)  # this batch samples from version - lag
             driver.publish(version)
 
+    def _rollout_engine(self) -> GroupEngine | None:
+        """The engine this process's streaming driver sends groups to, if it has one."""
+        return None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
+
     def _colocated_engine(self) -> VLLMColocateEngine | None:
         """This process's colocated vLLM engine when streaming drives one, else None."""
-        engine = None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
+        engine = self._rollout_engine()
         return engine if isinstance(engine, VLLMColocateEngine) else None
 
     def _wait_for_rollout_engine(self, server: bool = True) -> None:
         """Return once the streamed requests withdrawn before are gone from the engine, before TRL uses it (its
         weight sync, its own generation): a colocated engine is not thread-safe, and a server (`server`) still
         running an aborted request would refuse TRL's prefix-cache reset, or sample with two weights versions."""
-        engine = None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
+        engine = self._rollout_engine()
         if isinstance(engine, VLLMColocateEngine):
             engine.wait_idle()
         elif server and isinstance(engine, VLLMServerEngine):

@@ -12,6 +12,7 @@ filled the batch (with carried surplus, whole rounds: they are always scored who
 from __future__ import annotations
 
 import torch
+from trl.trainer.utils import nanstd  # TRL's own: Bessel-corrected, NaN-ignoring
 
 # TRL's per-pass metrics that `trained_batch_metrics` replaces (`rewards/<name>/mean|std` too).
 REPLACED = (
@@ -70,12 +71,12 @@ def trained_batch_metrics(
     metrics: dict[str, float] = {}
     for column, name in enumerate(names[: rewards_per_func.size(1)]):
         metrics[f"rewards/{name}/mean"] = torch.nanmean(rewards_per_func[:, column]).item()
-        metrics[f"rewards/{name}/std"] = _nanstd(rewards_per_func[:, column])
+        metrics[f"rewards/{name}/std"] = nanstd(rewards_per_func[:, column]).item()
     rewards = (rewards_per_func * weights.float().cpu().unsqueeze(0)).nansum(dim=1)
     rewards[torch.isnan(rewards_per_func).all(dim=1)] = torch.nan  # unscorable rows: left out, as TRL does
-    spread = torch.tensor([_nanstd(group) for group in rewards.view(-1, group_size)]) if group_size > 1 else None
+    spread = nanstd(rewards.view(-1, group_size), dim=1) if group_size > 1 else None
     metrics["reward"] = torch.nanmean(rewards).item()
-    metrics["reward_std"] = _nanstd(rewards)
+    metrics["reward_std"] = nanstd(rewards).item()
     no_spread = torch.ones(1) if spread is None else torch.isclose(spread, torch.zeros_like(spread)).float()
     metrics["frac_reward_zero_std"] = no_spread.mean().item()  # the share of groups (TRL's per-group scaling)
     metrics["completions/mean_length"] = lengths.mean().item()
@@ -87,9 +88,3 @@ def trained_batch_metrics(
     metrics["completions/min_terminated_length"] = terminated.min().item()
     metrics["completions/max_terminated_length"] = terminated.max().item()
     return metrics
-
-
-def _nanstd(values: torch.Tensor) -> float:
-    """TRL's `nanstd`: the unbiased standard deviation of the non-NaN values."""
-    present = values[~torch.isnan(values)]
-    return present.std().item() if present.numel() > 1 else float("nan")

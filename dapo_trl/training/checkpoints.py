@@ -80,24 +80,23 @@ def resolve_resume(value: str | bool | None, output_dir: str | Path) -> str | No
     complete; None / False -> None."""
     if value is None or value is False:
         return None
-    newest = complete_checkpoints(output_dir)
     if value is True or str(value).lower() in LATEST:
+        newest = complete_checkpoints(output_dir)
         if not newest:
             logger.info("resume_from_checkpoint=%s: no complete checkpoint in %s, starting fresh", value, output_dir)
             return None
         logger.info("resuming from the newest complete checkpoint, %s", newest[-1])
         return str(newest[-1])
+    found = problems(value) if Path(value).is_dir() else ["not a directory"]
+    if not found:
+        return str(value)
+    newest = complete_checkpoints(output_dir)  # read only to say what to use instead
     instead = (
         f"Resume from {newest[-1]}, the newest complete checkpoint (--resume_from_checkpoint latest picks it)."
         if newest
         else f"There is no complete checkpoint in {output_dir}: start fresh, or pass --resume_from_checkpoint latest."
     )
-    if not Path(value).is_dir():
-        raise IncompleteCheckpointError(f"resume_from_checkpoint={value!r} is not a directory. {instead}")
-    found = problems(value)
-    if found:
-        raise IncompleteCheckpointError(f"cannot resume exactly from {value}: {'; '.join(found[:5])}. {instead}")
-    return str(value)
+    raise IncompleteCheckpointError(f"cannot resume exactly from {value}: {'; '.join(found[:5])}. {instead}")
 
 
 def rotate(run_dir: str | Path, save_total_limit: int | None, best: str | None) -> None:

@@ -57,7 +57,6 @@ class RolloutDriver:
         self._known: set[tuple] = set()  # planned, in flight or done
         self._loaded: int | None = None
         self._loading = False  # a load_weights call runs on the driver's thread
-        self._epoch = 0  # bumped whenever the weights are set outside the driver: a load begun before is void
         self._starting: GroupRequest | None = None  # admitted, engine.start not yet returned
         self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
         self._published = -1
@@ -92,7 +91,6 @@ class RolloutDriver:
         with self._cond:
             while self._loading and self._error is None:
                 self._cond.wait(1.0)
-            self._epoch += 1
             self._loaded = version
             self._cond.notify_all()
 
@@ -203,29 +201,28 @@ class RolloutDriver:
                 if self._closed:
                     return
                 if load:
-                    self._loaded, self._loading, epoch = None, True, self._epoch
+                    self._loaded, self._loading = None, True
                 else:
                     self._planned.popleft()
                     self._in_flight[request.key] = request
                     self._starting, self._cancel_after_start = request, False
                     self._update_busy()
             if load:
-                self._load(request.version, epoch)
+                self._load(request.version)
             else:
                 self._start(request)
             if self._error is not None:
                 return
 
-    def _load(self, version: int, epoch: int) -> None:
+    def _load(self, version: int) -> None:
         try:
             self.engine.load_weights(version)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self._fail(exc)
             return
         with self._cond:
-            self._loading = False
-            if self._epoch == epoch:  # else the weights were set by the trainer meanwhile: theirs stand
-                self._loaded = version
+            # `loaded_externally` waits while a load runs, so nothing set the weights meanwhile.
+            self._loaded, self._loading = version, False
             self._cond.notify_all()
 
     def _start(self, request: GroupRequest) -> None:

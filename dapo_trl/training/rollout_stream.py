@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from ..algorithm import group_keep_mask
 from .batch_metrics import decided_groups, trained_batch_metrics
 from .rollout_driver import RolloutDriver, done_prefix
 from .rollout_engine import GroupRequest, GroupResult
@@ -171,8 +170,7 @@ class StreamingRollout:
         observed = self._decided["kept"] / max(self._decided["generated"], 1)  # the groups any timing scores
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
         batch, metrics = sampler.finish(filling)
-        metrics["dynamic_sampling/groups_cancelled"] = float(filling.stats["groups_cancelled"])
-        metrics.update(self._staleness(batch.pop(ROW_VERSION, None), batch.get("completion_mask")))
+        metrics.update(self._staleness(batch.pop(ROW_VERSION), batch.get("completion_mask")))
         metrics["rollout/scoring_passes"] = float(self._passes)
         metrics.update(self._decided_metrics())
         metrics["rollout/trainer_wait_seconds"] = self._wait
@@ -187,14 +185,14 @@ class StreamingRollout:
                 self._plan_stream(min(ahead, cap * round_groups) if cap else ahead)
         return batch, metrics
 
-    def _record_decided(self, scored: ScoredRound, filling: Filling) -> None:
+    def _record_decided(self, scored: ScoredRound, group_kept: list[bool], kept_rows: int, target_rows: int) -> None:
         """Count the wave's groups that any timing scores for this batch (all of them with carried surplus, whose
         rounds are always scored whole; else those up to the one that fills the batch), and keep their rows'
-        figures: the step's reward, length and keep metrics are over these."""
-        size, args = self.group_size, self.sampler.args
-        kept = group_keep_mask(scored.accuracy.cpu(), size, args.filter_groups_atol)
-        decided = len(kept) if args.filter_groups_carry_surplus else decided_groups(
-            kept, size, filling.kept_rows, filling.target_rows)  # fmt: skip
+        figures: the step's reward, length and keep metrics are over these. `group_kept` are the sampler's keep
+        decisions of the wave, `kept_rows` what the batch held before it."""
+        size, kept = self.group_size, torch.tensor(group_kept, dtype=torch.bool)
+        decided = len(kept) if self.sampler.args.filter_groups_carry_surplus else decided_groups(
+            kept, size, kept_rows, target_rows)  # fmt: skip
         self._decided["generated"] += decided
         self._decided["kept"] += int(kept[:decided].sum())
         if scored.row_stats is not None and decided:
@@ -209,20 +207,19 @@ class StreamingRollout:
         if self._decided_rows:
             last = self._decided_rows[-1]
             metrics = trained_batch_metrics(self._decided_rows, last["weights"], last["names"], self.group_size)
+        generated, kept = self._decided["generated"], self._decided["kept"]
+        # Every group of the step's rounds is decided (with carried surplus, all of them) or cancelled.
+        metrics["dynamic_sampling/groups_cancelled"] = float(self._decided["planned"] - generated)
         if not self.sampler.args.filter_groups_carry_surplus:
-            generated, kept = self._decided["generated"], self._decided["kept"]
-            metrics["dynamic_sampling/groups_cancelled"] = float(self._decided["planned"] - generated)
             metrics["dynamic_sampling/groups_generated"] = float(generated)
             metrics["dynamic_sampling/groups_kept"] = float(kept)
             metrics["dynamic_sampling/keep_rate"] = kept / max(generated, 1)
             metrics["dynamic_sampling/surplus_discarded_groups"] = 0.0
         return metrics
 
-    def _staleness(self, versions: torch.Tensor | None, completion_mask: torch.Tensor | None) -> dict[str, float]:
+    def _staleness(self, versions: torch.Tensor, completion_mask: torch.Tensor | None) -> dict[str, float]:
         """Mean and max of (generation - the version that sampled the row) over the batch's trained rows (filler
         rows, masked out of the loss, left out)."""
-        if versions is None:
-            return {}
         ages = (self.generation - versions.cpu().long()).float()
         if completion_mask is not None:
             ages = ages[completion_mask.sum(dim=1).cpu() > 0]
@@ -297,13 +294,13 @@ class StreamingRollout:
             rows, prepared = self._wave_rows(groups[start : start + count], results)
             scored = score_wave(rows, prepared)
             self._passes += 1
-            self._record_decided(scored, filling)
             versions = [result.version for result in results for _ in range(self.group_size)]
             scored.rows[ROW_VERSION] = torch.tensor(versions, device=scored.rows["advantages"].device)
+            kept_before = filling.kept_rows
             self.sampler.add(filling, scored)
+            self._record_decided(scored, filling.group_kept[-count:], kept_before, filling.target_rows)
             start += count
             if filling.full and not self.sampler.args.filter_groups_carry_surplus:
-                filling.stats["groups_cancelled"] += len(groups) - start
                 break
 
     def _wave_least(self, filling: Filling, most: int) -> int:
