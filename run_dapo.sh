@@ -54,6 +54,7 @@ ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"      # e.g. configs/accelerate/zero3_
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
+MASTER_PORT_SET="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 VLLM_SERVER_HOST="${VLLM_SERVER_HOST:-}"        # set to generate on a separate vLLM server (vllm_mode=server)
 VLLM_SERVER_PORT="${VLLM_SERVER_PORT:-8000}"
@@ -63,6 +64,8 @@ VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
 # the next batch while the trainer trains, with weights ROLLOUT_MAX_STALENESS steps old (needs shared_storage sync).
 ROLLOUT_STREAMING="${ROLLOUT_STREAMING:-false}"
 ROLLOUT_MAX_STALENESS="${ROLLOUT_MAX_STALENESS:-0}"
+# Preemption: SIGTERM or SIGUSR1 to this script saves a checkpoint after the current step and exits 0 (docs/reliability.md).
+PREEMPTION_GRACE_SECONDS="${PREEMPTION_GRACE_SECONDS:-300}"
 
 args=(
   --model_name_or_path "$MODEL_PATH" --dataset_name "$DATASET" --output_dir "$OUTPUT_DIR"
@@ -78,6 +81,7 @@ args=(
   --filter_groups_enable "$FILTER_GROUPS_ENABLE" --max_filter_gen_batches "$MAX_FILTER_GEN_BATCHES"
   --sequence_parallel_size "$SEQUENCE_PARALLEL_SIZE"
   --bf16 "$BF16" --report_to "$REPORT_TO" --save_steps "$SAVE_STEPS" --logging_steps 1
+  --preemption_grace_seconds "$PREEMPTION_GRACE_SECONDS"
 )
 [[ -n "$MAX_TOKENS_PER_MICROBATCH" ]] && args+=(--max_tokens_per_microbatch "$MAX_TOKENS_PER_MICROBATCH")
 
@@ -101,9 +105,26 @@ fi
 if [[ "$NNODES" -gt 1 ]]; then
   launcher+=(--num_machines "$NNODES" --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR"
              --main_process_port "$MASTER_PORT")
+elif [[ -n "${MASTER_PORT_SET:-}" ]]; then   # two runs on one machine need two ports
+  launcher+=(--main_process_port "$MASTER_PORT")
 fi
 if [[ "${DRY_RUN:-0}" == "1" ]]; then   # print the command instead of running it
   printf '%q ' "${launcher[@]}" train_dapo.py "${args[@]}" "$@"; echo
   exit 0
 fi
-exec "${launcher[@]}" train_dapo.py "${args[@]}" "$@"
+# torchrun (several processes) forwards SIGUSR1 too, and waits for the checkpoint before it kills the processes.
+export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((${PREEMPTION_GRACE_SECONDS%.*} + 60))}"
+"${launcher[@]}" train_dapo.py "${args[@]}" "$@" &
+launcher_pid=$!
+# A preemption signal to this script goes to the training processes themselves (the launcher's children): they
+# agree to stop after the current step, save, and exit 0, and so does the launcher.
+forward() { pkill "-$1" -P "$launcher_pid" || kill "-$1" "$launcher_pid" 2> /dev/null || true; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+status=0
+while kill -0 "$launcher_pid" 2> /dev/null; do
+  wait "$launcher_pid" || status=$?   # returns early (128 + n) when a trapped signal arrives
+done
+wait "$launcher_pid" 2> /dev/null && status=0 || status=$?
+exit "$status"

@@ -315,6 +315,22 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    preemption_signals: str = field(
+        default="SIGTERM,SIGUSR1",
+        metadata={
+            "help": "Signals that preempt the run (SLURM's --signal, Kubernetes' SIGTERM): every process finishes the "
+            "optimizer step, a complete checkpoint is saved, and train_dapo.py exits 0; resume with "
+            "--resume_from_checkpoint latest. '' = the signals' default action (killed at once)."
+        },
+    )
+    preemption_grace_seconds: float = field(
+        default=300.0,
+        metadata={
+            "help": "After a preemption signal, the most seconds the step and its checkpoint may take before the "
+            "process exits without them (code 128 + the signal). Set it below the scheduler's own deadline."
+        },
+    )
+
     def __post_init__(self):
         self._derive_platform_defaults()
         super().__post_init__()
@@ -328,6 +344,7 @@ class DAPOConfig(GRPOConfig):
         self._validate_validation()
         self._validate_vllm()
         self._validate_rollout()
+        self._validate_preemption()
 
     def accuracy_reward_index(self, reward_func_names: list[str]) -> int:
         """Which reward column is raw accuracy (dynamic sampling and accuracy metrics read it)."""
@@ -565,3 +582,13 @@ class DAPOConfig(GRPOConfig):
                     f"steps_per_generation={self.steps_per_generation}, gradient_accumulation_steps="
                     f"{self.gradient_accumulation_steps}, num_iterations={self.num_iterations}."
                 )
+
+    def _validate_preemption(self) -> None:
+        from .training.preemption import parse_signals
+
+        parse_signals(self.preemption_signals)  # names the field on a bad signal name
+        if self.preemption_grace_seconds <= 0:
+            raise ValueError(
+                f"preemption_grace_seconds={self.preemption_grace_seconds} must be > 0 (seconds between a preemption "
+                "signal and the exit); to ignore preemption, set --preemption_signals ''."
+            )

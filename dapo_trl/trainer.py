@@ -34,6 +34,7 @@ from .training.batching import (
 )
 from .training.colocate_engine import VLLMColocateEngine
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
+from .training.preemption import Preemption, agreement, parse_signals
 from .training.reference import build_reference_model, needs_own_reference
 from .training.rollout_driver import driver_metrics
 from .training.rollout_engine import GroupEngine, SamplingSettings
@@ -114,6 +115,9 @@ class DAPOTrainer(GRPOTrainer):
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, group_passes)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
         self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
+        self._preemption = Preemption(parse_signals(args.preemption_signals), args.preemption_grace_seconds,
+                                      agreement(self.accelerator), args.output_dir)  # fmt: skip
+        self.add_callback(self._preemption)
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -495,6 +499,12 @@ class DAPOTrainer(GRPOTrainer):
         it lacks (`training.checkpoints`)."""
         resume = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         return super().train(resume, *args, **kwargs)
+
+    @property
+    def preempted(self) -> bool:
+        """Whether the last `train()` stopped for a preemption signal (`preemption_signals`), after saving a complete
+        checkpoint: the same run continues with `resume_from_checkpoint="latest"`."""
+        return self._preemption.preempted
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints

@@ -154,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
     except (UserFacingError, DatasetLoadError, IncompleteCheckpointError) as error:  # say what to change, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    if trainer.preempted:  # the checkpoint is written; the scheduler's deadline is near: no final save
+        if trainer.accelerator.is_main_process:
+            print(
+                f"\npreempted after step {trainer.state.global_step}: checkpoint-{trainer.state.global_step} is "
+                f"complete in {training_args.output_dir}; run the same command with --resume_from_checkpoint "
+                "latest to continue."
+            )
+        leave_together(trainer.accelerator)
+        return 0
     trainer.save_model(training_args.output_dir)
     if trainer.accelerator.is_main_process:
         print_summary(trainer.state.log_history)

@@ -3,7 +3,9 @@
 Prompts are "easy k" (always correct), "hard k" (always wrong) or "mixed k" (alternately right and wrong within a
 group), so exactly the mixed groups have spread. Usage (one process or under accelerate launch):
   python dynamic_sampling_run.py OUT PER_DEVICE_BATCH MAX_STEPS [key=value DAPOConfig overrides...]
-Script options among the overrides: mixed_share, resume, crash_after_save; iterable=true (the train set as a
+Script options among the overrides: mixed_share, resume, crash_after_save; preempt_at_step=N (SIGTERM to this
+process as optimizer step N + 1 begins, on rank preempt_rank, default 0: the run saves checkpoint-(N + 1) and stops);
+iterable=true (the train set as a
 3-shard datasets.IterableDataset); reward=ids (mixed prompts are right when their completion's token ids sum to an
 even number, plus a second reward `id_shaping` = 0.1 x (sum of ids mod 7), so shaped rewards vary within groups);
 constant_from_step=N (every reward is -1 from optimizer step N on: nothing to keep);
@@ -17,6 +19,7 @@ OUT/log_history.json.
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -125,12 +128,24 @@ class CrashAfterSave(TrainerCallback):
             os._exit(3)
 
 
+class PreemptAt(TrainerCallback):
+    """Sends this process SIGTERM as optimizer step `step` + 1 begins, as a scheduler would mid-step."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main() -> None:
     out, per_device, max_steps = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     overrides = parse_overrides(sys.argv[4:])
     mixed_share = overrides.pop("mixed_share", 0.25)
     resume = overrides.pop("resume", None)
     crash_after = overrides.pop("crash_after_save", None)
+    preempt_at, preempt_rank = overrides.pop("preempt_at_step", None), overrides.pop("preempt_rank", 0)
     iterable = overrides.pop("iterable", False)
     snapshots = overrides.pop("snapshots", False)
     skip_empty = overrides.pop("skip_empty", True)
@@ -172,10 +187,13 @@ def main() -> None:
         trainer.remove_callback(SkipEmptySteps)
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
+    if preempt_at is not None and trainer.accelerator.process_index == preempt_rank:
+        trainer.add_callback(PreemptAt(preempt_at))
     trainer.train(resume_from_checkpoint=resume)
     final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))  # ZeRO-3 shards gathered on every rank
     sharded = getattr(trainer._sequence_parallel, "sharded_forwards", 0)  # forwards run with sequence parallelism
     (out / f"sharded_forwards_rank{trainer.accelerator.process_index}.txt").write_text(str(sharded))
+    (out / f"preempted_rank{trainer.accelerator.process_index}.txt").write_text(str(trainer.preempted))
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         torch.save({name: p.cpu() for name, p in final.items()}, out / "final_params.pt")
