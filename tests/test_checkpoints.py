@@ -93,3 +93,54 @@ def test_a_failed_save_keeps_the_last_complete_checkpoint_and_names_the_disk(tmp
         (out / "checkpoint-2" / "dapo_sampling_state.pt").unlink()
         checkpoints.mark_complete(out / "checkpoint-2")  # complete as far as the record goes, but not for this run
         trainer(out, max_steps=3).train(resume_from_checkpoint="latest")
+
+
+@pytest.mark.e2e
+def test_at_every_write_of_a_save_latest_is_the_previous_complete_checkpoint(tmp_path, monkeypatch):
+    """A kill -9 can land before any write of a save. At each one of checkpoint-2's (model, optimizer, scheduler,
+    RNG, trainer state, DAPO's state, the completion record) and at the rotation with save_total_limit 1, the output
+    directory is checked as a killed run would leave it: checkpoint-1 complete and the one `latest` picks,
+    checkpoint-2 refused; checkpoint-1 is deleted only once checkpoint-2 is complete."""
+    import shutil
+
+    import transformers.modeling_utils
+    from transformers import TrainerState
+
+    out, seen = tmp_path / "out", []
+
+    def check_before(kind: str, path) -> None:
+        if "checkpoint-2" not in str(path):
+            return
+        seen.append(f"{kind}:{path.name if hasattr(path, 'name') else str(path).rsplit('/', 1)[-1]}")
+        assert resolve_resume("latest", out) == str(out / "checkpoint-1"), seen[-1]
+        assert checkpoints.problems(out / "checkpoint-2"), seen[-1]
+
+    def wrap(owner, name: str, kind: str, path_of) -> None:
+        real = getattr(owner, name)
+
+        def hooked(*args, **kwargs):
+            check_before(kind, path_of(*args, **kwargs))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, hooked)
+
+    wrap(torch, "save", "torch.save", lambda obj, path, *a, **k: path)
+    wrap(transformers.modeling_utils, "safe_save_file", "safetensors", lambda tensors, path, *a, **k: path)
+    wrap(TrainerState, "save_to_json", "trainer_state", lambda self, path: path)
+    wrap(checkpoints, "mark_complete", "record", lambda folder: folder)
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if str(path).endswith("checkpoint-1"):
+            seen.append("rotation")
+            assert not checkpoints.problems(out / "checkpoint-2")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    trainer(out, save_total_limit=1).train()
+    kinds = {entry.split(":")[0] for entry in seen}
+    assert kinds == {"torch.save", "safetensors", "trainer_state", "record", "rotation"}, seen
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "dapo_sampling_state.pt"} <= {
+        entry.split(":")[1] for entry in seen if ":" in entry
+    }, seen
+    assert [path.name for path in checkpoints.complete_checkpoints(out)] == ["checkpoint-2"]

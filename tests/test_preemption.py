@@ -18,7 +18,7 @@ from dapo_trl.config import DAPOConfig
 from dapo_trl.training.checkpoints import mark_complete
 from dapo_trl.training.preemption import Preemption, parse_signals, torchrun_warning
 
-from .helpers import REPO, SCRIPTS, offline_environment, python_command, run_command
+from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command
 
 ZERO3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
 
@@ -95,7 +95,8 @@ def final_params(out) -> dict:
 def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_for_bit(tmp_path, processes, deepspeed):
     """SIGTERM reaches one process (the last) as step 2 begins; every process finishes step 2, checkpoint-2 is
     written complete, every process exits 0; the same command with resume=latest ends where the uninterrupted run
-    ends, to the bit."""
+    ends, to the bit. With one process, a run killed -9 halfway through writing checkpoint-2 resumes from
+    checkpoint-1 and ends there too."""
     script, batch = str(SCRIPTS / "dynamic_sampling_run.py"), str(8 // processes)
     common = ("mixed_share=0.3", "save_strategy=steps", "save_steps=100")
     launch = {"num_processes": processes, "deepspeed_config": deepspeed}
@@ -108,10 +109,23 @@ def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_fo
     assert [path.name for path in (preempted / "run").glob("checkpoint-*")] == ["checkpoint-2"]
     assert (preempted / "run" / "checkpoint-2" / "dapo_checkpoint.json").exists()
     run_command(python_command(script, str(preempted), batch, "4", *common, "resume=latest", **launch))
-    expected, resumed = final_params(full), final_params(preempted)
-    assert expected.keys() == resumed.keys()
+    assert_same_weights(final_params(full), final_params(preempted))
+    if processes == 1:  # killed -9 halfway through a save: the requeued run resumes from the one before
+        killed, every_step = tmp_path / "killed", ("mixed_share=0.3", "save_strategy=steps", "save_steps=1")
+        command = python_command(script, str(killed), batch, "4", *every_step, "kill_while_writing=checkpoint-2/"
+                                 "dapo_sampling_state.pt")  # fmt: skip
+        result = subprocess.run(command, cwd=REPO, env=offline_environment(), capture_output=True, timeout=300)
+        assert result.returncode == -signal.SIGKILL
+        killed_at = len(read_jsonl(killed / "prompts_seen_rank0.jsonl"))
+        run_command(python_command(script, str(killed), batch, "4", *every_step, "resume=latest"))
+        assert read_jsonl(killed / "prompts_seen_rank0.jsonl")[killed_at]["step"] == 1  # resumed after step 1
+        assert_same_weights(final_params(full), final_params(killed))
+
+
+def assert_same_weights(expected: dict, got: dict) -> None:
+    assert expected.keys() == got.keys()
     for name in expected:
-        assert torch.equal(expected[name], resumed[name]), name
+        assert torch.equal(expected[name], got[name]), name
 
 
 RUN_DAPO_TINY = {
