@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from .training.batching import (
     select_rows,
 )
 from .training.colocate_engine import VLLMColocateEngine
+from .training.fail_together import FailTogether, launcher_store
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .training.preemption import Preemption, agreement, parse_signals
 from .training.reference import build_reference_model, needs_own_reference
@@ -118,6 +120,8 @@ class DAPOTrainer(GRPOTrainer):
         self._preemption = Preemption(parse_signals(args.preemption_signals), args.preemption_grace_seconds,
                                       agreement(self.accelerator), args.output_dir)  # fmt: skip
         self.add_callback(self._preemption)
+        self._fail_together = FailTogether(self.accelerator.process_index, self.accelerator.num_processes,
+                                           launcher_store(), on_peer_failure=self._withdraw_rollout)  # fmt: skip
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -498,7 +502,17 @@ class DAPOTrainer(GRPOTrainer):
         output_dir, or a fresh start when there is none. A checkpoint that is not complete is refused, naming what
         it lacks (`training.checkpoints`)."""
         resume = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        return super().train(resume, *args, **kwargs)
+        try:  # a failure on any process ends every process with its message (`training.fail_together`)
+            return self._fail_together.run(partial(super().train, resume, *args, **kwargs))
+        except BaseException:
+            self._withdraw_rollout()  # a failure or Ctrl-C: the engine stops sampling for this run now
+            raise
+        finally:
+            self._preemption.restore_signals()
+
+    def _withdraw_rollout(self) -> None:
+        if self._rollout is not None and self._rollout.driver is not None:
+            self._rollout.driver.withdraw()
 
     @property
     def preempted(self) -> bool:

@@ -94,10 +94,14 @@ class Preemption(TrainerCallback):
             return
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        if warning := torchrun_warning(self.grace_seconds, dict(os.environ)):
+        if state.is_local_process_zero and (warning := torchrun_warning(self.grace_seconds, dict(os.environ))):
             logger.warning(warning)
 
     def on_train_end(self, args, state, control, **kwargs):
+        self.restore_signals()
+
+    def restore_signals(self) -> None:
+        """The handlers from before `train()` back, the grace timer off (also when `train()` raised)."""
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()

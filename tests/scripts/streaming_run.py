@@ -5,12 +5,20 @@ options timing_seed (the engine's random delays), engine_delay (its longest dela
 (a fake engine on every process, each generating the groups it owns, as with colocated vLLM), resume,
 crash_after_save (the process dies right after writing that step's checkpoint) and tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
-the same fake generation answers).
+the same fake generation answers). A failure on one process (`training.fail_together`): fail_in=reward (the
+accuracy reward raises), decode (the tokenizer's batch_decode raises), evaluation (the reward raises while evaluating;
+evaluates every step) or engine (the fake engine's start raises a timeout: the main process's driver), on process
+fail_rank (default 1; the engine's is the main process) from optimizer step fail_from_step (default 1);
+hold_failed=true keeps the failing process alive after its error (as a peer stuck in an NCCL collective would be,
+where gloo would see its socket close), until the launcher stops it. Each process that raises writes
+OUT/error_rank{r}.txt.
 """
 
+import functools
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -33,6 +41,44 @@ from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.rollout_stream import group_seed
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False}
+FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
+TRAINER = []  # the trainer, for the injected failures
+
+
+def failing_here(kind: str) -> bool:
+    trainer = TRAINER[0]
+    rank = 0 if kind == "engine" else FAILURE["fail_rank"]
+    return (
+        FAILURE["fail_in"] == kind
+        and trainer.accelerator.process_index == rank
+        and trainer.state.global_step >= FAILURE["fail_from_step"]
+    )
+
+
+@functools.wraps(known_difficulty_reward)  # its name: the reward's metrics keep theirs
+def accuracy_reward(*args, **kwargs):
+    training = TRAINER[0].model.training
+    if failing_here("reward") and training or failing_here("evaluation") and not training:
+        raise ValueError(f"injected failure in the reward on process {TRAINER[0].accelerator.process_index}")
+    return known_difficulty_reward(*args, **kwargs)
+
+
+def inject_decode_failure(trainer) -> None:
+    real = trainer.processing_class.batch_decode
+
+    def batch_decode(*args, **kwargs):
+        if failing_here("decode"):
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected failure in batch_decode")
+        return real(*args, **kwargs)
+
+    trainer.processing_class.batch_decode = batch_decode
+
+
+class FailingEngine(FakeEngine):
+    def start(self, request, done) -> None:
+        if failing_here("engine"):
+            raise TimeoutError("the engine did not answer within vllm_request_timeout (injected)")
+        super().start(request, done)
 
 
 class FakeGenerationTrainer(RecordingTrainer):
@@ -52,7 +98,7 @@ class FakeGenerationTrainer(RecordingTrainer):
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
         timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
-        self.fake_engine = FakeEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
+        self.fake_engine = FailingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
         return self.fake_engine
 
     def _generate_and_score_completions(self, inputs):
@@ -125,6 +171,8 @@ def main() -> None:
     for option in ENGINE:
         ENGINE[option] = overrides.pop(option, ENGINE[option])
     with_tools = overrides.pop("tools", False)
+    for option in FAILURE:
+        FAILURE[option] = overrides.pop(option, FAILURE[option])
     SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
@@ -143,9 +191,10 @@ def main() -> None:
     settings.update(overrides)
     trainer = FakeGenerationTrainer(
         model=str(model),
-        reward_funcs=[known_difficulty_reward, id_shaping],
+        reward_funcs=[accuracy_reward, id_shaping],
         args=DAPOConfig(**settings),
         train_dataset=dataset,
+        eval_dataset=difficulty_dataset(0.5, size=8) if FAILURE["fail_in"] == "evaluation" else None,
         processing_class=tokenizer,
         tools=tools,
     )
@@ -154,7 +203,15 @@ def main() -> None:
     if trainer._rollout is None:
         count_draws(trainer)
     trainer.add_callback(ScoringForwards(trainer, out))
-    trainer.train(resume_from_checkpoint=resume)
+    TRAINER.append(trainer)
+    inject_decode_failure(trainer)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except BaseException as exc:
+        (out / f"error_rank{trainer.accelerator.process_index}.txt").write_text(f"{type(exc).__name__}: {exc}")
+        if FAILURE["hold_failed"] and failing_here(FAILURE["fail_in"]):
+            threading.Event().wait(300)  # stopped by the launcher once the other process exits
+        raise
     engine = getattr(trainer, "fake_engine", None)
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
