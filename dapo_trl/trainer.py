@@ -48,6 +48,7 @@ from .training.sequence_parallel import SequenceParallel, check_sequence_paralle
 from .training.server_engine import VLLMServerEngine
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
+    abort_requests,
     backend_for,
     prune_versions,
     reload_server_weights,
@@ -118,7 +119,8 @@ class DAPOTrainer(GRPOTrainer):
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
         self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
         self._preemption = Preemption(parse_signals(args.preemption_signals), args.preemption_grace_seconds,
-                                      agreement(self.accelerator), args.output_dir)  # fmt: skip
+                                      agreement(self.accelerator), args.output_dir,
+                                      on_interrupt=self._abort_requests)  # fmt: skip
         self.add_callback(self._preemption)
         self._fail_together = FailTogether(self.accelerator.process_index, self.accelerator.num_processes,
                                            launcher_store(), on_peer_failure=self._withdraw_rollout)  # fmt: skip
@@ -509,6 +511,11 @@ class DAPOTrainer(GRPOTrainer):
             raise
         finally:
             self._preemption.restore_signals()
+
+    def _abort_requests(self) -> None:
+        """Ctrl-C: TRL's server requests in flight fail at once (the rollout's are withdrawn as `train` unwinds)."""
+        if self.args.use_vllm:
+            abort_requests(trl_seam.vllm_backend(self))
 
     def _withdraw_rollout(self) -> None:
         if self._rollout is not None and self._rollout.driver is not None:

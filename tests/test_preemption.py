@@ -160,3 +160,18 @@ def test_run_dapo_forwards_sigterm_and_the_requeued_command_resumes(tmp_path):
     again = run_command([*command[:2], str(stopped + 1), *command[3:]], env=env)
     assert f"resuming from the newest complete checkpoint, {out / f'checkpoint-{stopped}'}" in again.stderr
     assert (out / f"checkpoint-{stopped + 1}" / "dapo_checkpoint.json").exists()
+
+
+def test_ctrl_c_interrupts_at_once_after_aborting_the_requests_in_flight():
+    aborted = []
+    preemption = Preemption([signal.SIGTERM], 60, lambda flag: flag, "unused", on_interrupt=lambda: aborted.append(1))
+    state, control = TrainerState(), TrainerControl()
+    preemption.on_train_begin(None, state, control)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # interrupted by the handler long before this ends
+        assert aborted == [1]
+    finally:
+        preemption.on_train_end(None, state, control)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

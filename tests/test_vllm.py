@@ -220,6 +220,50 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     assert trained(tmp_path / "crashed") == trained(whole) and sorted(trained(whole)) == [0, 1, 2]
 
 
+def requests_waiting_at(port: int) -> int:
+    """Established connections to `port` with bytes the server has not read (/proc/net/tcp's rx_queue): requests
+    sent to a server that cannot answer."""
+    waiting = 0
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        local_port, state, rx_queue = int(fields[1].split(":")[1], 16), fields[3], int(fields[4].split(":")[1], 16)
+        waiting += local_port == port and state == "01" and rx_queue > 0
+    return waiting
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, server_and_process, tmp_path,
+                                                          streaming):  # fmt: skip
+    """The trainer stops the server (SIGSTOP) at the end of step 1; once its next request waits unread at the
+    server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request timeout TRL's client would
+    wait for."""
+    url, server = server_and_process
+    out, log_path = tmp_path / "out", tmp_path / "train.log"
+    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
+               "check_syncs=false", "max_steps=200", "vllm_request_timeout=60", f"rollout_streaming={streaming}",
+               f"freeze_server={server.pid}"]  # fmt: skip
+    with open(log_path, "w") as log:
+        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while not requests_waiting_at(int(url.rsplit(":", 1)[1])):  # the trainer's next request is in flight
+            assert trainer.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        interrupted = time.monotonic()
+        trainer.send_signal(signal.SIGINT)
+        returncode = trainer.wait(90)
+        took = time.monotonic() - interrupted
+    finally:
+        server.send_signal(signal.SIGCONT)
+        if trainer.poll() is None:
+            trainer.kill()
+    output = log_path.read_text()
+    assert returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
+    assert took < 10, f"Ctrl-C took {took:.1f} s with a frozen server"
+    assert "cannot schedule new futures" not in output
+    wait_healthy(url, server)  # the next test uses the server
+
+
 def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, server_and_process, tmp_path):
     """Last in the module: it kills the module's server mid-run."""
     out = tmp_path / "out"

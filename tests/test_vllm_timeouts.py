@@ -69,3 +69,34 @@ def test_nccl_backend_gets_timeouts_after_trls_own_init(monkeypatch):
     adapter = backend.vllm_client.session.get_adapter("http://127.0.0.1:8000")
     assert isinstance(adapter, TimeoutAdapter) and adapter.default_timeout == 7.0
     assert adapter.max_retries.read == 0
+
+
+def test_an_interrupt_aborts_the_requests_waiting_on_a_hung_server(hanging_server):
+    """`abort_requests` (Ctrl-C): requests TRL's client waits for in its worker threads fail at once, not after
+    their timeout."""
+    import threading
+
+    from dapo_trl.training.vllm_backends import abort_requests
+
+    client = trl_like_client()
+    add_timeouts(client, 60.0)
+    failures = []
+
+    def request() -> None:
+        try:
+            client.session.post(f"{hanging_server}/generate", json={})
+        except VLLMServerError as error:
+            failures.append(error)
+
+    threads = [threading.Thread(target=request) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    adapter = client.session.get_adapter("http://")
+    while sum(getattr(c, "sock", None) is not None for c in list(adapter._connections)) < 3:  # all three sent
+        time.sleep(0.01)
+    started = time.monotonic()
+    assert abort_requests(SimpleNamespace(vllm_client=client)) == 3
+    for thread in threads:
+        thread.join(10)
+    assert time.monotonic() - started < 5 and len(failures) == 3
+    assert abort_requests(SimpleNamespace()) == 0  # colocated vLLM: no client

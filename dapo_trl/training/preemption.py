@@ -8,6 +8,9 @@ exits 0; the same command with `--resume_from_checkpoint latest` continues exact
 
 If the step and the save do not end within `preemption_grace_seconds` of the signal, the process exits with
 128 + the signal's number, naming the newest complete checkpoint (the one a requeued run resumes from).
+
+Ctrl-C (SIGINT) still interrupts at once, after `on_interrupt` (the trainer shuts down the HTTP requests in flight,
+which TRL's client would otherwise wait for, up to their timeout, before the KeyboardInterrupt got out).
 """
 
 from __future__ import annotations
@@ -72,12 +75,14 @@ class Preemption(TrainerCallback):
         agree: Callable[[bool], bool],
         output_dir: str,
         exit_process: Callable[[int], Any] = os._exit,
+        on_interrupt: Callable[[], Any] = lambda: None,
     ):
         self.signals = signals
         self.grace_seconds = grace_seconds
         self.agree = agree
         self.output_dir = output_dir
         self.exit_process = exit_process
+        self.on_interrupt = on_interrupt
         self.received: signal.Signals | None = None  # the first preemption signal this process got
         self.preempted = False  # every process agreed to stop: the run saved its checkpoint and stopped
         self._previous: dict[signal.Signals, Any] = {}
@@ -87,14 +92,16 @@ class Preemption(TrainerCallback):
     # ---------------------------------------------------------------------------------------------- handlers
     def on_train_begin(self, args, state, control, **kwargs):
         self.received, self.preempted = None, False
-        if not self.signals:
-            return
         if threading.current_thread() is not threading.main_thread():
-            logger.warning("training runs outside the main thread: preemption signals keep their default action")
+            if self.signals:
+                logger.warning("training runs outside the main thread: preemption signals keep their default action")
             return
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._on_signal)
-        if state.is_local_process_zero and (warning := torchrun_warning(self.grace_seconds, dict(os.environ))):
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not a handler of the caller's own
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+        warning = torchrun_warning(self.grace_seconds, dict(os.environ)) if self.signals else None
+        if warning and state.is_local_process_zero:
             logger.warning(warning)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -124,6 +131,12 @@ class Preemption(TrainerCallback):
             "preemption_grace_seconds=%g; the step has run %.0f s, the last one took %.0f s and the last save %.0f s)",
             sig.name, self.grace_seconds, elapsed, self._last_step_seconds, self._last_save_seconds,
         )  # fmt: skip
+
+    def _on_interrupt(self, signum: int, frame: Any) -> None:
+        try:
+            self.on_interrupt()
+        finally:
+            signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without this handler
 
     def _give_up(self) -> None:
         """The grace period passed before the step and its checkpoint were done: exit, as the signal would have."""

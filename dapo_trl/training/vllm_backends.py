@@ -111,6 +111,14 @@ def add_timeouts(client: Any, timeout: float) -> None:
     client.session.mount("https://", adapter)
 
 
+def abort_requests(backend: Any) -> int:
+    """Shut down the connections of the requests TRL's server client has in flight (`add_timeouts`' adapter):
+    an interrupt then ends at once instead of after their timeout. The number aborted; 0 without a server client."""
+    client = getattr(backend, "vllm_client", None)
+    adapter = None if client is None else client.session.get_adapter("http://")
+    return adapter.abort() if isinstance(adapter, TimeoutAdapter) else 0
+
+
 # ----------------------------------------------------------------------------------------------- weights I/O
 def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path) -> Path:
     """Write the tensors as DIR/model.safetensors, atomically (a reader never sees a half-written file).

@@ -10,13 +10,16 @@ and a stop event, and a `RequestFailed` error that keeps what each client needs 
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import logging
 import math
 import random
+import socket
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -293,7 +296,34 @@ class TimeoutAdapter(HTTPAdapter):
     ) -> None:
         self.default_timeout = timeout
         self.wrap_error = wrap_error
+        self._connections: weakref.WeakSet = weakref.WeakSet()  # every connection opened through this adapter
+        self._connections_lock = threading.Lock()
         super().__init__(**kwargs)
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        self.poolmanager.pool_classes_by_scheme = {
+            "http": _recording_pool(urllib3.HTTPConnectionPool, self._record),
+            "https": _recording_pool(urllib3.HTTPSConnectionPool, self._record),
+        }
+
+    def _record(self, connection: Any) -> None:
+        with self._connections_lock:
+            self._connections.add(connection)
+
+    def abort(self) -> int:
+        """Shut every open connection down, so that requests waiting on a hung server fail at once (an interrupt
+        must not wait for their timeout: TRL's client waits for its worker threads). The number shut down."""
+        with self._connections_lock:
+            connections = list(self._connections)
+        aborted = 0
+        for connection in connections:
+            sock = getattr(connection, "sock", None)
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                    aborted += 1
+        return aborted
 
     def send(self, request: requests.PreparedRequest, timeout: Any = None, **kwargs: Any) -> requests.Response:
         timeout = self.default_timeout if timeout is None else timeout
@@ -303,6 +333,18 @@ class TimeoutAdapter(HTTPAdapter):
             if self.wrap_error is None:
                 raise
             raise self.wrap_error(request, error) from error
+
+
+def _recording_pool(base: type, record: Callable[[Any], None]) -> type:
+    """`base` (an urllib3 connection pool class) that hands each new connection to `record`."""
+
+    class RecordingPool(base):
+        def _new_conn(self) -> Any:
+            connection = super()._new_conn()
+            record(connection)
+            return connection
+
+    return RecordingPool
 
 
 _RUN_CODE_URL_EXAMPLE = "'http://127.0.0.1:8080' (the SandboxFusion server's root; a trailing '/run_code' is accepted)"
