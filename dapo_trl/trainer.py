@@ -548,7 +548,8 @@ class DAPOTrainer(GRPOTrainer):
             checkpoints.rotate(os.path.dirname(folder), limit, self.state.best_model_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        super()._load_optimizer_and_scheduler(checkpoint)
+        with checkpoints.cpu_loads_unindexed(self.args.device):  # transformers 5.17 on CPU with several processes
+            super()._load_optimizer_and_scheduler(checkpoint)
         for file, part in self._checkpointed_state().items() if checkpoint is not None else ():
             if not os.path.exists(path := os.path.join(checkpoint, file)):
                 raise checkpoints.IncompleteCheckpointError(

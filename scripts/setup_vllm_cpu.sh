@@ -11,6 +11,7 @@ MARKER="$VENV/.dapo_trl_complete"
 if [[ -f "$MARKER" ]]; then
   "$VENV/bin/pip" install -q -e "$REPO" --no-deps   # keep the editable install pointing at this checkout
   "$VENV/bin/python" -c 'import peft' 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.17"  # venvs built before LoRA
+  "$VENV/bin/python" -c 'import pytest' 2>/dev/null || "$VENV/bin/pip" install -q "pytest>=8"  # and before its tests
   echo "$VENV"; exit 0
 fi
 rm -rf "$VENV"
@@ -27,7 +28,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > 
 touch "$site/vllm-$VLLM_VERSION+cpu.dist-info/RECORD"
 transformers_pin="$("$VENV/bin/python" -c 'import transformers; print(transformers.__version__)')"
 "$pip" install -q "trl==1.16.0" "transformers==$transformers_pin" "torch==2.13.0" datasets accelerate math-verify \
-  tensorboard pyyaml requests deepspeed "peft>=0.17"
+  tensorboard pyyaml requests deepspeed "peft>=0.17" "pytest>=8"
 "$pip" install -q -e "$REPO" --no-deps
 "$VENV/bin/python" -c 'import vllm, trl, dapo_trl; from trl.import_utils import is_vllm_available; assert is_vllm_available()'
 touch "$MARKER"

