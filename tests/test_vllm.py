@@ -233,9 +233,9 @@ def requests_waiting_at(port: int) -> int:
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
 def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, server_and_process, tmp_path,
                                                           streaming):  # fmt: skip
-    """The trainer stops the server (SIGSTOP) at the end of step 1; once its next request waits unread at the
-    server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request timeout TRL's client would
-    wait for."""
+    """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's FreezeServer); once a request
+    waits unread at the server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request
+    timeout."""
     url, server = server_and_process
     out, log_path = tmp_path / "out", tmp_path / "train.log"
     command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
@@ -245,7 +245,7 @@ def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, 
         trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 300
-        while not requests_waiting_at(int(url.rsplit(":", 1)[1])):  # the trainer's next request is in flight
+        while "froze the server" not in log_path.read_text() or not requests_waiting_at(int(url.rsplit(":", 1)[1])):
             assert trainer.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
         interrupted = time.monotonic()

@@ -179,6 +179,7 @@ class FreezeServer(TrainerCallback):
         if not self.frozen:
             self.frozen = True
             os.kill(self.pid, signal.SIGSTOP)
+            print("froze the server", flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == 1 and self.trainer._rollout is not None:
