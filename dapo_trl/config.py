@@ -244,6 +244,14 @@ class DAPOConfig(GRPOConfig):
     )
 
     # Validation (avg@n / pass@k per data source).
+    vllm_server_recovery_timeout: float = field(
+        default=300.0,
+        metadata={
+            "help": "With a vLLM server and vllm_weight_sync='shared_storage': seconds to wait for a server that went "
+            "away (killed, restarting) to answer again; the weights each request needs are then reloaded and its "
+            "unfinished requests sent again. 0 = fail at once. Keep it below the process-group timeout (ddp_timeout)."
+        },
+    )
     eval_num_samples: int = field(
         default=8,
         metadata={"help": "Responses sampled per validation prompt: avg@n and pass@1..n (paper: 32 for AIME)."},
@@ -345,6 +353,7 @@ class DAPOConfig(GRPOConfig):
         self._validate_vllm()
         self._validate_rollout()
         self._validate_preemption()
+        self._validate_recovery()
 
     def accuracy_reward_index(self, reward_func_names: list[str]) -> int:
         """Which reward column is raw accuracy (dynamic sampling and accuracy metrics read it)."""
@@ -582,6 +591,13 @@ class DAPOConfig(GRPOConfig):
                     f"steps_per_generation={self.steps_per_generation}, gradient_accumulation_steps="
                     f"{self.gradient_accumulation_steps}, num_iterations={self.num_iterations}."
                 )
+
+    def _validate_recovery(self) -> None:
+        if self.vllm_server_recovery_timeout < 0:
+            raise ValueError(
+                f"vllm_server_recovery_timeout={self.vllm_server_recovery_timeout} must be >= 0 (0 = fail at once "
+                "when the vLLM server goes away)."
+            )
 
     def _validate_preemption(self) -> None:
         from .training.preemption import parse_signals

@@ -4,17 +4,25 @@ its weights version, and holds finished groups until the reorder buffer takes th
 One thread per driver (the engine may have one of its own: `rollout_engine`), never one per group. The driver owns
 the engine's weights while it streams: a version is loaded only when no request of ours runs, and a sync made outside
 it (`loaded_externally`: a synchronous step, an evaluation) waits for a reload in progress, so the two never race.
+
+An engine that goes away (`EngineUnavailable`: a vLLM server killed or restarting) is waited for, up to
+`recovery_timeout` seconds: its requests go back to the plan in stream order, the weights version the first of them
+needs is loaded again once it answers (a restarted server holds the base weights), and each is sent again with its
+own key and seed, so a batch-invariant engine samples the same tokens.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
-from .rollout_engine import GroupEngine, GroupRequest, GroupResult
+from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
+
+logger = logging.getLogger(__name__)
 
 
 def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
@@ -44,8 +52,17 @@ class RolloutDriver:
     Runs a thread on the main process; `wait` raises the engine's error (a dead server, a timeout) on the caller.
     """
 
-    def __init__(self, engine: GroupEngine, max_in_flight: int, max_held_tokens: int | None = None):
+    def __init__(
+        self,
+        engine: GroupEngine,
+        max_in_flight: int,
+        max_held_tokens: int | None = None,
+        recovery_timeout: float = 0,
+        reload_external: Callable[[], None] | None = None,
+    ):
         self.engine = engine
+        self.recovery_timeout = recovery_timeout if hasattr(engine, "wait_available") else 0.0
+        self.reload_external = reload_external  # loads the weights a `loaded_externally` sync set, again
         self.max_in_flight = max_in_flight
         self.max_held_tokens = max_held_tokens  # admission pauses while finished, untaken groups hold this many
         self._planned: deque[GroupRequest] = deque()
@@ -61,6 +78,10 @@ class RolloutDriver:
         self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
         self._published = -1
         self._error: BaseException | None = None
+        self._order: dict[tuple, int] = {}  # planning order: requests sent again go back to their place
+        self._recovering = False  # the engine went away: admission waits until it answers again
+        self._external: int | None = None  # the version a sync outside the driver loaded, while it is the engine's
+        self.recoveries = 0
         self._closed = False
         self._busy_since: float | None = None
         self.stats = DriverStats()
@@ -75,6 +96,7 @@ class RolloutDriver:
                 if request.key not in self._known:
                     self._planned.append(request)
                     self._known.add(request.key)
+                    self._order[request.key] = len(self._order)
             self._cond.notify_all()
 
     def publish(self, version: int) -> None:
@@ -91,7 +113,7 @@ class RolloutDriver:
         with self._cond:
             while self._loading and self._error is None:
                 self._cond.wait(1.0)
-            self._loaded = version
+            self._loaded = self._external = version
             self._cond.notify_all()
 
     def planned_keys(self) -> set[tuple]:
@@ -115,14 +137,15 @@ class RolloutDriver:
                 if count >= minimum:
                     self._wanted = set()
                     return count
-                # A timeout means nothing finished for that long (a wave may rightly take several request times).
+                # A timeout means nothing finished for that long (a wave may rightly take several request times);
+                # a recovery is bounded by its own timeout.
                 remaining = max(started, self.last_done) + timeout - time.monotonic()
-                if remaining <= 0:
+                if remaining <= 0 and not self._recovering:
                     raise TimeoutError(
                         f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "
                         "vLLM server is stuck or too slow (raise vllm_request_timeout if it is just slow)"
                     )
-                self._cond.wait(min(remaining, 1.0))
+                self._cond.wait(min(max(remaining, 0.01), 1.0))
 
     def done_among(self, keys: list[tuple], timeout: float) -> set[tuple]:
         """The keys of `keys` that are done, after waiting up to `timeout` for the first one that is not (if any)."""
@@ -193,15 +216,21 @@ class RolloutDriver:
     def _admit_loop(self) -> None:
         while True:
             with self._cond:
+                recover = self._recovering and not self._closed and self._error is None
+            if recover:
+                self._wait_for_engine()
+            with self._cond:
                 request = None
-                while not self._closed and request is None:
+                while not self._closed and request is None and not self._recovering:
                     request, load = self._next_admission()
                     if request is None:
                         self._cond.wait(0.5)
+                if self._recovering and not self._closed:
+                    continue
                 if self._closed:
                     return
                 if load:
-                    self._loaded, self._loading = None, True
+                    self._loaded, self._loading, self._external = None, True, None
                 else:
                     self._planned.popleft()
                     self._in_flight[request.key] = request
@@ -217,6 +246,9 @@ class RolloutDriver:
     def _load(self, version: int) -> None:
         try:
             self.engine.load_weights(version)
+        except EngineUnavailable as exc:
+            self._went_away(exc)
+            return
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self._fail(exc)
             return
@@ -238,6 +270,41 @@ class RolloutDriver:
         with self._cond:
             self._starting, self._cancel_after_start = None, False
             self._cond.notify_all()
+
+    def _went_away(self, exc: EngineUnavailable, request: GroupRequest | None = None) -> None:
+        """The engine went away: wait for it (`_wait_for_engine`) and send `request` again, or fail with `exc`."""
+        if self.recovery_timeout <= 0:
+            self._fail(exc)
+            return
+        with self._cond:
+            if not self._recovering:
+                logger.warning("%s; waiting up to %g s for it to come back", exc, self.recovery_timeout)
+            # A restarted server holds the base weights: the driver's version loads again; a sync's, `_wait_for_engine`.
+            self._recovering, self._loaded, self._loading = True, None, False
+            if request is not None:
+                self._planned = deque(sorted([*self._planned, request], key=lambda r: self._order[r.key]))
+            self._cond.notify_all()
+
+    def _wait_for_engine(self) -> None:
+        try:
+            self.engine.wait_available(self.recovery_timeout)
+            with self._cond:
+                external = self._external
+                self._loading = external is not None  # a sync from outside waits for this reload (`loaded_externally`)
+            if external is not None:
+                if self.reload_external is None:
+                    raise EngineUnavailable("the engine came back, but nothing can load the weights a sync set")
+                self.reload_external()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            self._fail(exc)
+            return
+        with self._cond:
+            self._loaded, self._loading = external, False
+            self._recovering = False
+            self.recoveries += 1
+            self.last_done = time.monotonic()  # the wave's progress clock restarts with the engine
+            self._cond.notify_all()
+        logger.warning("the engine answers again: sending its %d unfinished groups again", len(self._planned))
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
@@ -264,6 +331,9 @@ class RolloutDriver:
                 return  # cancelled meanwhile
             del self._in_flight[request.key]
             self._update_busy()
+            if isinstance(result, EngineUnavailable) and self.recovery_timeout > 0:
+                self._went_away(result, request)  # the lock is reentrant
+                return
             self.last_done = time.monotonic()
             if isinstance(result, BaseException):
                 self._error = result

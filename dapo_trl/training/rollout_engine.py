@@ -81,6 +81,11 @@ class GroupResult:
 Callback = Callable[[GroupRequest, "GroupResult | BaseException"], None]
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be reached (a server that died, or restarts): unlike a timeout or an error answer, it may
+    come back, and the driver then waits for it (`vllm_server_recovery_timeout`)."""
+
+
 class GroupEngine(Protocol):
     """What the streaming driver needs from a generation engine."""
 
@@ -95,6 +100,9 @@ class GroupEngine(Protocol):
 
     def close(self) -> None:
         """Cancel everything and release threads."""
+
+    # Optional: `wait_available(timeout)` returns once an engine that raised EngineUnavailable answers again, or
+    # raises EngineUnavailable after `timeout` seconds. Engines without it are never waited for.
 
 
 @dataclass

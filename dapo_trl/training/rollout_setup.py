@@ -40,7 +40,10 @@ def build_streaming_rollout(
         # Finished groups held for later waves: at most one batch at full length (int32 ids + float32 log-probs).
         held = round_groups * trainer.num_generations * args.max_completion_length // args.filter_groups_oversample
         try:
-            driver = RolloutDriver(trainer.build_rollout_engine(in_flight), in_flight, None if colocated else held)
+            backend = trl_seam.vllm_backend(trainer) if args.use_vllm else None
+            reload_external = getattr(backend, "reload_synced_weights", None)  # shared-storage sync, server mode
+            driver = RolloutDriver(trainer.build_rollout_engine(in_flight), in_flight, None if colocated else held,
+                                   args.vllm_server_recovery_timeout, reload_external)  # fmt: skip
             trainer.add_callback(CloseRollout(driver, wait_for_engine))
         except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
             error = f"{type(exc).__name__}: {exc}"

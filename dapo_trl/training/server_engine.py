@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .rollout_engine import Callback, GroupRequest, GroupResult, SamplingSettings
+from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, SamplingSettings
 
 
 class VLLMServerEngine:
@@ -71,7 +71,7 @@ class VLLMServerEngine:
             answer = connection.getresponse()
             return answer.status, answer.read()
         except (OSError, http.client.HTTPException) as exc:
-            raise RuntimeError(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
+            raise EngineUnavailable(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
         finally:
             connection.close()
 
@@ -111,14 +111,22 @@ class VLLMServerEngine:
         self.wait_server_idle()
         self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout)
 
-    def wait_server_idle(self, poll: float = 0.05) -> None:
+    def wait_server_idle(self, poll: float = 0.05, recover_within: float = 0.0) -> None:
         """Return once none of our connections is open and the server reports no running or waiting request: a
         request still running under the old weights would hold KV blocks (the prefix-cache reset is refused) and
-        finish with tokens of two versions."""
+        finish with tokens of two versions. A server that cannot be reached is waited for up to `recover_within`
+        seconds (a restarted one runs nothing)."""
         deadline = time.monotonic() + self.timeout
         while True:
             ours = self.running()
-            theirs = self.server_requests() if ours == 0 else None
+            try:
+                theirs = self.server_requests() if ours == 0 else None
+            except EngineUnavailable:
+                if recover_within <= 0:
+                    raise
+                self.wait_available(recover_within)
+                recover_within, deadline = 0.0, time.monotonic() + self.timeout
+                continue
             if ours == 0 and not theirs:
                 return
             if time.monotonic() > deadline:
@@ -142,6 +150,23 @@ class VLLMServerEngine:
                 total += float(line.rsplit(" ", 1)[1])
                 seen = True
         return int(total) if seen else None
+
+    def wait_available(self, timeout: float, poll: float = 1.0) -> None:
+        """Return once the server answers GET /health again (a restarted server: model loaded), or raise
+        EngineUnavailable naming it after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self._get("/health")[0] == 200:
+                    return
+            except EngineUnavailable:
+                pass
+            if time.monotonic() > deadline:
+                raise EngineUnavailable(
+                    f"the vLLM server at {self._host}:{self._port} did not come back within "
+                    f"vllm_server_recovery_timeout={timeout:g} s"
+                )
+            time.sleep(poll)
 
     def close(self) -> None:
         if self._closed:
@@ -188,7 +213,10 @@ class VLLMServerEngine:
             result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
         except RuntimeError as exc:
             result = exc
-        except Exception as exc:  # noqa: BLE001 - a closed connection (IncompleteReadError), a malformed answer: the run must stop now
+        except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, closed mid-answer: the server went away
+            result = EngineUnavailable(f"POST {self.base_url}/v1/completions: the vLLM server went away "
+                                       f"({type(exc).__name__}: {exc})")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a malformed answer: the run must stop now
             result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
         done(request, result)
 
@@ -211,6 +239,8 @@ class VLLMServerEngine:
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     """(status, body) of an HTTP/1.1 response: Content-Length, chunked, or read to the end."""
     status_line = await reader.readline()
+    if not status_line:
+        raise ConnectionResetError("the server closed the connection before answering")
     parts = status_line.split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
         raise ValueError(f"not an HTTP response: {status_line[:200]!r}")

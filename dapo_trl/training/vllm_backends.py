@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,7 @@ import torch
 
 from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 from . import trl_seam
+from .rollout_engine import EngineUnavailable
 from .trl_seam import vllm_backend_class
 
 if TYPE_CHECKING:
@@ -52,6 +53,10 @@ WEIGHTS_FILE = "model.safetensors"
 
 class VLLMServerError(RuntimeError):
     """A request to the vLLM server failed, timed out, or was answered with an error."""
+
+
+class VLLMServerUnavailable(VLLMServerError, EngineUnavailable):
+    """The vLLM server cannot be reached (refused, reset): it may be restarting (`vllm_server_recovery_timeout`)."""
 
 
 # ------------------------------------------------------------------------------------------------------- HTTP
@@ -68,7 +73,7 @@ def server_request(method: str, url: str, timeout: float, json: Any = None) -> r
         if isinstance(exc, requests.exceptions.Timeout):
             raise VLLMServerError(f"{method} {url}: no answer from the vLLM server within {timeout:g} s") from exc
         if exc is not None:
-            raise VLLMServerError(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
+            raise VLLMServerUnavailable(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
         if failure.status == 404:
             raise VLLMServerError(
                 f"{method} {url}: 404. The server does not expose this endpoint; /collective_rpc and "
@@ -93,6 +98,8 @@ def wait_until_healthy(base_url: str, total_timeout: float, request_timeout: flo
 
 def _request_error(request: requests.PreparedRequest, error: requests.RequestException) -> VLLMServerError:
     """A failed request of TRL's client, named by method and URL (requests' own message may lack them)."""
+    if isinstance(error, requests.ConnectionError) and not isinstance(error, requests.Timeout):
+        return VLLMServerUnavailable(f"{request.method} {request.url}: cannot reach the vLLM server ({error})")
     return VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({error})")
 
 
@@ -167,13 +174,17 @@ def _vllm_generation_class() -> type:
     return trl_seam.trl_vllm_generation()
 
 
-def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float) -> type:
+def make_shared_storage_backend(
+    weights_dir: str | Path, server_weights_dir: str | Path | None, timeout: float, recovery_timeout: float = 0.0
+) -> type:
     """A `trl.generation.vllm_generation.VLLMGeneration` subclass whose server mode syncs through shared storage.
 
     Only two methods change; everything else (generation, colocate mode, parameter gathering) is TRL's:
     - `_init_vllm`: server mode builds the `VLLMClient` without `init_communicator` (no NCCL group, no CUDA), and
       gives its session a timeout on every request;
     - `sync_weights`: server mode writes the weights to `weights_dir` and asks the server to reload them.
+    A server that cannot be reached during a generation or a reload is waited for up to `recovery_timeout` seconds
+    (a restart): then the weights last synced are reloaded and the request is sent again.
     """
     base = _vllm_generation_class()
     from accelerate.utils import broadcast_object_list
@@ -192,7 +203,30 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
                 self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
                 add_timeouts(self.vllm_client, timeout)
                 self.vllm_client.get_server_info()  # fails with a clear message when the server is not in dev mode
+                generate = self.vllm_client.generate
+                self.vllm_client.generate = lambda *args, **kwargs: self.recovering(lambda: generate(*args, **kwargs))
+            self._synced = False  # the server holds the weights it started with
             self.accelerator.wait_for_everyone()
+
+        def recovering(self, call: Callable[[], Any]) -> Any:
+            """`call()`; if the server cannot be reached, wait up to `recovery_timeout` for it to answer again,
+            reload the weights last synced (a restarted server starts from its own), and `call()` again (main
+            process only: nothing here is a collective)."""
+            try:
+                return call()
+            except VLLMServerUnavailable as exc:
+                if recovery_timeout <= 0:
+                    raise
+                logger.warning("%s; waiting up to %g s for it to come back", exc, recovery_timeout)
+            wait_until_healthy(self.vllm_client.base_url, recovery_timeout)
+            self.reload_synced_weights()
+            logger.warning("the vLLM server answers again; its weights reloaded: sending the request again")
+            return call()
+
+        def reload_synced_weights(self) -> None:
+            """Load the weights of the last sync into the server again (after it restarted)."""
+            if self._synced:
+                reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
 
         def sync_weights(self) -> None:
             if self.mode != "server":
@@ -219,7 +253,11 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
                     save_weights(named, directory)
                     saved = time.monotonic()
                     if reload:
-                        reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
+                        self._synced = False  # the server's weights are unknown until this reload answers
+                        self.recovering(
+                            lambda: reload_server_weights(self.vllm_client.base_url, server_dir, timeout=timeout)
+                        )
+                        self._synced = True
                     logger.info(
                         "vLLM weights written to %s in %.2f s%s",
                         directory,
@@ -239,14 +277,18 @@ def make_shared_storage_backend(weights_dir: str | Path, server_weights_dir: str
 
 @contextlib.contextmanager
 def shared_storage_vllm_backend(
-    weights_dir: str | Path, server_weights_dir: str | Path | None = None, timeout: float = 600.0
+    weights_dir: str | Path,
+    server_weights_dir: str | Path | None = None,
+    timeout: float = 600.0,
+    recovery_timeout: float = 0.0,
 ) -> Iterator[None]:
     """Wrap `super().__init__` of a GRPOTrainer subclass so its vLLM server mode syncs through `weights_dir`.
 
     `server_weights_dir` is the same directory as the server sees it (default: `weights_dir`); `timeout` bounds
-    every HTTP request to the server and the server-side reload.
+    every HTTP request to the server and the server-side reload; `recovery_timeout` the wait for a server that went
+    away to answer again.
     """
-    with vllm_backend_class(make_shared_storage_backend(weights_dir, server_weights_dir, timeout)):
+    with vllm_backend_class(make_shared_storage_backend(weights_dir, server_weights_dir, timeout, recovery_timeout)):
         yield
 
 
@@ -392,4 +434,5 @@ def backend_for(args: DAPOConfig) -> contextlib.AbstractContextManager:
     if args.vllm_weight_sync == "nccl":
         return nccl_vllm_backend(args.vllm_request_timeout)
     weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
-    return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout)
+    return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout,
+                                       args.vllm_server_recovery_timeout)  # fmt: skip
