@@ -34,21 +34,19 @@ from .training.batching import (
     select_rows,
 )
 from .training.colocate_engine import VLLMColocateEngine
-from .training.fail_together import FailTogether, launcher_store
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
-from .training.preemption import Preemption, agreement, parse_signals
 from .training.reference import build_reference_model, needs_own_reference
 from .training.rollout_driver import driver_metrics
 from .training.rollout_engine import GroupEngine, SamplingSettings
 from .training.rollout_setup import build_streaming_rollout
 from .training.rollout_stream import ROLLOUT_STATE_FILE, StreamingRollout
 from .training.round_scoring import RoundScoring
+from .training.run_guard import RunGuard
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
 from .training.server_engine import VLLMServerEngine
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
-    abort_requests,
     backend_for,
     prune_versions,
     reload_server_weights,
@@ -118,12 +116,7 @@ class DAPOTrainer(GRPOTrainer):
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, group_passes)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
         self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
-        self._preemption = Preemption(parse_signals(args.preemption_signals), args.preemption_grace_seconds,
-                                      agreement(self.accelerator), args.output_dir,
-                                      on_interrupt=self._abort_requests)  # fmt: skip
-        self.add_callback(self._preemption)
-        self._fail_together = FailTogether(self.accelerator.process_index, self.accelerator.num_processes,
-                                           launcher_store(), on_peer_failure=self._withdraw_rollout)  # fmt: skip
+        self._guard = RunGuard(self)  # preemption, Ctrl-C, one process failing: `train` runs inside it
         if args.val_before_train:
             if self.eval_dataset is None:
                 raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
@@ -502,30 +495,16 @@ class DAPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's training; `resume_from_checkpoint` may be `latest` (or `true`): the newest complete checkpoint in
         output_dir, or a fresh start when there is none. A checkpoint that is not complete is refused, naming what
-        it lacks (`training.checkpoints`)."""
+        it lacks (`training.checkpoints`). Runs inside `training.run_guard`: a preemption signal saves and stops,
+        a failure on any process stops every process with its message."""
         resume = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
-        try:  # a failure on any process ends every process with its message (`training.fail_together`)
-            return self._fail_together.run(partial(super().train, resume, *args, **kwargs))
-        except BaseException:
-            self._withdraw_rollout()  # a failure or Ctrl-C: the engine stops sampling for this run now
-            raise
-        finally:
-            self._preemption.restore_signals()
-
-    def _abort_requests(self) -> None:
-        """Ctrl-C: TRL's server requests in flight fail at once (the rollout's are withdrawn as `train` unwinds)."""
-        if self.args.use_vllm:
-            abort_requests(trl_seam.vllm_backend(self))
-
-    def _withdraw_rollout(self) -> None:
-        if self._rollout is not None and self._rollout.driver is not None:
-            self._rollout.driver.withdraw()
+        return self._guard.run(partial(super().train, resume, *args, **kwargs))
 
     @property
     def preempted(self) -> bool:
         """Whether the last `train()` stopped for a preemption signal (`preemption_signals`), after saving a complete
         checkpoint: the same run continues with `resume_from_checkpoint="latest"`."""
-        return self._preemption.preempted
+        return self._guard.preempted
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints

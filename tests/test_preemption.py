@@ -96,7 +96,8 @@ def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_fo
     """SIGTERM reaches one process (the last) as step 2 begins; every process finishes step 2, checkpoint-2 is
     written complete, every process exits 0; the same command with resume=latest ends where the uninterrupted run
     ends, to the bit. With one process, a run killed -9 halfway through writing checkpoint-2 resumes from
-    checkpoint-1 and ends there too."""
+    checkpoint-1 and ends there too, and a SIGTERM while checkpoint-1 is written lets that save finish and stops
+    after step 2 (a signal only sets a flag: where in a save it lands does not matter)."""
     script, batch = str(SCRIPTS / "dynamic_sampling_run.py"), str(8 // processes)
     common = ("mixed_share=0.3", "save_strategy=steps", "save_steps=100")
     launch = {"num_processes": processes, "deepspeed_config": deepspeed}
@@ -120,6 +121,15 @@ def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_fo
         run_command(python_command(script, str(killed), batch, "4", *every_step, "resume=latest"))
         assert read_jsonl(killed / "prompts_seen_rank0.jsonl")[killed_at]["step"] == 1  # resumed after step 1
         assert_same_weights(final_params(full), final_params(killed))
+        # SIGTERM while checkpoint-1 is being written: that save completes, step 2 runs, checkpoint-2 stops the run.
+        during_save = tmp_path / "during_save"
+        signalled = ("sigterm_while_writing=checkpoint-1/dapo_sampling_state.pt",)
+        run_command(python_command(script, str(during_save), batch, "4", *every_step, *signalled))
+        saved = sorted(path.name for path in (during_save / "run").glob("checkpoint-*"))
+        assert saved == ["checkpoint-1", "checkpoint-2"]
+        assert all((during_save / "run" / name / "dapo_checkpoint.json").exists() for name in saved)
+        run_command(python_command(script, str(during_save), batch, "4", *every_step, "resume=latest"))
+        assert_same_weights(final_params(full), final_params(during_save))
 
 
 def assert_same_weights(expected: dict, got: dict) -> None:

@@ -9,7 +9,10 @@
 - `batching`, `packing`, `steps`: micro-batch shaping (balance, token budget), padding-free forwards, and each
   optimizer step's micro-batches with their exact token denominator;
 - `evaluation`: `DAPOTrainer.evaluate` (TRL's evaluation plus avg@n / pass@k);
-- `vllm_backends`: TRL's vLLM backend as we patch it (server timeouts, shared-storage weight sync, CPU colocate).
+- `vllm_backends`: TRL's vLLM backend as we patch it (server timeouts, shared-storage weight sync, CPU colocate,
+  waiting for a restarted server);
+- `checkpoints`, `run_guard`, `preemption`, `fail_together`: checkpoints that are complete or never resumed from, and
+  what `train()` runs inside (preemption signals, Ctrl-C, one process's failure reaching every process).
 
 Imports run one way: the trainer imports these, these import `dapo_trl.algorithm`, `dapo_trl.validation` and
 `dapo_trl.utils`, never the trainer.

@@ -5,7 +5,8 @@ group), so exactly the mixed groups have spread. Usage (one process or under acc
   python dynamic_sampling_run.py OUT PER_DEVICE_BATCH MAX_STEPS [key=value DAPOConfig overrides...]
 Script options among the overrides: mixed_share, resume, crash_after_save; preempt_at_step=N (SIGTERM to this
 process as optimizer step N + 1 begins, on rank preempt_rank, default 0: the run saves checkpoint-(N + 1) and stops);
-kill_while_writing=checkpoint-N/FILE (SIGKILL halfway through writing that file with torch.save);
+kill_while_writing=checkpoint-N/FILE (SIGKILL halfway through writing that file with torch.save),
+sigterm_while_writing=checkpoint-N/FILE (SIGTERM as that file is written);
 iterable=true (the train set as a
 3-shard datasets.IterableDataset); reward=ids (mixed prompts are right when their completion's token ids sum to an
 even number, plus a second reward `id_shaping` = 0.1 x (sum of ids mod 7), so shaped rewards vary within groups);
@@ -140,12 +141,16 @@ class PreemptAt(TrainerCallback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def kill_while_writing(target: str) -> None:
-    """torch.save writes half of `target` (checkpoint-N/FILE) and the process is killed -9 there, mid-save."""
+def signal_while_writing(target: str, sig: signal.Signals) -> None:
+    """While torch.save writes `target` (checkpoint-N/FILE), the process gets `sig`: SIGKILL halfway through the file
+    (a kill -9 mid-save), SIGTERM before it (a preemption mid-save)."""
     real_save = torch.save
 
     def save(obj, path, *args, **kwargs):
         if not str(path).endswith(target):
+            return real_save(obj, path, *args, **kwargs)
+        if sig != signal.SIGKILL:
+            os.kill(os.getpid(), sig)
             return real_save(obj, path, *args, **kwargs)
         real_save(obj, path, *args, **kwargs)
         data = Path(path).read_bytes()
@@ -162,7 +167,9 @@ def main() -> None:
     resume = overrides.pop("resume", None)
     crash_after = overrides.pop("crash_after_save", None)
     if target := overrides.pop("kill_while_writing", None):
-        kill_while_writing(target)
+        signal_while_writing(target, signal.SIGKILL)
+    if target := overrides.pop("sigterm_while_writing", None):
+        signal_while_writing(target, signal.SIGTERM)
     preempt_at, preempt_rank = overrides.pop("preempt_at_step", None), overrides.pop("preempt_rank", 0)
     iterable = overrides.pop("iterable", False)
     snapshots = overrides.pop("snapshots", False)
