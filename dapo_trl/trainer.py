@@ -471,7 +471,7 @@ class DAPOTrainer(GRPOTrainer):
         if isinstance(engine, VLLMColocateEngine):
             engine.wait_idle()
         elif server and isinstance(engine, VLLMServerEngine):
-            engine.wait_server_idle(recover_within=self.args.vllm_server_recovery_timeout)
+            engine.wait_server_idle(recover_within=self._rollout.driver.recovery_timeout)
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:

@@ -42,8 +42,11 @@ def build_streaming_rollout(
         try:
             backend = trl_seam.vllm_backend(trainer) if args.use_vllm else None
             reload_external = getattr(backend, "reload_synced_weights", None)  # shared-storage sync, server mode
+            # A restarted server has no NCCL communicator with the trainer: only shared storage can reload it.
+            nccl = args.use_vllm and args.vllm_weight_sync == "nccl"
+            recovery = 0.0 if nccl else args.vllm_server_recovery_timeout
             driver = RolloutDriver(trainer.build_rollout_engine(in_flight), in_flight, None if colocated else held,
-                                   args.vllm_server_recovery_timeout, reload_external)  # fmt: skip
+                                   recovery, reload_external)  # fmt: skip
             trainer.add_callback(CloseRollout(driver, wait_for_engine))
         except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
             error = f"{type(exc).__name__}: {exc}"
