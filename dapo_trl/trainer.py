@@ -176,15 +176,16 @@ class DAPOTrainer(GRPOTrainer):
         return self._planner.plan(trl_seam.shuffle_and_split(scored, self.args.steps_per_generation))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync."""
+        """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;
+        each part's loss weighs its share of the micro-batch (`StepPlanner.part_weights`)."""
         parts = self._planner.parts(inputs)
-        *parts, last = parts
+        (*parts, last), (*weights, last_weight) = parts, self._planner.part_weights(inputs, parts)
         earlier = 0.0
-        for part in parts:
-            loss = self._weighted_loss(model, part, return_outputs, num_items_in_batch)
+        for part, weight in zip(parts, weights, strict=True):
+            loss = self._weighted_loss(model, part, return_outputs, num_items_in_batch) * weight
             backward_without_sync(self, model, loss, num_items_in_batch)
             earlier += loss.detach()
-        return self._weighted_loss(model, last, return_outputs, num_items_in_batch) + earlier
+        return self._weighted_loss(model, last, return_outputs, num_items_in_batch) * last_weight + earlier
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """TRL's loss, its log-ratio clamped to [-20, 20] as verl's; its token count recorded for per-token metrics."""

@@ -285,3 +285,29 @@ def test_off_policy_loss_is_the_decoupled_objective(tmp_path, model_dir):
     torch.testing.assert_close(got.detach(), expected, atol=1e-6, rtol=1e-6)
     assert (weight[mask] == 2.0).any() and (weight[mask] < 1.0).any()  # the cap binds somewhere, and not everywhere
     assert ((ratio[mask] > 1.28) | (ratio[mask] < 0.8)).any()  # so does the clip
+
+
+SPLIT_LOSSES = {"dapo": {}, "grpo": {}, "bnpo": {}, "dr_grpo": {}, "sapo": {}, "cispo": {},
+                "luspo": {"importance_sampling_level": "sequence"}, "vespo": {}}  # fmt: skip
+
+
+@pytest.mark.parametrize("loss_type", sorted(SPLIT_LOSSES))
+def test_a_token_budget_split_gives_the_unsplit_gradient(tmp_path, model_dir, loss_type):
+    """`max_tokens_per_microbatch` cuts a micro-batch into backward passes; whatever the loss normalises by (its
+    rows, its tokens, the step's tokens), the summed passes give the unsplit micro-batch's gradient and loss."""
+    gradients, losses = [], []
+    for budget in (None, 12):  # 12 tokens: about one row per pass
+        overrides = {"loss_type": loss_type, "max_tokens_per_microbatch": budget, **SPLIT_LOSSES[loss_type]}
+        trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path / str(budget), **overrides)), model_dir)
+        batch = fixed_batch(trainer.model.config.vocab_size, trainer.model)
+        (planned,) = trainer._planner.plan([dict(batch)])
+        assert planned.get("backward_passes", 1) == (1 if budget is None else 8)
+        trainer.model.zero_grad()
+        loss = trainer.compute_loss(trainer.model, planned)
+        loss.backward()
+        gradients.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+        losses.append(loss.item())
+    assert gradients[0].keys() == gradients[1].keys()
+    for name in gradients[0]:
+        torch.testing.assert_close(gradients[1][name], gradients[0][name], atol=1e-6, rtol=1e-5, msg=name)
+    assert losses[1] == pytest.approx(losses[0], abs=1e-6)

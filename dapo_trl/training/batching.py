@@ -272,6 +272,7 @@ class StepPlanner:
     def __init__(self, args: Any, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
         self.args = args
         self.accelerator = accelerator
+        self.loss_type = loss_type
         self.exact_denominator = loss_type in ("dapo", "cispo", "vespo")
         self.group_passes = group_passes  # with sequence parallelism: passes planned over the group's rows
 
@@ -307,6 +308,22 @@ class StepPlanner:
                     longest, budget, sequence_parallel,
                 )  # fmt: skip
         return micro_batches
+
+    def part_weights(self, batch: dict[str, Any], parts: list[dict[str, Any]]) -> list[float]:
+        """What each backward pass's loss is multiplied by so that the passes add up to the micro-batch's loss.
+
+        The step's own token count normalises dapo / cispo / vespo (`loss_tokens`): their parts add up as they are.
+        TRL's other losses average over the micro-batch they are given, its rows (grpo, sapo, luspo, dr_grpo) or its
+        loss tokens (bnpo): a part's loss, averaged over the part, weighs its share of the micro-batch's rows or
+        tokens (padding rows included in a part's own count, as TRL's mean counts them).
+        """
+        if len(parts) == 1 or self.exact_denominator:
+            return [1.0] * len(parts)
+        if self.loss_type == "bnpo":
+            total = max(float(loss_mask(batch).sum()), 1.0)
+            return [max(float(loss_mask(part).sum()), 1.0) / total for part in parts]
+        rows = batch["prompt_ids"].size(0)
+        return [part["prompt_ids"].size(0) / rows for part in parts]
 
     def parts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
         """The micro-batch's backward passes: itself, or its budget parts padded to equal rows on every process."""

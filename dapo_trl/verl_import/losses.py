@@ -51,8 +51,9 @@ def map_loss(t: Translation) -> None:
             APPROXIMATED,
             "TRL's grpo: per-sequence token mean, averaged over "
             "sequences per micro-batch then over accumulation steps; equal to verl's mean over "
-            "the mini-batch's sequences when micro-batches hold equal row counts, and sequences "
-            "with no loss token are not left out of the mean",
+            "the mini-batch's sequences (micro-batches hold equal row counts, and token-budget "
+            "passes weigh their share of the rows), except that sequences with no loss token are "
+            "not left out of the mean",
         ),
         "seq-mean-token-sum": (
             "dr_grpo",
