@@ -689,3 +689,16 @@ def test_yaml_config_through_the_command_line(tmp_path):
     found = read_verl_input(config, {})
     resolve_interpolations(found, {})
     assert found.values["actor_rollout_ref.actor.checkpoint.load_contents"] == ["model"]  # relative ${.key}
+
+
+def test_the_overlong_buffer_main_ppo_passes_to_the_dapo_reward_manager_is_mapped():
+    """Many DAPO scripts set it as +reward_model.reward_kwargs.overlong_buffer_cfg.* (main_ppo hands reward_kwargs to
+    the DAPO reward manager): the penalty is on, with their length and factor, not filed as not needed."""
+    prefix = "+reward_model.reward_kwargs."
+    t = translated(GRPO_SCRIPT, f"{prefix}overlong_buffer_cfg.enable=True", f"{prefix}overlong_buffer_cfg.len=512",
+                   f"{prefix}overlong_buffer_cfg.penalty_factor=0.5", f"{prefix}overlong_buffer_cfg.log=False",
+                   f"{prefix}max_resp_len=2048")  # fmt: skip
+    r = t.recipe
+    assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 512, 0.5)
+    assert t.entries["reward_model.reward_kwargs.overlong_buffer_cfg.enable"].status == MAPPED
+    assert t.entries["reward_model.reward_kwargs.max_resp_len"].status == NOT_NEEDED and not t.blocking

@@ -96,14 +96,16 @@ def map_dynamic_sampling(t: Translation) -> None:
         )
 
 
+# Where verl scripts set DAPO's overlong buffer: the recipe's reward_model.overlong_buffer, main_ppo's
+# reward_model.reward_kwargs (passed to the DAPO reward manager, often with hydra's +), the newer reward.reward_kwargs.
+OVERLONG_BUFFER = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
+                   "reward.reward_kwargs.overlong_buffer_cfg.")  # fmt: skip
+
+
 def map_reward(t: Translation) -> None:
-    enable_key, enable = t.first(
-        "reward_model.overlong_buffer.enable", "reward.reward_kwargs.overlong_buffer_cfg.enable"
-    )
-    length_key, length = t.first("reward_model.overlong_buffer.len", "reward.reward_kwargs.overlong_buffer_cfg.len")
-    factor_key, factor = t.first(
-        "reward_model.overlong_buffer.penalty_factor", "reward.reward_kwargs.overlong_buffer_cfg.penalty_factor"
-    )
+    enable_key, enable = t.first(*(prefix + "enable" for prefix in OVERLONG_BUFFER))
+    length_key, length = t.first(*(prefix + "len" for prefix in OVERLONG_BUFFER))
+    factor_key, factor = t.first(*(prefix + "penalty_factor" for prefix in OVERLONG_BUFFER))
     if as_boolean(enable):
         t.set(apply_overlong_penalty=True, overlong_buffer_len=int(length), overlong_penalty_factor=float(factor))
         t.mark(enable_key, MAPPED, "apply_overlong_penalty: true", "DAPO's soft overlong punishment (Eq. 13)")
@@ -119,9 +121,10 @@ def map_reward(t: Translation) -> None:
         )
         for key in (length_key, factor_key):
             t.mark(key, NOT_NEEDED, how="the overlong penalty is off")
-    for pattern in ("reward_model.overlong_buffer.log", "reward.reward_kwargs.overlong_buffer_cfg.log"):
-        t.mark(pattern, NOT_NEEDED, how="the penalty is always logged (rewards/overlong_penalty/*)")
-    t.mark("reward.reward_kwargs.max_resp_len", NOT_NEEDED, how="L_max is max_completion_length")
+    for prefix in OVERLONG_BUFFER:
+        t.mark(prefix + "log", NOT_NEEDED, how="the penalty is always logged (rewards/overlong_penalty/*)")
+    for key in ("reward.reward_kwargs.max_resp_len", "reward_model.reward_kwargs.max_resp_len"):
+        t.mark(key, NOT_NEEDED, how="L_max is max_completion_length")
     for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
         t.mark(key, NOT_NEEDED, how="verl's reward manager; the DAPO manager's overlong penalty is mapped above")
     if as_boolean(t.value("reward_model.enable")):
