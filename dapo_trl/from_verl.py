@@ -80,8 +80,15 @@ def main(argv: list[str] | None = None) -> int:
         print("error: variables the script does not set and the environment does not have:", file=sys.stderr)
         for key, variables in unresolved.items():
             print(f"  {key}: {', '.join(variables)}", file=sys.stderr)
+        substituted = [key for key, variables in unresolved.items() if any(v.startswith("command ") for v in variables)]
+        if substituted:  # --env cannot help: the translator never runs commands
+            print(
+                "a command substitution $(...) is not run: give those keys their value as overrides after the "
+                f"script, e.g. {substituted[0]}=VALUE",
+                file=sys.stderr,
+            )
         print(
-            "set them with --env NAME=VALUE (or export them), or pass --allow-unsupported to skip those keys; "
+            "set variables with --env NAME=VALUE (or export them), or pass --allow-unsupported to skip those keys; "
             f"see {out_dir / 'report.md'}",
             file=sys.stderr,
         )

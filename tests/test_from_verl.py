@@ -122,6 +122,21 @@ def test_unresolvable_variables_are_reported_not_guessed(tmp_path):
     assert recipe["dataset_name"] == "/d/train.parquet"
 
 
+def test_a_command_substitution_is_answered_with_an_override_not_env(tmp_path):
+    script = tmp_path / "run.sh"
+    script.write_text(
+        "python3 -m verl.trainer.main_ppo algorithm.adv_estimator=grpo actor_rollout_ref.rollout.n=2 \\\n"
+        "  data.train_files=/d/train.parquet trainer.experiment_name=dapo-$(basename $MODEL_PATH)\n"
+    )
+    result = run_translator(script, tmp_path / "out")
+    assert result.returncode == 2
+    assert "give those keys their value as overrides after the script, e.g. trainer.experiment_name=VALUE" in (
+        result.stderr
+    )
+    fixed = run_translator(script, tmp_path / "ok", "trainer.experiment_name=dapo-qwen")
+    assert fixed.returncode == 0, fixed.stderr
+
+
 def test_hydra_values():
     assert parse_hydra_value("1e-6") == 1e-6 and parse_hydra_value("-1") == -1 and parse_hydra_value("0.80") == 0.8
     assert parse_hydra_value("False") is False and parse_hydra_value("null") is None
