@@ -17,7 +17,7 @@ from dapo_trl.verl_import.model_data import model_size_billions
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.script import read_shell_script
 from dapo_trl.verl_import.translate import translate
-from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED
+from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED
 from dapo_trl.verl_import.yaml_config import read_verl_yaml
 
 from .helpers import REPO, offline_environment, python_command, run_command
@@ -717,3 +717,14 @@ def test_the_overlong_buffer_main_ppo_passes_to_the_dapo_reward_manager_is_mappe
     assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 512, 0.5)
     assert t.entries["reward_model.reward_kwargs.overlong_buffer_cfg.enable"].status == MAPPED
     assert t.entries["reward_model.reward_kwargs.max_resp_len"].status == NOT_NEEDED and not t.blocking
+
+
+def test_a_model_config_override_is_a_step_the_user_takes_with_its_command():
+    """GMPO's script sets override_config.max_position_embeddings ("very important"): not filed as not needed, but
+    reported with how to prepare the model folder (its config.json edited), in the report's notes too."""
+    key = "actor_rollout_ref.model.override_config.max_position_embeddings"
+    t = translated(GRPO_SCRIPT, f"+{key}=32768")
+    entry = t.entries[key]
+    assert entry.status == UNSUPPORTED and not entry.blocking
+    assert '{"max_position_embeddings": 32768}' in entry.how and "--model_name_or_path PREPARED_MODEL" in entry.how
+    assert any("verl overrides the model config at load (max_position_embeddings)" in note for note in t.notes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,25 @@ def map_model(t: Translation) -> None:
         )
     if t.value("actor_rollout_ref.model.tokenizer_path"):
         t.mark("actor_rollout_ref.model.tokenizer_path", UNSUPPORTED, how="the tokenizer is loaded from the model path")
+    map_config_overrides(t, str(path or "MODEL"))
+
+
+def map_config_overrides(t: Translation, model: str) -> None:
+    """verl's `model.override_config.X=V` changes the model config at load (GMPO's script calls its
+    max_position_embeddings "very important"): here the model folder must already say so, a step the user takes."""
+    prefix = "actor_rollout_ref.model.override_config."
+    overrides = {key[len(prefix) :]: value for key, value in t.found.values.items() if key.startswith(prefix)}
+    if not overrides:
+        return
+    changes = json.dumps(overrides)
+    step = (
+        f"copy the model folder of {model} (a local snapshot) to PREPARED_MODEL, set {changes} in its config.json "
+        "(python -c \"import json; p = 'PREPARED_MODEL/config.json'; c = json.load(open(p)); "
+        f"c.update({overrides!r}); json.dump(c, open(p, 'w'), indent=2)\"), and pass --model_name_or_path PREPARED_MODEL"
+    )
+    for name in overrides:
+        t.mark(prefix + name, UNSUPPORTED, "", f"a model config change verl makes at load; before training, {step}")
+    t.notes.append(f"verl overrides the model config at load ({', '.join(overrides)}): before training, {step}")
 
 
 def map_lora(t: Translation) -> None:
