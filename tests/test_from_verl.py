@@ -27,6 +27,9 @@ DAPO_SCRIPT = DATA / "dapo_recipe.sh"
 RETOOL_SCRIPT = DATA / "retool_recipe.sh"
 GRPO_SCRIPT = DATA / "grpo_kl.sh"
 LORA_SCRIPT = DATA / "grpo_lora.sh"  # verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, unchanged
+GSPO_SCRIPT = DATA / "gspo_3b_math.sh"  # verl's examples/gspo_trainer/test_gspo_3b_math.sh, unchanged
+# What the GSPO script leaves to its surroundings: SLURM's node count, and a name made by $(basename ...).
+GSPO_INPUTS = ("--env", "SLURM_JOB_NUM_NODES=1", "trainer.experiment_name=gspo-3b", "trainer.default_local_dir=/ckpt")
 TOOL_CONFIG = DATA / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
 ENVIRONMENT = {"HOME": "/home/user", "PWD": "/data"}
 
@@ -502,13 +505,28 @@ E2E_OVERRIDES = [
 ]  # fmt: skip
 
 
+def test_verls_gspo_example_is_sequence_level_importance_sampling_without_dual_clip():
+    t = translated(GSPO_SCRIPT, *GSPO_INPUTS[2:], env={**ENVIRONMENT, "SLURM_JOB_NUM_NODES": "1"})
+    r = t.recipe
+    assert not t.blocking and not t.found.unresolved
+    assert (r["loss_type"], r["importance_sampling_level"], r["clip_ratio_c"]) == ("grpo", "sequence", None)
+    assert (r["epsilon"], r["epsilon_high"]) == (0.0003, 0.0004)  # the GSPO paper's, Sec. 5.1
+    assert r["max_tokens_per_microbatch"] == 20480 and r["apply_overlong_penalty"] is False  # its buffer is off
+    assert t.entries["actor_rollout_ref.actor.policy_loss.loss_mode"].status == APPROXIMATED
+    (dual_clip,) = [entry for entry in t.defaults if entry.key == "actor_rollout_ref.actor.clip_ratio_c"]
+    assert dual_clip.status == NOT_NEEDED  # verl's GSPO loss ignores it: its 3.0 default is not applied
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT, GSPO_SCRIPT], ids=lambda p: p.stem
+)
 def test_translated_recipe_trains_two_steps(tmp_path, script):
     """Each translated recipe trains 2 steps on verl-format rows (GSM8K's among them): DAPO's with its Ulysses
     sequence parallelism on 2 processes (one group of 2); verl's LoRA example through train_dapo.py's ModelConfig
     flags (use_peft, lora_r 64, ...): only the adapter is saved, and it trained."""
-    result = run_translator(script, tmp_path / "recipe")  # nothing blocking in any of the four
+    inputs = GSPO_INPUTS if script == GSPO_SCRIPT else ()
+    result = run_translator(script, tmp_path / "recipe", *inputs)  # nothing blocking in any of them
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "recipe" / "recipe.yaml").read_text())
     data = str(write_verl_parquet(tmp_path / "train.parquet", VERL_SOURCES))  # each source scored by its own scorer

@@ -34,14 +34,19 @@ def map_loss(t: Translation) -> None:
         if used
         else "verl reads clip_ratio only when clip_ratio_low or clip_ratio_high is null (their defaults are 0.2)",
     )
+    loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
     c = float(t.value(actor + "clip_ratio_c"))
-    t.set(clip_ratio_c=c)
-    t.record(
-        actor + "clip_ratio_c",
-        MAPPED,
-        recipe_line("clip_ratio_c", c),
-        "dual-clip for negative advantages; verl always applies it (default 3.0)",
-    )
+    if loss_mode == "gspo":  # verl's GSPO loss clips the sequence ratio only: no dual-clip
+        t.set(clip_ratio_c=None)
+        t.record(actor + "clip_ratio_c", NOT_NEEDED, "clip_ratio_c: null", "verl's GSPO loss does not read it")
+    else:
+        t.set(clip_ratio_c=c)
+        t.record(
+            actor + "clip_ratio_c",
+            MAPPED,
+            recipe_line("clip_ratio_c", c),
+            "dual-clip for negative advantages; verl always applies it (default 3.0)",
+        )
 
     mode = str(t.value(actor + "loss_agg_mode"))
     losses = {
@@ -85,9 +90,19 @@ def map_loss(t: Translation) -> None:
         how="used by seq-mean-token-sum-norm only; see loss_agg_mode",
     )
 
-    loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
     if loss_mode == "vanilla":
         t.mark(actor + "policy_loss.loss_mode", MAPPED, "(PPO clip with dual-clip)", "verl's vanilla PPO loss")
+    elif loss_mode == "gspo":
+        t.set(importance_sampling_level="sequence")
+        t.mark(
+            actor + "policy_loss.loss_mode",
+            APPROXIMATED,
+            "importance_sampling_level: sequence",
+            "GSPO: the clipped ratio is the sequence's mean token log-ratio, exponentiated (TRL's sequence-level "
+            "importance sampling: the loss and gradient of verl's GSPO-token with one advantage per sequence); "
+            f"aggregated as loss_agg_mode says ({mode}); verl caps the sequence log-ratio at 10, dapo-trl caps each "
+            "token's log-ratio at 20",
+        )
     else:
         t.record(
             actor + "policy_loss.loss_mode",
