@@ -311,3 +311,42 @@ def test_a_token_budget_split_gives_the_unsplit_gradient(tmp_path, model_dir, lo
     for name in gradients[0]:
         torch.testing.assert_close(gradients[1][name], gradients[0][name], atol=1e-6, rtol=1e-5, msg=name)
     assert losses[1] == pytest.approx(losses[0], abs=1e-6)
+
+
+def verl_gspo_loss(logps, old, advantages, mask, low: float, high: float) -> torch.Tensor:
+    """verl's GSPO (`loss_mode=gspo`, Zheng et al. 2025, GSPO-token form) with `seq-mean-token-mean`, written from
+    the paper: s_i,t = exp(sg[mean_t log ratio] + log pi_t - sg[log pi_t]) (log capped at 10), clipped to
+    [1 - low, 1 + high], each sequence's token mean, then the mean over sequences with a token."""
+    log_ratio = logps - old
+    sequence = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+    log_s = torch.clamp(logps - logps.detach() + sequence.detach()[:, None], max=10.0)
+    s, a = torch.exp(log_s), advantages[:, None]
+    per_token = torch.maximum(-a * s, -a * torch.clamp(s, 1 - low, 1 + high))
+    per_sequence = (per_token * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+    has_tokens = (mask.sum(-1) > 0).float()
+    return (per_sequence * has_tokens).sum() / has_tokens.sum().clamp(min=1)
+
+
+def test_sequence_level_grpo_is_verls_gspo(tmp_path, model_dir):
+    """What from_verl maps loss_mode=gspo to (loss_type grpo, importance_sampling_level sequence, no dual-clip)
+    trains verl's GSPO loss and gradient."""
+    overrides = {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.05, "epsilon_high": 0.08}
+    trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path, **overrides)), model_dir)
+    batch = fixed_batch(trainer.model.config.vocab_size, trainer.model, ratio_noise=0.1)
+    trainer.model.zero_grad()
+    loss = trainer.compute_loss(trainer.model, dict(batch))
+    loss.backward()
+    ours = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
+    trainer.model.zero_grad()
+    mask = batch["completion_mask"].float()
+    expected = verl_gspo_loss(token_logps(trainer.model, batch), batch["old_per_token_logps"], batch["advantages"],
+                              mask, 0.05, 0.08)  # fmt: skip
+    expected.backward()
+    torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-6, rtol=1e-6)
+    for name, parameter in trainer.model.named_parameters():
+        if parameter.grad is not None:
+            torch.testing.assert_close(ours[name], parameter.grad, atol=1e-6, rtol=1e-5, msg=name)
+    with torch.no_grad():  # both clip regions bind in this batch, or the test proves little
+        sequence = ((token_logps(trainer.model, batch) - batch["old_per_token_logps"]) * mask).sum(-1) / mask.sum(-1)
+        clipped = ((sequence.exp() < 0.95) | (sequence.exp() > 1.08)).sum()
+    assert 0 < clipped < len(sequence)
