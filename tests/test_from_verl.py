@@ -746,3 +746,13 @@ def test_a_model_config_override_is_a_step_the_user_takes_with_its_command():
     assert entry.status == UNSUPPORTED and not entry.blocking
     assert '{"max_position_embeddings": 32768}' in entry.how and "--model_name_or_path PREPARED_MODEL" in entry.how
     assert any("verl overrides the model config at load (max_position_embeddings)" in note for note in t.notes)
+
+
+def test_allow_unsupported_says_at_the_top_of_the_recipe_what_the_run_does_instead(tmp_path):
+    result = run_translator(GSPO_SCRIPT, tmp_path / "out", *GSPO_INPUTS, "actor_rollout_ref.actor.policy_loss."
+                            "loss_mode=geo_mean", "--allow-unsupported")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    head = (tmp_path / "out" / "recipe.yaml").read_text().split("\n\n")[0]
+    assert "NOT TRANSLATED (written with --allow-unsupported)" in head
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode = geo_mean" in head
+    assert "Instead: loss_type grpo with a token-level clipped ratio and the same epsilons" in head

@@ -108,7 +108,7 @@ def map_loss(t: Translation) -> None:
             actor + "policy_loss.loss_mode",
             UNSUPPORTED,
             "",
-            f"policy loss {loss_mode!r}: only verl's vanilla clipped loss is translated",
+            f"policy loss {loss_mode!r}: only verl's vanilla clipped loss and gspo are translated",
             blocking=True,
         )
 

@@ -77,7 +77,8 @@ def map_config_overrides(t: Translation, model: str) -> None:
     step = (
         f"copy the model folder of {model} (a local snapshot) to PREPARED_MODEL, set {changes} in its config.json "
         "(python -c \"import json; p = 'PREPARED_MODEL/config.json'; c = json.load(open(p)); "
-        f"c.update({overrides!r}); json.dump(c, open(p, 'w'), indent=2)\"), and pass --model_name_or_path PREPARED_MODEL"
+        f"c.update({overrides!r}); json.dump(c, open(p, 'w'), indent=2)\"), and pass --model_name_or_path "
+        "PREPARED_MODEL"
     )
     for name in overrides:
         t.mark(prefix + name, UNSUPPORTED, "", f"a model config change verl makes at load; before training, {step}")

@@ -123,6 +123,16 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
+def instead(t: Translation, key: str) -> str:
+    """What a run of the recipe does where verl's `key` was not translated."""
+    if key.endswith("policy_loss.loss_mode"):
+        level = t.recipe.get("importance_sampling_level", "token")
+        return f"loss_type {t.recipe.get('loss_type')} with a {level}-level clipped ratio and the same epsilons"
+    if key in t.found.unresolved:
+        return "the key is left out, as if the script did not set it"
+    return "dapo-trl's setting for it (see the recipe below), not verl's"
+
+
 def recipe_yaml(t: Translation) -> str:
     """The recipe as commented YAML sections; every field once."""
     lines = [
@@ -130,6 +140,10 @@ def recipe_yaml(t: Translation) -> str:
         "# Train:  accelerate launch --config_file <DIR>/accelerate.yaml train_dapo.py --config <DIR>/recipe.yaml",
         "# What each verl key became, and why: report.md next to this file.",
     ]
+    if t.blocking:  # written with --allow-unsupported: the run differs from verl's here
+        lines += ["#", "# NOT TRANSLATED (written with --allow-unsupported): this run differs from verl's run here:"]
+        for entry in {entry.key: entry for entry in t.blocking}.values():
+            lines.append(f"#   {entry.key} = {entry.value}: {entry.how}. Instead: {instead(t, entry.key)}")
     placed: set[str] = set()
     sections = [*RECIPE_SECTIONS, ("Other", tuple(t.recipe))]
     for title, names in sections:
