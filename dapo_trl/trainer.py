@@ -1,8 +1,9 @@
 """DAPOTrainer: TRL's GRPOTrainer with DAPO's reward shaping, exact token-level loss and dynamic sampling.
 
 The trainer only orchestrates; every override calls `super()`, and every private TRL name it touches is listed and
-checked in `dapo_trl.training.trl_seam`. The objective is `dapo_trl.algorithm.dapo_token_loss` (TRL's
-`loss_type="dapo"` with `epsilon_high` and dual-clip `delta`, the log-ratio clamped here); the step machinery
+checked in `dapo_trl.training.trl_seam`. The loss is TRL's `_compute_loss` (for `loss_type="dapo"` with
+`epsilon_high` and dual-clip `delta`, tested equal to the reference `dapo_trl.algorithm.dapo_token_loss`), the
+log-ratio clamped here, token-budget passes weighted (docs/losses.md); the step machinery
 (dynamic sampling, micro-batches, padding-free forwards, reward columns, exact denominators) is `dapo_trl.training`.
 """
 
