@@ -79,7 +79,9 @@ class FailTogether:
         if not self.enabled:
             return train()
         self._runs += 1
-        key = f"dapo_trl/failure/{self._runs}"
+        # torchrun's store outlives a restart of the worker group (--max_restarts): each attempt has its own key.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"dapo_trl/failure/{attempt}/{self._runs}"
         ended = threading.Event()
         watcher = threading.Thread(target=self._watch, args=(key, ended), name="dapo-fail-together", daemon=True)
         watcher.start()
