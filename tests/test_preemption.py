@@ -37,7 +37,7 @@ def test_signal_names_are_parsed_and_a_bad_one_names_the_field(tmp_path):
 def test_torchrun_killing_before_the_grace_period_ends_is_named():
     assert torchrun_warning(300, {}) is None  # not under torchrun
     message = torchrun_warning(300, {"TORCHELASTIC_RUN_ID": "x"})
-    assert "30 s" in message and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=330" in message
+    assert "30 s" in message and "TORCH_ELASTIC_SHUTDOWN_TIMEOUT=360" in message
     assert torchrun_warning(300, {"TORCHELASTIC_RUN_ID": "x", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "360"}) is None
 
 

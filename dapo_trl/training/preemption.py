@@ -59,7 +59,7 @@ def torchrun_warning(grace_seconds: float, environ: dict[str, str]) -> str | Non
     return (
         f"torchrun kills the training processes {shutdown} s after it forwards SIGTERM, before "
         f"preemption_grace_seconds={grace_seconds:g} ends: export "
-        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={int(grace_seconds) + 30} before accelerate launch "
+        f"TORCH_ELASTIC_SHUTDOWN_TIMEOUT={int(grace_seconds) + 60} before accelerate launch "
         "(run_dapo.sh does), or signal the training processes themselves."
     )
 
