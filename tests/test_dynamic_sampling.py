@@ -115,10 +115,11 @@ def prompts_seen(out) -> list[tuple[int, tuple[str, ...]]]:
     return [(r["step"], tuple(r["prompts"])) for r in read_jsonl(out / "prompts_seen_rank0.jsonl")]
 
 
-@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "IterableDataset"])
+@pytest.mark.parametrize("iterable", [True], ids=["IterableDataset"])
 def test_kill_and_resume_sees_the_same_prompts(tmp_path, iterable):
     """With an IterableDataset, the checkpoint holds the stream's exact position: shard, offset, buffered rows and
-    the shuffle's random state (datasets' own shuffled-stream state_dict drops the buffer)."""
+    the shuffle's random state (datasets' own shuffled-stream state_dict drops the buffer). A map-style dataset
+    killed and resumed: tests/test_preemption.py (the final weights, bit for bit)."""
     common = (
         "mixed_share=0.3",
         "filter_groups_carry_surplus=true",
