@@ -78,6 +78,19 @@ def test_dynamic_sampling_with_straddling_groups_on_two_processes(tmp_path):
         assert all(b[k] == pytest.approx(a[k], abs=1e-6) and c[k] == pytest.approx(a[k], abs=1e-5) for k in a)
 
 
+def test_a_row_averaged_loss_split_by_processes_shards_and_budget_trains_the_padded_update(tmp_path):
+    """loss_type grpo (each row's token mean, then the rows): 2 processes padded, against 2 processes as one
+    sequence-parallel group with a token budget of 24 (several backward passes): the same weights after 2 steps."""
+    script = str(SCRIPTS / "dynamic_sampling_run.py")
+    sgd = ("optim=sgd", "learning_rate=1.0", "weight_decay=0.0", "max_grad_norm=0.0", "mixed_share=0.3")
+    sgd += ("loss_type=grpo",)
+    runs = {"off": ("padding_free=false",), "split": ("sequence_parallel_size=2", "max_tokens_per_microbatch=24")}
+    for name, extra in runs.items():
+        run_command(python_command(script, str(tmp_path / name), "6", "2", *sgd, *extra, num_processes=2))
+    padded, split = (torch.load(tmp_path / name / "final_params.pt") for name in runs)
+    assert_same_update(padded, split)
+
+
 class _OneProcess:
     """What StepPlanner needs of an accelerator, for one process."""
 
