@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
@@ -78,7 +78,8 @@ class RolloutDriver:
         self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
         self._published = -1
         self._error: BaseException | None = None
-        self._order: dict[tuple, int] = {}  # planning order: requests sent again go back to their place
+        self._order: dict[tuple, int] = {}  # of every known key: requests sent again go back to their place
+        self._planned_count = 0
         self._recovering = False  # the engine went away: admission waits until it answers again
         self._external: int | None = None  # the version a sync outside the driver loaded, while it is the engine's
         self.recoveries = 0
@@ -96,7 +97,7 @@ class RolloutDriver:
                 if request.key not in self._known:
                     self._planned.append(request)
                     self._known.add(request.key)
-                    self._order[request.key] = len(self._order)
+                    self._order[request.key], self._planned_count = self._planned_count, self._planned_count + 1
             self._cond.notify_all()
 
     def publish(self, version: int) -> None:
@@ -164,7 +165,7 @@ class RolloutDriver:
         with self._cond:
             results = [self._done.pop(key) for key in keys]
             self._held_tokens -= sum(result.tokens for result in results)
-            self._known.difference_update(keys)
+            self._forget(keys)
             self._cond.notify_all()
             return results
 
@@ -174,17 +175,17 @@ class RolloutDriver:
         with self._cond:
             dropped = [request for request in self._planned if not keep(request)]
             self._planned = deque(request for request in self._planned if keep(request))
-            self._known.difference_update(request.key for request in dropped)
+            self._forget(request.key for request in dropped)
             for key, result in list(self._done.items()):
                 if not keep(result):
                     del self._done[key]
-                    self._known.discard(key)
+                    self._forget([key])
                     self._held_tokens -= result.tokens
                     self.stats.discarded_tokens += result.tokens
             cancelled = [request for request in self._in_flight.values() if not keep(request)]
             for request in cancelled:
                 del self._in_flight[request.key]
-                self._known.discard(request.key)
+                self._forget([request.key])
                 self.stats.cancelled_groups += 1
             if self._starting is not None and self._starting in cancelled:
                 cancelled.remove(self._starting)  # not started yet: the driver's thread cancels it once it is
@@ -195,6 +196,12 @@ class RolloutDriver:
                 self._cond.wait(0.1)
         for request in cancelled:
             self.engine.cancel(request)
+
+    def _forget(self, keys: Iterable[tuple]) -> None:
+        """`keys` are no longer planned, running or held (taken or withdrawn); the lock is held."""
+        for key in keys:
+            self._known.discard(key)
+            self._order.pop(key, None)
 
     def take_metrics(self) -> DriverStats:
         with self._cond:
