@@ -7,21 +7,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .algorithm import KL_ESTIMATORS
+from .algorithm import KL_ESTIMATORS, POLICY_LOSSES, policy_loss
 
 DAPOConfig = Any  # `dapo_trl.config.DAPOConfig`, which imports this module (so not imported back)
-
-# Loss types whose clipped surrogate TRL computes with `epsilon`/`epsilon_high`; the first four are the ones
-# the original dapo_trl command line offered, the rest are TRL's own and pass through unchanged.
-SUPPORTED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo")
-CLIPPED_LOSS_TYPES = ("dapo", "grpo", "dr_grpo", "bnpo", "luspo")
 
 
 def check_all(config: DAPOConfig) -> None:
     """Every check, in the order the fields depend on each other."""
     check_lengths(config)
     check_overlong_penalty(config)
-    check_clipping(config)
+    check_loss(config)
     check_kl_in_reward(config)
     check_padding_free(config)
     check_dynamic_sampling(config)
@@ -33,8 +28,6 @@ def check_all(config: DAPOConfig) -> None:
 
 
 def check_lengths(config: DAPOConfig) -> None:
-    if config.loss_type not in SUPPORTED_LOSS_TYPES:
-        raise ValueError(f"loss_type={config.loss_type!r} is not supported; choose one of {SUPPORTED_LOSS_TYPES}.")
     if config.temperature <= 0.0:
         raise ValueError(f"temperature={config.temperature} must be > 0 (DAPO samples at 1.0).")
     if config.max_completion_length is None or config.max_completion_length < 1:
@@ -61,16 +54,28 @@ def check_overlong_penalty(config: DAPOConfig) -> None:
         )
 
 
-def check_clipping(config: DAPOConfig) -> None:
+def check_loss(config: DAPOConfig) -> None:
+    """The loss type, its ratio level and its clipping, as the loss table (`algorithm.losses`) describes them."""
+    loss = policy_loss(config.loss_type)
+    level = config.importance_sampling_level
+    if level not in ("token", "sequence"):
+        raise ValueError(f"importance_sampling_level={level!r} must be 'token' or 'sequence' (GSPO's).")
+    if level not in loss.ratio_levels:
+        raise ValueError(
+            f"loss_type={loss.name!r} builds its own sequence weight from the token ratios: set "
+            "importance_sampling_level: token (the default)."
+        )
     if not 0.0 <= config.epsilon < 1.0:
         raise ValueError(f"epsilon={config.epsilon} must be in [0, 1) (DAPO: 0.2).")
     if config.epsilon_high is not None and config.epsilon_high < 0.0:
         raise ValueError(f"epsilon_high={config.epsilon_high} must be >= 0 (DAPO: 0.28).")
     if config.clip_ratio_c is None:
         return
-    if config.loss_type not in CLIPPED_LOSS_TYPES:
+    if not loss.dual_clip:
+        clipped = sorted(name for name, row in POLICY_LOSSES.items() if row.dual_clip)
         raise ValueError(
-            f"clip_ratio_c (dual-clip) needs a clipped loss_type {CLIPPED_LOSS_TYPES}, got {config.loss_type!r}."
+            f"clip_ratio_c (dual-clip) needs a loss_type with a clipped ratio {clipped}, got {config.loss_type!r}: "
+            "unset clip_ratio_c."
         )
     upper = 1.0 + (config.epsilon_high if config.epsilon_high is not None else config.epsilon)
     if config.clip_ratio_c <= upper:

@@ -18,7 +18,6 @@ import torch
 from accelerate.utils import gather, gather_object
 from trl import GRPOTrainer
 
-from .algorithm import clamp_log_ratio, ratio_anchor
 from .config import DAPOConfig
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
@@ -36,6 +35,7 @@ from .training.batching import (
 )
 from .training.colocate_engine import VLLMColocateEngine
 from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
+from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
 from .training.rollout_driver import driver_metrics
 from .training.rollout_engine import GroupEngine, SamplingSettings
@@ -105,7 +105,6 @@ class DAPOTrainer(GRPOTrainer):
         check_dataset_sources(self.reward_funcs, self.train_dataset, self.eval_dataset)  # verl_default's sources
         self._shaping = ShapingColumns.for_trainer(self)  # overlong penalty, KL in the reward
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
-        self._ratio_anchor: torch.Tensor | None = None  # old log-probs while TRL's loss forward runs (`_weighted_loss`)
         self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
         self._round: RoundScoring | None = None  # the round TRL is scoring for dynamic sampling (`_score_round`)
         self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
@@ -113,6 +112,7 @@ class DAPOTrainer(GRPOTrainer):
         self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
         self._sequence_parallel = self._build_sequence_parallel(args)
         self._token_metrics = TokenWeightedMetrics()
+        self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
         group_passes = None if self._sequence_parallel is None else self._sequence_parallel.group_passes
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, group_passes)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
@@ -188,13 +188,14 @@ class DAPOTrainer(GRPOTrainer):
             earlier += loss.detach()
         return self._weighted_loss(model, last, return_outputs, num_items_in_batch) * last_weight + earlier
 
+    def _compute_loss(self, model, inputs):
+        """The policy loss of `loss_type` from the table in `dapo_trl.algorithm.losses`, with every term of TRL's
+        (`training.policy_loss.PolicyLossStep`): replaces TRL's, so the function a reader finds is the one trained."""
+        return self._policy_loss(model, inputs)
+
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
-        """TRL's loss, its log-ratio clamped to [-20, 20] as verl's; its token count recorded for per-token metrics."""
-        self._ratio_anchor = ratio_anchor(self.loss_type, inputs)
-        try:
-            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        finally:
-            self._ratio_anchor = None
+        """The loss of one pass (`_compute_loss`), its token count recorded for per-token metrics."""
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         tokens = self.accelerator.reduce(loss_mask(inputs).sum().float(), reduction="sum")
         self._token_metrics.record("train" if self.model.training else "eval", tokens.item())
         return loss
@@ -211,14 +212,14 @@ class DAPOTrainer(GRPOTrainer):
         self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
         compute_aux_loss=False, **multimodal,
     ):  # fmt: skip
-        """Every training-phase forward goes through here; the loss's log-probs are clamped (`_weighted_loss`)."""
+        """Every training-phase forward goes through here (padding-free, sequence-parallel)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
         logps, *rest = self._real_token_forward(
             model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
         )
         if not torch.is_grad_enabled():  # TRL's old and reference log-probs: KL in the reward reuses them
             self._generation.record_forward(self, model, input_ids, attention_mask, logps)
-        return (logps if self._ratio_anchor is None else clamp_log_ratio(logps, self._ratio_anchor), *rest)
+        return (logps, *rest)
 
     def _build_sequence_parallel(self, args: DAPOConfig) -> SequenceParallel | None:
         if args.sequence_parallel_size == 1:

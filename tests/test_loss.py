@@ -1,5 +1,6 @@
-"""DAPOTrainer's loss: equal to GRPOTrainer's with the extras off, and to `dapo_trl.algorithm`'s objective with them on
-(padded and packed forwards, temperature 1 and 0.7, one and two processes)."""
+"""DAPOTrainer's loss: bit for bit GRPOTrainer's where TRL has the same loss, and verl's DAPO objective (written
+independently in `reference_losses`) with the extras on (padded and packed forwards, temperature 1 and 0.7, one and
+two processes)."""
 
 import pytest
 import torch
@@ -8,10 +9,10 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.algorithm import dapo_objective, dapo_token_loss
 from dapo_trl.rewards import dapo_math_reward
 from dapo_trl.tiny_model import build_tiny_model
 
+from . import reference_losses as ref
 from .helpers import SCRIPTS, python_command, run_command
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
@@ -75,10 +76,18 @@ def token_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
-def library_objective(logps, batch, clip_ratio_c=None, num_loss_tokens=None) -> torch.Tensor:
-    """`dapo_trl.algorithm`'s objective (itself tested against the paper in test_algorithm.py)."""
-    per_token = dapo_token_loss(logps, batch["old_per_token_logps"], batch["advantages"], 0.2, 0.28, clip_ratio_c)
-    return dapo_objective(per_token, batch["completion_mask"], num_loss_tokens)
+def library_objective(logps, batch, clip_ratio_c=None) -> torch.Tensor:
+    """verl's DAPO objective: its vanilla loss with dual-clip, averaged over the batch's loss tokens."""
+    old, advantages = batch["old_per_token_logps"], batch["advantages"]
+    per_token = ref.verl_vanilla(logps, old, advantages, 0.2, 0.28, clip_ratio_c)
+    return ref.token_mean(per_token, batch["completion_mask"].float())
+
+
+def loss_and_gradient(trainer, batch, compute_loss=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    trainer.model.zero_grad()
+    loss = (compute_loss or trainer.compute_loss)(trainer.model, dict(batch))
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
 
 
 def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
@@ -88,6 +97,42 @@ def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
     dapo_loss = dapo.compute_loss(dapo.model, dict(batch))
     grpo_loss = grpo.compute_loss(grpo.model, dict(batch))
     torch.testing.assert_close(dapo_loss, grpo_loss, atol=1e-6, rtol=1e-6)
+
+
+TRL_LOSSES = {"dapo": {}, "dapo-dual-clip": {"clip_ratio_c": 1.5}, "grpo": {}, "dr_grpo": {}, "bnpo": {}, "sapo": {},
+              "cispo": {"epsilon_high": 1.3}, "luspo": {"importance_sampling_level": "sequence"}, "vespo": {},
+              "grpo-sequence": {"importance_sampling_level": "sequence"}, "dapo-kl": {"beta": 0.04},
+              "dapo-entropy-bonus": {"entropy_coef": 0.01}, "grpo-entropy-mask": {"top_entropy_quantile": 0.5}}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(TRL_LOSSES))
+def test_the_table_trains_bit_for_bit_what_trl_trains(tmp_path, model_dir, case):
+    """Where TRL 1.16 has the loss, the table's function and aggregation give TRL's `_compute_loss` exactly (loss,
+    gradient, metrics) on the same forward: `dapo` (the default) trains bit for bit as before the loss moved here."""
+    loss_type = case.split("-")[0]
+    config = DAPOConfig(**common_args(tmp_path, apply_overlong_penalty=False, loss_type=loss_type, **TRL_LOSSES[case]))
+    trainer = make_trainer(DAPOTrainer, config, model_dir)
+    batch = fixed_batch(trainer.model.config.vocab_size, trainer.model)
+    if config.beta:
+        with torch.no_grad():
+            batch["ref_per_token_logps"] = token_logps(trainer.model, batch) + 0.1 * torch.randn(ROWS, COMPLETION_LEN)
+    metrics = trainer._metrics["train"]
+    ours = loss_and_gradient(trainer, batch, trainer._compute_loss)
+    our_metrics = {name: values.pop() for name, values in metrics.items() if values}
+    trls = loss_and_gradient(trainer, batch, lambda model, inputs: GRPOTrainer._compute_loss(trainer, model, inputs))
+    trl_metrics = {name: values.pop() for name, values in metrics.items() if values}
+    assert ours[1].keys() == trls[1].keys()
+    if config.beta:  # verl's k3, clamped: TRL's values, its gradient summed in another order (float32 noise)
+        torch.testing.assert_close(ours[0], trls[0], atol=0, rtol=0)
+        for name, gradient in ours[1].items():
+            torch.testing.assert_close(gradient, trls[1][name], atol=1e-7, rtol=1e-5)
+    else:
+        assert torch.equal(ours[0], trls[0]), (ours[0], trls[0])
+        for name, gradient in ours[1].items():
+            assert torch.equal(gradient, trls[1][name]), name
+    assert set(trl_metrics) <= set(our_metrics), set(trl_metrics) - set(our_metrics)
+    for name, value in trl_metrics.items():
+        assert our_metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
 
 
 @pytest.mark.parametrize("clip_ratio_c", [None, 1.5, 3.0])

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..algorithm.losses import POLICY_LOSSES, Aggregation, policy_loss
+
 logger = logging.getLogger(__name__)
 
 
@@ -223,10 +225,6 @@ class TokenWeightedMetrics:
     sequences become the window's minimum and maximum, and a metric with no value in the window is not logged.
     """
 
-    MEANS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
-             "cispo_clip_ratio", "vespo/phi_seq_mean")  # fmt: skip
-    EXTREMES = {"clip_ratio/low_min": min, "clip_ratio/high_max": max}
-
     def __init__(self) -> None:
         self.weights: dict[str, list[float]] = {"train": [], "eval": []}
 
@@ -237,14 +235,18 @@ class TokenWeightedMetrics:
     def apply(self, mode: str, metrics: dict[str, list[float]]) -> None:
         """Collapse each weighted metric's list to its window aggregate, in place, before TRL averages the lists."""
         weights = self.weights[mode]
-        for name in self.MEANS:
+        # Every registered loss's metrics (the loss table, read now: a loss may be registered after import), and the
+        # entropy and KL every loss logs.
+        means = {"entropy", "kl", *(name for loss in POLICY_LOSSES.values() for name in loss.metrics)}
+        extremes = {name: kind for loss in POLICY_LOSSES.values() for name, (_, kind) in loss.extremes.items()}
+        for name in means:
             values = metrics.get(name)
             if values and len(values) == len(weights) and sum(weights) > 0:
                 metrics[name] = [sum(v * w for v, w in zip(values, weights, strict=True)) / sum(weights)]
-        for name, extreme in self.EXTREMES.items():
+        for name, kind in extremes.items():
             values = [v for v in metrics.get(name) or [] if v == v]  # drop NaN (micro-batches without tokens)
             if values:
-                metrics[name] = [extreme(values)]
+                metrics[name] = [min(values) if kind == "min" else max(values)]
         for name in [name for name, values in metrics.items() if all(v != v for v in values)]:
             del metrics[name]  # nothing measured in the window: TRL would log None, which loggers reject
         self.weights[mode] = []
@@ -272,8 +274,8 @@ class StepPlanner:
     def __init__(self, args: Any, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
         self.args = args
         self.accelerator = accelerator
-        self.loss_type = loss_type
-        self.exact_denominator = loss_type in ("dapo", "cispo", "vespo")
+        self.split_weight = policy_loss(loss_type).aggregation.split_weight
+        self.exact_denominator = policy_loss(loss_type).aggregation is Aggregation.STEP_TOKENS
         self.group_passes = group_passes  # with sequence parallelism: passes planned over the group's rows
 
     def plan(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -312,14 +314,14 @@ class StepPlanner:
     def part_weights(self, batch: dict[str, Any], parts: list[dict[str, Any]]) -> list[float]:
         """What each backward pass's loss is multiplied by so that the passes add up to the micro-batch's loss.
 
-        The step's own token count normalises dapo / cispo / vespo (`loss_tokens`): their parts add up as they are.
-        TRL's other losses average over the micro-batch they are given, its rows (grpo, sapo, luspo, dr_grpo) or its
-        loss tokens (bnpo): a part's loss, averaged over the part, weighs its share of the micro-batch's rows or
-        tokens (padding rows included in a part's own count, as TRL's mean counts them).
+        A loss normalised by the step's own token count (`Aggregation.STEP_TOKENS`: dapo, cispo, vespo) adds up as it
+        is. The others average over the micro-batch they are given, its rows or its loss tokens
+        (`Aggregation.split_weight`): a part's loss, averaged over the part, weighs its share of the micro-batch's
+        rows or tokens (padding rows included in a part's own count, as the row mean counts them).
         """
-        if len(parts) == 1 or self.exact_denominator:
+        if len(parts) == 1 or self.split_weight == "none":
             return [1.0] * len(parts)
-        if self.loss_type == "bnpo":
+        if self.split_weight == "tokens":
             total = max(float(loss_mask(batch).sum()), 1.0)
             return [max(float(loss_mask(part).sum()), 1.0) / total for part in parts]
         rows = batch["prompt_ids"].size(0)

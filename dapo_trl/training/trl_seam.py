@@ -7,7 +7,8 @@ such name is listed here once, with what we use it for, and `check_trl_classes` 
 and `check_trainer_attributes` (after it) fail with one message naming each missing name and the supported TRL
 range. The rest of the package reaches these names only through this module: the helpers below (`generate`,
 `metrics`, `shuffle_and_split`, ...) and `trl_function`. DAPOTrainer's overrides of the methods in
-`OVERRIDDEN_METHODS` call `super()` as usual.
+`OVERRIDDEN_METHODS` call `super()` as usual, but one: `_compute_loss`, which DAPOTrainer replaces with the loss
+table's (`training.policy_loss`), so the loss a reader finds in `dapo_trl.algorithm.losses` is the one that trains.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ _VLLM = "trl.generation.vllm_generation:VLLMGeneration"
 
 # GRPOTrainer (and Trainer) methods DAPOTrainer overrides: a renamed one would silently stop being called.
 OVERRIDDEN_METHODS = (
+    PrivateName(_GRPO, "_compute_loss", "replaced: the loss of the table in dapo_trl.algorithm.losses trains"),
     PrivateName(_GRPO, "_calculate_rewards", "appends the built-in reward columns (overlong penalty, KL in reward)"),
     PrivateName(_GRPO, "_get_dataloader", "gives every process the whole prompt stream (WholeStream)"),
     PrivateName(_GRPO, "_prepare_inputs", "hands each micro-step its planned micro-batch and exact denominator"),
@@ -54,6 +56,8 @@ OVERRIDDEN_METHODS = (
 CALLED_METHODS = (
     PrivateName(_GRPO, "_log_metric", "reward columns log through TRL's reward-function metric hook"),
     PrivateName(_GRPO, "_tokenize_prompts", "streaming rollout: prompt token ids for the engine, as TRL makes them"),
+    PrivateName(_GRPO, "get_high_entropy_mask", "the loss's top_entropy_quantile mask, TRL's own"),
+    PrivateName(_GRPO, "get_off_policy_mask", "the loss's off_policy_mask_threshold sequence mask, TRL's own"),
 )
 # Instance attributes every GRPOTrainer has once built, read (r) or written (w) by dapo-trl.
 INSTANCE_ATTRIBUTES = (
@@ -68,6 +72,11 @@ INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "reward_processing_classes", "w: None per shaping column, while one batch is scored"),
     PrivateName(_GRPO, "num_generations_eval", "w: validation samples eval_num_samples per prompt"),
     PrivateName(_GRPO, "max_completion_length", "w: validation's eval_max_new_tokens (the tool loop's budget)"),
+    PrivateName(_GRPO, "_last_world_entropy", "r/w: the adaptive entropy controller's state, which TRL checkpoints"),
+    PrivateName(_GRPO, "entropy_coef", "r/w: the entropy bonus coefficient (adaptive: moved each step)"),
+    PrivateName(_GRPO, "aux_loss_enabled", "r: a mixture-of-experts router's auxiliary loss is added"),
+    PrivateName(_GRPO, "router_aux_loss_coef", "r: its coefficient (the architecture's, unless set)"),
+    PrivateName(_GRPO, "top_entropy_quantile", "r: the high-entropy token mask of the loss"),
 )
 # Instance attributes of a GRPOTrainer built with use_vllm.
 VLLM_INSTANCE_ATTRIBUTES = (
@@ -235,6 +244,30 @@ def set_weights_loaded(trainer: Any, loaded: bool) -> None:
     """Tell TRL whether its vLLM engine holds the weights its next generation must use (this step's): if not, it
     syncs them first. Streaming rollout loads the engine's weights itself, by version."""
     trainer._last_loaded_step = trainer.state.global_step if loaded else -1
+
+
+def last_world_entropy(trainer: Any) -> float:
+    """The adaptive entropy controller's last measured mean entropy (TRL saves and restores it with checkpoints)."""
+    return trainer._last_world_entropy
+
+
+def set_last_world_entropy(trainer: Any, entropy: float) -> None:
+    trainer._last_world_entropy = entropy
+
+
+# The multimodal inputs TRL's loss forward passes on from a micro-batch (`_get_per_token_logps_and_entropies`).
+MULTIMODAL_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
+)
 
 
 def micro_step(trainer: Any) -> int:

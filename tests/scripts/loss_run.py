@@ -1,5 +1,5 @@
 """The trainer's DAPO loss on each process's share of one fixed batch, for the padded and the packed forward at
-temperature 1 and 0.7; the test compares their mean with `dapo_trl.algorithm`'s objective over the whole batch.
+temperature 1 and 0.7; the test compares their mean with verl's DAPO objective over the whole batch.
 
 Run as `python loss_run.py OUT` (one process) or under `accelerate launch --multi_gpu --num_processes 2`. Writes
 OUT/model (the tiny model), OUT/batch.pt (the whole batch) and OUT/loss_rank{R}.pt ({case: loss}).

@@ -1,0 +1,159 @@
+"""The training loss of one forward: DAPOTrainer's `_compute_loss`, built from `dapo_trl.algorithm.losses`.
+
+It keeps every term GRPOTrainer's loss has, in the same order (so `loss_type="dapo"` trains bit for bit as TRL's):
+the policy loss from the table's function, TRL's high-entropy and off-policy masks, vLLM's importance weight, the KL
+term (`beta`, verl's clamped k3), the aggregation the table names, the entropy bonus (static or TRL's adaptive
+controller, whose state TRL checkpoints) and a router's auxiliary loss; then the same metrics, reduced over processes
+in one collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..algorithm.kl import kl_penalty_per_token
+from ..algorithm.losses import (
+    Aggregation,
+    LossInputs,
+    LossSettings,
+    aggregate,
+    clamped_log_ratio,
+    policy_loss,
+    ratio_log,
+    step_token_share,
+)
+from . import trl_seam
+
+
+class PolicyLossStep:
+    """Computes one micro-batch's (or token-budget pass's) loss for a GRPOTrainer, and appends its metrics."""
+
+    def __init__(self, trainer: Any, forward: Callable[..., tuple]):
+        """`forward` is the trainer's `_get_per_token_logps_and_entropies` (padding-free, sequence-parallel)."""
+        args = trainer.args
+        self.trainer, self.forward = trainer, forward
+        self.loss = policy_loss(args.loss_type)
+        self.settings = LossSettings.from_config(args)
+        self.entropy_bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+        self._entropy_window: torch.Tensor | None = None  # adaptive entropy: (entropy sum, tokens) of the step so far
+
+    def __call__(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
+        trainer, args = self.trainer, self.trainer.args
+        training = trainer.model.training
+        mask = inputs["completion_mask"]
+        mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]  # tool replies are not the model's
+        logps, entropies, aux_loss = self._forward(model, inputs)
+        advantages = inputs["advantages"]
+        advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+        old = inputs.get("old_per_token_logps")
+        old = logps.detach() if old is None else old
+
+        log_ratio = ratio_log(clamped_log_ratio(logps, old), mask, self.settings.ratio_level)
+        corrected = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+        sampling_ratio = inputs.get("importance_sampling_ratio") if corrected else None
+        terms = self.loss.function(LossInputs(logps, log_ratio, advantages, mask, sampling_ratio), self.settings)
+        per_token = terms.per_token
+        if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's sequence mask, against the sampler's log-probs
+            sampler_logps = inputs.get("sampling_per_token_logps", old)
+            per_token = per_token * trainer.get_off_policy_mask(
+                advantages, logps, sampler_logps, mask, args.off_policy_mask_threshold
+            )
+        entropy_mask = None
+        if trainer.top_entropy_quantile < 1.0:
+            entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
+            per_token = per_token * entropy_mask
+        if sampling_ratio is not None and not self.loss.corrects_sampling:
+            per_token = per_token * sampling_ratio
+        if trainer.beta != 0.0:
+            per_token_kl = kl_penalty_per_token(logps, inputs["ref_per_token_logps"], "k3")
+            if args.use_bias_correction_kl:
+                per_token_kl = per_token_kl * torch.exp(log_ratio)
+            per_token = per_token + trainer.beta * per_token_kl
+
+        accumulation = trainer.current_gradient_accumulation_steps if training else 1
+        if self.loss.aggregation is Aggregation.STEP_TOKENS:
+            share = step_token_share(
+                inputs["num_items_in_batch"],
+                trainer.accelerator.num_processes,
+                accumulation,
+                args.steps_per_generation,
+                training,
+            )
+            loss = aggregate(per_token, mask, self.loss.aggregation, step_tokens=share)
+            policy_term = loss.detach()
+        else:
+            length = trainer.max_completion_length
+            loss = aggregate(per_token, mask, self.loss.aggregation, max_completion_length=length)
+            policy_term = loss.detach()
+            loss = loss / accumulation
+        metrics = trl_seam.metrics(trainer, "train" if training else "eval")
+        if self.entropy_bonus:
+            loss = loss - self._entropy_term(
+                entropies, mask if entropy_mask is None else mask * entropy_mask, accumulation, training, metrics
+            )
+        if trainer.aux_loss_enabled:  # a mixture-of-experts router's load-balancing loss
+            loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
+            metrics["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+        metrics["policy_loss"].append(trainer.accelerator.gather(policy_term).nanmean().item())
+
+        means = {"entropy": entropies, **({"kl": per_token_kl} if trainer.beta != 0.0 else {}), **terms.diagnostics}
+        self._log_means(means, mask, metrics)
+        self._log_extremes(terms.diagnostics, mask, metrics)
+        return loss
+
+    def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        multimodal = {name: inputs.get(name) for name in trl_seam.MULTIMODAL_INPUTS}
+        flags = {"compute_entropy": True, "compute_aux_loss": self.trainer.aux_loss_enabled}
+        return self.forward(model, input_ids, attention_mask, completion_ids.size(1), **flags, **multimodal)
+
+    def _entropy_term(self, entropies, mask, accumulation: int, training: bool, metrics) -> torch.Tensor:
+        """coef x the mean entropy of the loss tokens (the bonus subtracted from the loss). TRL's adaptive controller
+        uses the coefficient of the step before and moves it by entropy_coef_delta toward entropy_target once per
+        optimizer step, from the step's exact mean entropy (all micro-batches, all processes)."""
+        trainer, args = self.trainer, self.trainer.args
+        mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        coef = trainer.entropy_coef
+        if args.use_adaptive_entropy:
+            coef = coef if trl_seam.last_world_entropy(trainer) <= args.entropy_target else 0.0
+            if training:
+                stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+                self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
+                if trainer.accelerator.sync_gradients:
+                    total = trainer.accelerator.reduce(self._entropy_window, reduction="sum")
+                    world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
+                    step = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
+                    trainer.entropy_coef = min(
+                        max(trainer.entropy_coef + step, args.entropy_coef_min), args.entropy_coef_max
+                    )
+                    trl_seam.set_last_world_entropy(trainer, world_entropy)
+                    self._entropy_window = None
+        if training and trainer.accelerator.sync_gradients:
+            metrics["entropy_coef"].append(trainer.entropy_coef)
+        return coef * mean_entropy
+
+    def _log_means(self, values: dict[str, torch.Tensor], mask: torch.Tensor, metrics) -> None:
+        """Each value's mean over this forward's loss tokens on every process (per-row values: over rows)."""
+        sums = []
+        for value in values.values():
+            if value.size(1) == 1:
+                sums += [value.sum(), torch.tensor(float(value.size(0)), device=value.device)]
+            else:
+                sums += [(value * mask).sum(), mask.sum().float()]
+        totals = self.trainer.accelerator.reduce(torch.stack(sums).detach(), reduction="sum").view(-1, 2)
+        for name, (total, count) in zip(values, totals.tolist(), strict=True):
+            metrics[name].append(total / max(count, 1.0))
+
+    def _log_extremes(self, diagnostics: dict[str, torch.Tensor], mask: torch.Tensor, metrics) -> None:
+        """The table's per-sequence extremes (e.g. the lowest share of low-clipped tokens of any row)."""
+        for name, (source, kind) in self.loss.extremes.items():
+            value = diagnostics[source]
+            per_row = value.squeeze(1) if value.size(1) == 1 else (value * mask).sum(-1) / mask.sum(-1)
+            gathered = self.trainer.accelerator.gather(per_row.detach())
+            gathered = gathered[~torch.isnan(gathered)]
+            metrics[name].append(float("nan") if gathered.numel() == 0 else getattr(gathered, kind)().item())
