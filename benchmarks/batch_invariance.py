@@ -73,8 +73,15 @@ SERVER_ENV = {  # as tests/test_vllm.py
     "TOKENIZERS_PARALLELISM": "false",
 }
 # tests/test_vllm.py's flags, less its `--no-enable-chunked-prefill`: chunked prefill is one of the things varied here.
-SERVER_FLAGS = ["--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-                "--enforce-eager"]  # fmt: skip
+SERVER_FLAGS = [
+    "--dtype",
+    "float32",
+    "--logprobs-mode",
+    "processed_logprobs",
+    "--max-logprobs",
+    "-1",
+    "--enforce-eager",
+]
 NO_PREFIX_CACHING = "--no-enable-prefix-caching"
 NO_CHUNKED_PREFILL = "--no-enable-chunked-prefill"
 INVARIANT_ENV = {"VLLM_BATCH_INVARIANT": "1"}
@@ -139,8 +146,10 @@ def last_lines(path: Path, count: int = 3) -> str:
 
 def root_cause(path: Path) -> str | None:
     """The exception that killed the engine, from the server log (the last line of its traceback), if any."""
-    cause = re.search(r"EngineCore encountered a fatal error\.(?:.*\n)*?.*\] (\w+(?:Error|Exception): [^\n]*)",
-                      path.read_text(errors="replace"))  # fmt: skip
+    cause = re.search(
+        r"EngineCore encountered a fatal error\.(?:.*\n)*?.*\] (\w+(?:Error|Exception): [^\n]*)",
+        path.read_text(errors="replace"),
+    )
     return cause.group(1).strip() if cause else None
 
 
@@ -151,13 +160,27 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
-        command = [str(venv / "bin" / "vllm"), "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
-                   *SERVER_FLAGS, *extra_args]  # fmt: skip
+        command = [
+            str(venv / "bin" / "vllm"),
+            "serve",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *SERVER_FLAGS,
+            *extra_args,
+        ]
         with open(log, "w") as handle:
             handle.write(f"$ {shlex.join(command)}\n# env: {extra_env}\n")
             handle.flush()
-            self.process = subprocess.Popen(command, env={**os.environ, **SERVER_ENV, **extra_env}, stdout=handle,
-                                            stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+            self.process = subprocess.Popen(
+                command,
+                env={**os.environ, **SERVER_ENV, **extra_env},
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def alive(self) -> bool:
         """The process runs and answers /health (after an engine crash the API server answers 500, then exits)."""
@@ -198,19 +221,30 @@ class Server:
 
 
 def body(model: str, request: Request) -> bytes:
-    return json.dumps({
-        "model": model, "prompt": [request.prompt], "n": request.n, "seed": request.seed,
-        "max_tokens": request.max_tokens, "temperature": 1.0, "logprobs": 0, "ignore_eos": False,
-        "return_token_ids": True, "return_tokens_as_token_ids": True,
-    }).encode()  # fmt: skip
+    return json.dumps(
+        {
+            "model": model,
+            "prompt": [request.prompt],
+            "n": request.n,
+            "seed": request.seed,
+            "max_tokens": request.max_tokens,
+            "temperature": 1.0,
+            "logprobs": 0,
+            "ignore_eos": False,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        }
+    ).encode()
 
 
 def parse(status: int, raw: bytes) -> Group:
     if status != 200:
         return Group(error=f"HTTP {status}: {raw[:300].decode(errors='replace')}")
     choices = sorted(json.loads(raw)["choices"], key=lambda choice: choice["index"])
-    return Group(tokens=[list(choice["token_ids"]) for choice in choices],
-                 logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices])  # fmt: skip
+    return Group(
+        tokens=[list(choice["token_ids"]) for choice in choices],
+        logprobs=[list(choice["logprobs"]["token_logprobs"]) for choice in choices],
+    )
 
 
 def send_concurrently(url: str, model: str, requests: list[Request], timeout: float) -> list[Group]:
@@ -231,8 +265,12 @@ def send_concurrently(url: str, model: str, requests: list[Request], timeout: fl
                 if index:
                     sent[index - 1].wait()
                 start = time.monotonic()
-                connection.request("POST", "/v1/completions", body=body(model, requests[index]),
-                                   headers={"Content-Type": "application/json"})  # fmt: skip
+                connection.request(
+                    "POST",
+                    "/v1/completions",
+                    body=body(model, requests[index]),
+                    headers={"Content-Type": "application/json"},
+                )
             finally:
                 sent[index].set()
             response = connection.getresponse()
@@ -259,8 +297,10 @@ def build_requests(prompt_len: int) -> tuple[Request, list[Request]]:
     """The target group and the 30 others (fixed by seed 0: the same in every run and configuration)."""
     rng = random.Random(0)
     target = Request(random_prompt(rng, prompt_len), TARGET_SEED, TARGET_MAX_TOKENS)
-    others = [Request(random_prompt(rng, rng.randint(16, 300)), seed=index + 1, max_tokens=rng.randint(16, 128))
-              for index in range(OTHERS)]  # fmt: skip
+    others = [
+        Request(random_prompt(rng, rng.randint(16, 300)), seed=index + 1, max_tokens=rng.randint(16, 128))
+        for index in range(OTHERS)
+    ]
     return target, others
 
 
@@ -321,8 +361,10 @@ def fmt_gap(gap: float) -> str:
 
 
 def table(rows: list[Comparison]) -> str:
-    lines = ["| condition | same tokens | max \\|logprob diff\\| | completions differing | overlapped by |",
-             "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| condition | same tokens | max \\|logprob diff\\| | completions differing | overlapped by |",
+        "|---|---|---|---|---|",
+    ]
     for row in rows:
         if row.same_tokens is None:
             lines.append(f"| {row.condition} | error | n/a | {shorten(row.error or '')} | {row.overlapping} |")
@@ -378,8 +420,15 @@ def measure(server: Server, target: Request, others: list[Request], timeout: flo
     return rows, reference
 
 
-def run_config(name: str, args: argparse.Namespace, model: str, extra_args: list[str], extra_env: dict[str, str],
-               target: Request, others: list[Request]) -> ConfigResult:  # fmt: skip
+def run_config(
+    name: str,
+    args: argparse.Namespace,
+    model: str,
+    extra_args: list[str],
+    extra_env: dict[str, str],
+    target: Request,
+    others: list[Request],
+) -> ConfigResult:
     """Start a server with these flags and environment, measure every condition, print the table, stop it."""
     log = Path(args.work) / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
     description = " ".join([*extra_args, *(f"{key}={value}" for key, value in extra_env.items())]) or "(none)"
@@ -408,8 +457,11 @@ def run_config(name: str, args: argparse.Namespace, model: str, extra_args: list
 def summary(results: list[ConfigResult]) -> str:
     """One row per configuration; the last column compares its reference with the first configuration's."""
     base = results[0].reference if results else None
-    lines = ["| config | tokens identical | max \\|logprob diff\\| | conditions with differing tokens | failed "
-             "conditions | reference vs first config's | seconds |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| config | tokens identical | max \\|logprob diff\\| | conditions with differing tokens | failed "
+        "conditions | reference vs first config's | seconds |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for result in results:
         if result.error is not None:
             error = shorten(result.crash or result.error)
@@ -425,16 +477,24 @@ def summary(results: list[ConfigResult]) -> str:
         if base is not None and result.reference is not None:
             check = compare("", base, result.reference, 0)
             versus = f"{'same' if check.same_tokens else 'different'} tokens, gap {fmt_gap(check.max_gap)}"
-        lines.append(f"| {result.name} | {identical}/{len(result.rows)} | {fmt_gap(max(gaps)) if gaps else 'n/a'} | "
-                     f"{differing} | {failed} | {versus} | {result.seconds:.0f} |")  # fmt: skip
+        lines.append(
+            f"| {result.name} | {identical}/{len(result.rows)} | {fmt_gap(max(gaps)) if gaps else 'n/a'} | "
+            f"{differing} | {failed} | {versus} | {result.seconds:.0f} |"
+        )
     return "\n".join(lines)
 
 
 def build_model(work: Path) -> str:
     """The built-in tiny model (cached), built in a subprocess so this process needs no torch."""
     code = "import sys; from dapo_trl.tiny_model import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
-    result = subprocess.run([sys.executable, "-c", code, str(work / "tiny")], cwd=REPO, check=True,
-                            capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(work / "tiny")],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     return result.stdout.strip().splitlines()[-1]
 
 
@@ -467,9 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     python = str(Path(args.vllm_venv) / "bin" / "python")
     version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
     print(f"# Batch invariance of seeded sampling: vLLM {version.stdout.strip() or '?'} (CPU), model {model}")
-    print(f"target: prompt of {len(target.prompt)} ids, n={target.n}, seed={target.seed}, "
-          f"max_tokens={target.max_tokens}; {len(others)} others: n={GROUP_SIZE}, prompts of 16-300 ids, "
-          f"max_tokens 16-128; base flags: {' '.join(SERVER_FLAGS)}")  # fmt: skip
+    print(
+        f"target: prompt of {len(target.prompt)} ids, n={target.n}, seed={target.seed}, "
+        f"max_tokens={target.max_tokens}; {len(others)} others: n={GROUP_SIZE}, prompts of 16-300 ids, "
+        f"max_tokens 16-128; base flags: {' '.join(SERVER_FLAGS)}"
+    )
     if args.configs:
         results = [run_config(name, args, model, flags, env, target, others) for name, (flags, env) in CONFIGS.items()]
         print(f"\n### summary\n\n{summary(results)}\n")

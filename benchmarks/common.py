@@ -8,19 +8,45 @@ from typing import Any
 
 # Random-init Qwen2 models of real dimensions (each with the built-in tiny tokenizer); "tiny" is the built-in model.
 MODELS = {
-    "qwen2.5-0.5b": {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
-                     "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936,
-                     "max_position_embeddings": 32768, "tie_word_embeddings": True},
-    "qwen2.5-1.5b": {"hidden_size": 1536, "num_hidden_layers": 28, "num_attention_heads": 12,
-                     "num_key_value_heads": 2, "intermediate_size": 8960, "vocab_size": 151936,
-                     "tie_word_embeddings": True},
-    "qwen2.5-7b": {"hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
-                   "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064,
-                   "tie_word_embeddings": False},
+    "qwen2.5-0.5b": {
+        "hidden_size": 896,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "intermediate_size": 4864,
+        "vocab_size": 151936,
+        "max_position_embeddings": 32768,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-1.5b": {
+        "hidden_size": 1536,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "intermediate_size": 8960,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+    },
+    "qwen2.5-7b": {
+        "hidden_size": 3584,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "intermediate_size": 18944,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+    },
     # Small enough for CPU, large enough that activations dominate a long row's memory.
-    "cpu-mid": {"hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2,
-                "intermediate_size": 1408, "vocab_size": 8192, "tie_word_embeddings": False},
-}  # fmt: skip
+    "cpu-mid": {
+        "hidden_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "intermediate_size": 1408,
+        "vocab_size": 8192,
+        "tie_word_embeddings": False,
+    },
+}
 
 
 def package_version(package: str) -> str:

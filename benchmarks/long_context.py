@@ -99,22 +99,45 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
 
     dataset = Dataset.from_list([{"prompt": f"Question {i}: add {i} and {i + 1}.", "solution": "0"} for i in range(64)])
     common = dict(
-        output_dir=str(work / "out" / trainer_name), per_device_train_batch_size=options["rows"],
-        gradient_accumulation_steps=1, steps_per_generation=1, num_generations=2, max_completion_length=length,
-        max_steps=options["steps"], learning_rate=1e-6, loss_type="dapo", epsilon_high=0.28, report_to="none",
-        logging_steps=1, save_strategy="no", seed=0, bf16=options["dtype"] == "bf16",
-        use_cpu=options["device"] == "cpu", activation_checkpointing=options["checkpointing"], disable_tqdm=True,
+        output_dir=str(work / "out" / trainer_name),
+        per_device_train_batch_size=options["rows"],
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=2,
+        max_completion_length=length,
+        max_steps=options["steps"],
+        learning_rate=1e-6,
+        loss_type="dapo",
+        epsilon_high=0.28,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        seed=0,
+        bf16=options["dtype"] == "bf16",
+        use_cpu=options["device"] == "cpu",
+        activation_checkpointing=options["checkpointing"],
+        disable_tqdm=True,
         model_init_kwargs={"attn_implementation": options["attn"]},
-    )  # fmt: skip
+    )
     if trainer_name == "GRPOTrainer":
         trainer_class, config = GRPOTrainer, GRPOConfig(**common)
     else:
         trainer_class = DAPOTrainer
-        config = DAPOConfig(**common, max_filter_gen_batches=1, apply_overlong_penalty=False,
-                            sequence_parallel_size=options.get("sequence_parallel_size", 1),
-                            max_tokens_per_microbatch=options.get("budget"))  # fmt: skip
-    trainer = trainer_class(model=model_path, reward_funcs=spread_reward, args=config, train_dataset=dataset,
-                            processing_class=tokenizer, rollout_func=rollout)  # fmt: skip
+        config = DAPOConfig(
+            **common,
+            max_filter_gen_batches=1,
+            apply_overlong_penalty=False,
+            sequence_parallel_size=options.get("sequence_parallel_size", 1),
+            max_tokens_per_microbatch=options.get("budget"),
+        )
+    trainer = trainer_class(
+        model=model_path,
+        reward_funcs=spread_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        rollout_func=rollout,
+    )
     counts = {"real": 0}
     pad_id = tokenizer.pad_token_id
 
@@ -163,8 +186,10 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
 
 
 def curve(args: argparse.Namespace, work: Path) -> None:
-    print(f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} rows={args.rows} "
-          f"steps={args.steps} activation checkpointing=on")  # fmt: skip
+    print(
+        f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} rows={args.rows} "
+        f"steps={args.steps} activation checkpointing=on"
+    )
     memory = "peak GPU MB" if args.device == "cuda" else "micro-step rise MB"
     print(
         f"| response tokens | trainer | {memory} | peak MB | real tokens / s | time / step (s) | DAPO / GRPO memory |"
@@ -174,12 +199,21 @@ def curve(args: argparse.Namespace, work: Path) -> None:
     for length in args.lengths:
         peaks = {}
         for trainer_name in TRAINERS:
-            options = {"work": str(work), "model": args.model, "dtype": args.dtype, "device": args.device,
-                       "length": length, "rows": args.rows, "steps": args.steps, "checkpointing": True,
-                       "attn": args.attn}  # fmt: skip
+            options = {
+                "work": str(work),
+                "model": args.model,
+                "dtype": args.dtype,
+                "device": args.device,
+                "length": length,
+                "rows": args.rows,
+                "steps": args.steps,
+                "checkpointing": True,
+                "attn": args.attn,
+            }
             env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
-            done = subprocess.run([sys.executable, __file__, "--run-one", trainer_name], env=env,
-                                  capture_output=True, text=True)  # fmt: skip
+            done = subprocess.run(
+                [sys.executable, __file__, "--run-one", trainer_name], env=env, capture_output=True, text=True
+            )
             lines = done.stdout.strip().splitlines()
             if done.returncode != 0 or not lines:
                 oom = "out of memory" in done.stderr.lower() or done.returncode in (-9, 137)
@@ -193,32 +227,71 @@ def curve(args: argparse.Namespace, work: Path) -> None:
             used = result["peak_mb"] if args.device == "cuda" else result["micro_step_rise_mb"]
             peaks[trainer_name] = used
             ratio = f"{peaks['DAPOTrainer'] / peaks['GRPOTrainer']:.2f}" if len(peaks) == 2 else ""
-            print(f"| {length} | {trainer_name} | {used:.0f} | {result['peak_mb']:.0f} | "
-                  f"{result['tokens_per_s']:.0f} | {result['step_time']:.2f} | {ratio} |", flush=True)  # fmt: skip
+            print(
+                f"| {length} | {trainer_name} | {used:.0f} | {result['peak_mb']:.0f} | "
+                f"{result['tokens_per_s']:.0f} | {result['step_time']:.2f} | {ratio} |",
+                flush=True,
+            )
     print("longest response trained: " + ", ".join(f"{name} {tokens}" for name, tokens in longest.items()))
 
 
 def sp_split(args: argparse.Namespace, work: Path) -> None:
     length = args.sp_length
-    print(f"DAPOTrainer, 2 gloo CPU processes, one row of {length} response tokens per process, model={args.model}, "
-          f"max_tokens_per_microbatch={length // 2}, no activation checkpointing")  # fmt: skip
-    columns = ("sequence_parallel_size", "process", "activations kept MB", "forward peak MB", "forward + backward MB",
-               "peak RSS MB", "time / step (s)")  # fmt: skip
+    print(
+        f"DAPOTrainer, 2 gloo CPU processes, one row of {length} response tokens per process, model={args.model}, "
+        f"max_tokens_per_microbatch={length // 2}, no activation checkpointing"
+    )
+    columns = (
+        "sequence_parallel_size",
+        "process",
+        "activations kept MB",
+        "forward peak MB",
+        "forward + backward MB",
+        "peak RSS MB",
+        "time / step (s)",
+    )
     print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|")
     rises = {}
     for size in (1, 2):
         out = work / f"sp{size}"
         out.mkdir(parents=True, exist_ok=True)
-        options = {"work": str(work), "model": args.model, "dtype": "fp32", "device": "cpu", "length": length,
-                   "rows": 1, "steps": 2, "checkpointing": False, "attn": "sdpa", "sequence_parallel_size": size,
-                   "budget": length // 2, "out": str(out)}  # fmt: skip
+        options = {
+            "work": str(work),
+            "model": args.model,
+            "dtype": "fp32",
+            "device": "cpu",
+            "length": length,
+            "rows": 1,
+            "steps": 2,
+            "checkpointing": False,
+            "attn": "sdpa",
+            "sequence_parallel_size": size,
+            "budget": length // 2,
+            "out": str(out),
+        }
         build_model(args.model, work, "fp32")  # once, before the processes start
         env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
         port = str(29500 + os.getpid() % 1000)
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                   "--main_process_port", port, __file__, "--run-one", "DAPOTrainer"]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            port,
+            __file__,
+            "--run-one",
+            "DAPOTrainer",
+        ]
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"| {size} | failed: {done.stderr.strip()[-400:]} |")
@@ -227,12 +300,18 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
             result = json.loads((out / f"rank{rank}.json").read_text())
             measures = ("kept_mb", "forward_rise_mb", "micro_step_rise_mb")
             rises[size, rank] = [result[name] for name in measures]
-            print(f"| {size} | {rank} | " + " | ".join(f"{result[name]:.0f}" for name in measures)
-                  + f" | {result['peak_mb']:.0f} | {result['step_time']:.1f} |", flush=True)  # fmt: skip
+            print(
+                f"| {size} | {rank} | "
+                + " | ".join(f"{result[name]:.0f}" for name in measures)
+                + f" | {result['peak_mb']:.0f} | {result['step_time']:.1f} |",
+                flush=True,
+            )
     if len(rises) == 4:
         kept, forward, step = ([max(rises[size, r][i] for r in range(2)) for size in (1, 2)] for i in range(3))
-        print(f"sequence parallelism: per process, SP 2 keeps {kept[1] / kept[0]:.2f}x the activations of SP 1 "
-              f"(forward peak {forward[1] / forward[0]:.2f}x, with backward {step[1] / step[0]:.2f}x)")  # fmt: skip
+        print(
+            f"sequence parallelism: per process, SP 2 keeps {kept[1] / kept[0]:.2f}x the activations of SP 1 "
+            f"(forward peak {forward[1] / forward[0]:.2f}x, with backward {step[1] / step[0]:.2f}x)"
+        )
 
 
 def main() -> None:

@@ -171,10 +171,21 @@ def main() -> None:
         return
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-bench-"))
     layout = f"batch={args.batch} x accumulation={args.accumulation}, steps_per_generation={2 * args.accumulation}"
-    print(f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} {layout} "
-          f"generations={args.num_generations}")  # fmt: skip
-    columns = ("L_max", "mix", "trainer", "fed / real tokens", "real tokens", "real tokens / s", "time / step (s)",
-               "vs GRPO", "peak MB")  # fmt: skip
+    print(
+        f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} {layout} "
+        f"generations={args.num_generations}"
+    )
+    columns = (
+        "L_max",
+        "mix",
+        "trainer",
+        "fed / real tokens",
+        "real tokens",
+        "real tokens / s",
+        "time / step (s)",
+        "vs GRPO",
+        "peak MB",
+    )
     print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|---|")
     for max_length in args.max_lengths:
@@ -182,11 +193,19 @@ def main() -> None:
             baseline = None
             for trainer_name in TRAINERS:
                 options = {
-                    "work": str(work), "model": args.model, "dtype": args.dtype, "device": args.device,
-                    "max_length": max_length, "mix": mix, "batch": args.batch, "accumulation": args.accumulation,
-                    "num_generations": args.num_generations, "steps": args.steps,
-                    "gradient_checkpointing": args.gradient_checkpointing, "attn": args.attn,
-                }  # fmt: skip
+                    "work": str(work),
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    "device": args.device,
+                    "max_length": max_length,
+                    "mix": mix,
+                    "batch": args.batch,
+                    "accumulation": args.accumulation,
+                    "num_generations": args.num_generations,
+                    "steps": args.steps,
+                    "gradient_checkpointing": args.gradient_checkpointing,
+                    "attn": args.attn,
+                }
                 env = {**os.environ, "PACKING_BENCH_OPTIONS": json.dumps(options)}
                 command = [sys.executable, __file__, "--run-one", trainer_name]
                 done = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -195,10 +214,13 @@ def main() -> None:
                     continue
                 result = json.loads(done.stdout.strip().splitlines()[-1])
                 baseline = baseline or result["step_time"]
-                print(f"| {max_length} | {mix} | {trainer_name} | {result['fed_per_real']:.2f} | "
-                      f"{result['real_tokens']} | {result['tokens_per_s']:.0f} | {result['step_time']:.2f} | "
-                      f"{result['step_time'] / baseline:.2f} | "
-                      f"{result['peak_mb']:.0f} |", flush=True)  # fmt: skip
+                print(
+                    f"| {max_length} | {mix} | {trainer_name} | {result['fed_per_real']:.2f} | "
+                    f"{result['real_tokens']} | {result['tokens_per_s']:.0f} | {result['step_time']:.2f} | "
+                    f"{result['step_time'] / baseline:.2f} | "
+                    f"{result['peak_mb']:.0f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

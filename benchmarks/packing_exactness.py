@@ -57,14 +57,18 @@ def main() -> None:
                 padded = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True).log_probs
                 packed = pack_rows(ids, mask, width_completion, None if one_sequence else int(mask.sum(1).max()))
                 out = model(
-                    input_ids=packed.input_ids, position_ids=packed.position_ids, labels=packed.labels,
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    labels=packed.labels,
                     fused_lm_head=True,
-                )  # fmt: skip
+                )
             difference = padded[:, -width_completion:] - unpack_per_token(packed, out.log_probs, width_completion)
             difference = difference[scored].abs().float()
             kind = "one sequence" if one_sequence else "bins"
-            print(f"| {attention} | {str(dtype).split('.')[-1]} | {kind} | {difference.max().item():.2e} | "
-                  f"{difference.mean().item():.2e} |")  # fmt: skip
+            print(
+                f"| {attention} | {str(dtype).split('.')[-1]} | {kind} | {difference.max().item():.2e} | "
+                f"{difference.mean().item():.2e} |"
+            )
 
 
 if __name__ == "__main__":

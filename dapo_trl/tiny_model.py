@@ -206,12 +206,23 @@ def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     config = SFTConfig(
-        output_dir=str(out / "sft"), max_steps=settings.steps, per_device_train_batch_size=settings.batch_size,
-        learning_rate=settings.learning_rate, lr_scheduler_type="cosine", weight_decay=0.0, seed=seed,
-        use_cpu=not torch.cuda.is_available(), bf16=False, report_to="none", save_strategy="no",
-        logging_strategy="no", disable_tqdm=True, max_length=_MODEL_MAX_LENGTH, dataloader_num_workers=0,
+        output_dir=str(out / "sft"),
+        max_steps=settings.steps,
+        per_device_train_batch_size=settings.batch_size,
+        learning_rate=settings.learning_rate,
+        lr_scheduler_type="cosine",
+        weight_decay=0.0,
+        seed=seed,
+        use_cpu=not torch.cuda.is_available(),
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        max_length=_MODEL_MAX_LENGTH,
+        dataloader_num_workers=0,
         activation_checkpointing=False,  # a 170k-parameter model: recomputing activations would only cost time
-    )  # fmt: skip
+    )
     verbosity, progress_bars = hf_logging.get_verbosity(), is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the pass is an implementation detail of the build: no logs, bars or warnings
     disable_progress_bar()
@@ -252,9 +263,17 @@ def _warm_start_in_own_process(out: Path, seed: int, settings: WarmStart) -> Non
 
 
 _DISTRIBUTED_ENV = {
-    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
-    "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-}  # fmt: skip
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+}
 
 
 def _save_weights(model, out: Path) -> None:
@@ -382,8 +401,10 @@ def build_tiny_model(
         if settings is not None:
             logger.info(
                 "building the built-in tiny model in %s, once: a random init, then %d supervised steps on the "
-                "built-in problems (about 30 s on 2 CPU cores)", target, settings.steps,
-            )  # fmt: skip
+                "built-in problems (about 30 s on 2 CPU cores)",
+                target,
+                settings.steps,
+            )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
             _build_into(tmp, seed, settings)

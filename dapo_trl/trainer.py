@@ -126,10 +126,15 @@ class DAPOTrainer(GRPOTrainer):
             from .data import filter_overlong_prompts
 
             self.train_dataset = filter_overlong_prompts(
-                self.train_dataset, self.processing_class, args.max_prompt_length, policy=args.overlong_prompt_policy,
-                chat_template_kwargs=self.chat_template_kwargs, tools=self.tools or None,
-                chat_template=self.chat_template, gather=gather_object if self.accelerator.num_processes > 1 else None,
-            )  # fmt: skip
+                self.train_dataset,
+                self.processing_class,
+                args.max_prompt_length,
+                policy=args.overlong_prompt_policy,
+                chat_template_kwargs=self.chat_template_kwargs,
+                tools=self.tools or None,
+                chat_template=self.chat_template,
+                gather=gather_object if self.accelerator.num_processes > 1 else None,
+            )
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
@@ -209,9 +214,16 @@ class DAPOTrainer(GRPOTrainer):
 
     # ----------------------------------------------------------------------------------- padding-free forwards
     def _get_per_token_logps_and_entropies(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, compute_entropy=False,
-        compute_aux_loss=False, **multimodal,
-    ):  # fmt: skip
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """Every training-phase forward goes through here (padding-free, sequence-parallel)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
         logps, *rest = self._real_token_forward(
@@ -239,8 +251,9 @@ class DAPOTrainer(GRPOTrainer):
             return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
 
         if self._sequence_parallel is not None:
-            return self._sequence_parallel_forward(model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
-                                                   multimodal, padded_forward)  # fmt: skip
+            return self._sequence_parallel_forward(
+                model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward
+            )
         if not self.args.padding_free or any(value is not None for value in multimodal.values()):
             return super()._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
@@ -250,20 +263,32 @@ class DAPOTrainer(GRPOTrainer):
             entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
             extra = {"output_router_logits": True} if aux else {}
             with self.accelerator.autocast():
-                out = model(input_ids=packed.input_ids, position_ids=packed.position_ids, labels=packed.labels,
-                            fused_lm_head=True, **extra)  # fmt: skip
+                out = model(
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    labels=packed.labels,
+                    fused_lm_head=True,
+                    **extra,
+                )
             return out.log_probs, out.entropy if entropy else None, out.aux_loss if aux else None
 
         return padding_free_per_token(
-            input_ids, attention_mask, logits_to_keep,
-            packed_forward=packed_forward if self._packing else None, padded_forward=padded_forward,
-            max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
-            one_sequence=self._packing == "sequence", pad_token_id=trl_seam.tokenizer(self).pad_token_id,
-            agree_count=self._agree_forwards, one_forward=self._one_forward and torch.is_grad_enabled(),
-        )  # fmt: skip
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            packed_forward=packed_forward if self._packing else None,
+            padded_forward=padded_forward,
+            max_tokens=self.args.max_tokens_per_microbatch,
+            max_rows=batch_size,
+            one_sequence=self._packing == "sequence",
+            pad_token_id=trl_seam.tokenizer(self).pad_token_id,
+            agree_count=self._agree_forwards,
+            one_forward=self._one_forward and torch.is_grad_enabled(),
+        )
 
-    def _sequence_parallel_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags,
-                                   multimodal, padded_forward):  # fmt: skip
+    def _sequence_parallel_forward(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward
+    ):
         """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
         if any(value is not None for value in multimodal.values()):
             raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
@@ -280,11 +305,17 @@ class DAPOTrainer(GRPOTrainer):
             return out.log_probs, out.entropy if flags["compute_entropy"] else None
 
         return self._sequence_parallel.per_token(
-            input_ids, attention_mask, logits_to_keep, shard_forward=shard_forward, padded_forward=padded_forward,
-            max_tokens=self.args.max_tokens_per_microbatch, max_rows=batch_size,
-            pad_token_id=trl_seam.tokenizer(self).pad_token_id, agree_count=self._agree_forwards,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            shard_forward=shard_forward,
+            padded_forward=padded_forward,
+            max_tokens=self.args.max_tokens_per_microbatch,
+            max_rows=batch_size,
+            pad_token_id=trl_seam.tokenizer(self).pad_token_id,
+            agree_count=self._agree_forwards,
             one_forward=self._one_forward and torch.is_grad_enabled(),
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------------------------------------ tool use
     def _generate(self, prompts: list):
@@ -361,9 +392,12 @@ class DAPOTrainer(GRPOTrainer):
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             with torch.no_grad():
                 output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model, input_ids, attention_mask, output["completion_ids"].size(1),
+                    self.model,
+                    input_ids,
+                    attention_mask,
+                    output["completion_ids"].size(1),
                     batch_size=self.args.per_device_train_batch_size,
-                )  # fmt: skip
+                )
         return ScoredRound(
             gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
@@ -419,16 +453,22 @@ class DAPOTrainer(GRPOTrainer):
         process only)."""
         args = self.args
         sampling = SamplingSettings(
-            n=self.num_generations, max_tokens=args.max_completion_length, temperature=args.temperature,
-            top_p=args.top_p, top_k=args.top_k or 0, min_p=args.min_p or 0.0,
-            repetition_penalty=args.repetition_penalty, extra=dict(args.generation_kwargs or {}),
-        )  # fmt: skip
+            n=self.num_generations,
+            max_tokens=args.max_completion_length,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k or 0,
+            min_p=args.min_p or 0.0,
+            repetition_penalty=args.repetition_penalty,
+            extra=dict(args.generation_kwargs or {}),
+        )
         if self.colocated_rollout_engines:
             return VLLMColocateEngine(trl_seam.vllm_backend(self).llm, sampling, args.vllm_request_timeout)
         base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
         local_root, server_root = rollout_weights_dirs(args)
-        return VLLMServerEngine(base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root,
-                                reload_server_weights, local_root)  # fmt: skip
+        return VLLMServerEngine(
+            base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root, reload_server_weights, local_root
+        )
 
     def publish_rollout_weights(self, version: int) -> None:
         """Make the current weights (`version` = generation batches trained so far) available to the engine.

@@ -65,9 +65,24 @@ def python_command(
         return [python, script, *args]
     backend = ["--use_deepspeed", "--deepspeed_config_file", deepspeed_config] if deepspeed_config else ["--multi_gpu"]
     port = str(29500 + os.getpid() % 1000)
-    return [python, "-m", "accelerate.commands.launch", *backend, "--num_processes", str(num_processes),
-            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", port,
-            script, *args]  # fmt: skip
+    return [
+        python,
+        "-m",
+        "accelerate.commands.launch",
+        *backend,
+        "--num_processes",
+        str(num_processes),
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        port,
+        script,
+        *args,
+    ]
 
 
 def vllm_cpu_venv() -> str:

@@ -1,7 +1,6 @@
 """Pure DAPO math (the overlong penalty, the exact step normaliser) against references written from the paper;
 the policy losses are in test_losses.py."""
 
-import math
 import random
 
 import pytest

@@ -32,13 +32,22 @@ def reference(rewards_per_func, weights, lengths, truncated, group):
     out["reward"], out["reward_std"] = rewards.mean().item(), nanstd(rewards)
     out["frac_reward_zero_std"] = (rewards.view(-1, group).std(dim=1) == 0).float().mean().item()
     lengths = lengths.float()
-    out.update({"completions/mean_length": lengths.mean().item(), "completions/min_length": lengths.min().item(),
-                "completions/max_length": lengths.max().item(),
-                "completions/clipped_ratio": truncated.float().mean().item()})  # fmt: skip
+    out.update(
+        {
+            "completions/mean_length": lengths.mean().item(),
+            "completions/min_length": lengths.min().item(),
+            "completions/max_length": lengths.max().item(),
+            "completions/clipped_ratio": truncated.float().mean().item(),
+        }
+    )
     ended = lengths[~truncated]
-    out.update({"completions/mean_terminated_length": ended.mean().item(),
-                "completions/min_terminated_length": ended.min().item(),
-                "completions/max_terminated_length": ended.max().item()})  # fmt: skip
+    out.update(
+        {
+            "completions/mean_terminated_length": ended.mean().item(),
+            "completions/min_terminated_length": ended.min().item(),
+            "completions/max_terminated_length": ended.max().item(),
+        }
+    )
     return out
 
 

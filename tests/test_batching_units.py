@@ -159,9 +159,15 @@ def test_padding_free_per_token_matches_a_padded_reference(budget):
     reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
     for packed, one_sequence in ((fake_packed_forward, True), (fake_packed_forward, False), (None, False)):
         logps, entropy, _ = padding_free_per_token(
-            ids, mask, keep, packed_forward=packed, padded_forward=fake_padded_forward, max_tokens=budget,
-            max_rows=2, one_sequence=one_sequence,
-        )  # fmt: skip
+            ids,
+            mask,
+            keep,
+            packed_forward=packed,
+            padded_forward=fake_padded_forward,
+            max_tokens=budget,
+            max_rows=2,
+            one_sequence=one_sequence,
+        )
         assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
 
 
@@ -195,18 +201,31 @@ def test_sharded_weights_run_forwards_in_lockstep_with_exact_results(budget, mod
     reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
     forwards = CountedForwards()
     logps, entropy, _ = padding_free_per_token(
-        ids, mask, keep, packed_forward=None if mode == "trimmed" else forwards.packed, padded_forward=forwards.padded,
-        max_tokens=budget, max_rows=2, one_sequence=mode == "sequence", agree_count=forwards.agree,
-    )  # fmt: skip
+        ids,
+        mask,
+        keep,
+        packed_forward=None if mode == "trimmed" else forwards.packed,
+        padded_forward=forwards.padded,
+        max_tokens=budget,
+        max_rows=2,
+        one_sequence=mode == "sequence",
+        agree_count=forwards.agree,
+    )
     assert len(forwards.agreed) == 1 and forwards.calls == forwards.agreed[0] + 2
     assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
     logps.sum().backward()  # reaches the weight through every forward, the lockstep ones at zero weight
     assert forwards.weight.grad is not None and torch.isfinite(forwards.weight.grad)
     empty = CountedForwards()
     none, _, _ = padding_free_per_token(
-        ids[:0], mask[:0], keep, packed_forward=None, padded_forward=empty.padded, max_tokens=budget, max_rows=2,
+        ids[:0],
+        mask[:0],
+        keep,
+        packed_forward=None,
+        padded_forward=empty.padded,
+        max_tokens=budget,
+        max_rows=2,
         agree_count=lambda count: 3,
-    )  # fmt: skip
+    )
     assert none.shape == (0, keep) and empty.calls == 3  # a process without rows still runs the agreed forwards
 
 
@@ -217,9 +236,17 @@ def test_one_forward_runs_every_row_at_once_with_exact_results(mode):
     reference, reference_entropy, _ = fake_padded_forward(ids, mask, keep)
     forwards = CountedForwards()
     logps, entropy, _ = padding_free_per_token(
-        ids, mask, keep, packed_forward=None if mode == "trimmed" else forwards.packed, padded_forward=forwards.padded,
-        max_tokens=5, max_rows=2, one_sequence=mode == "sequence", agree_count=lambda count: count, one_forward=True,
-    )  # fmt: skip
+        ids,
+        mask,
+        keep,
+        packed_forward=None if mode == "trimmed" else forwards.packed,
+        padded_forward=forwards.padded,
+        max_tokens=5,
+        max_rows=2,
+        one_sequence=mode == "sequence",
+        agree_count=lambda count: count,
+        one_forward=True,
+    )
     assert forwards.calls == 1
     assert torch.allclose(logps, reference) and torch.allclose(entropy, reference_entropy)
 

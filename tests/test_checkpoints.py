@@ -53,10 +53,18 @@ def test_an_incomplete_checkpoint_is_refused_naming_what_is_missing_and_what_to_
 
 def trainer(out, **overrides) -> DAPOTrainer:
     prompts = [{"prompt": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(16)]
-    settings = {"save_strategy": "steps", "save_steps": 1, "max_steps": 2, "filter_groups_enable": True,
-                "max_filter_gen_batches": 1, "filter_groups_on_exhausted": "fill", **overrides}  # fmt: skip
-    return DAPOTrainer(model=str(build_tiny_model()), args=tiny_config(out, **settings),
-                       train_dataset=Dataset.from_list(prompts))  # fmt: skip
+    settings = {
+        "save_strategy": "steps",
+        "save_steps": 1,
+        "max_steps": 2,
+        "filter_groups_enable": True,
+        "max_filter_gen_batches": 1,
+        "filter_groups_on_exhausted": "fill",
+        **overrides,
+    }
+    return DAPOTrainer(
+        model=str(build_tiny_model()), args=tiny_config(out, **settings), train_dataset=Dataset.from_list(prompts)
+    )
 
 
 @pytest.mark.e2e
@@ -78,8 +86,9 @@ def test_a_failed_save_keeps_the_last_complete_checkpoint_and_names_the_disk(tmp
         run.train()
     monkeypatch.setattr(torch, "save", real_save)
     assert not checkpoints.problems(out / "checkpoint-1")  # not rotated away before checkpoint-2 was complete
-    assert checkpoints.problems(out / "checkpoint-2") == [f"{COMPLETE_FILE} is missing (the save was interrupted, "
-                                                          "or an older dapo-trl wrote it)"]  # fmt: skip
+    assert checkpoints.problems(out / "checkpoint-2") == [
+        f"{COMPLETE_FILE} is missing (the save was interrupted, or an older dapo-trl wrote it)"
+    ]
     assert resolve_resume("latest", out) == str(out / "checkpoint-1")
     with pytest.raises(IncompleteCheckpointError, match="checkpoint-1"):
         trainer(out).train(resume_from_checkpoint=str(out / "checkpoint-2"))

@@ -77,16 +77,29 @@ def test_zero3_lora_trains_only_the_adapter(tmp_path):
     out = tmp_path / "zero3"
     script = str(SCRIPTS / "dynamic_sampling_run.py")
     run = run_command(
-        python_command(script, str(out), "4", "2", "mixed_share=0.3", "lora=8", "learning_rate=1e-3",
-                       "activation_checkpointing=true", "max_tokens_per_microbatch=16", num_processes=2,
-                       deepspeed_config=ZERO3)
-    )  # fmt: skip
+        python_command(
+            script,
+            str(out),
+            "4",
+            "2",
+            "mixed_share=0.3",
+            "lora=8",
+            "learning_rate=1e-3",
+            "activation_checkpointing=true",
+            "max_tokens_per_microbatch=16",
+            num_processes=2,
+            deepspeed_config=ZERO3,
+        )
+    )
     # TRL made the checkpointing reentrant, so the one-forward path ran (and said the budget is not applied).
     assert "max_tokens_per_microbatch=16 is not applied to training forwards" in run.stdout + run.stderr
     final = torch.load(out / "final_params.pt")  # gathered from the shards
     on_disk = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "tiny").named_parameters())
-    base = {name.replace("base_model.model.", "", 1).replace(".base_layer", ""): value
-            for name, value in final.items() if "lora_" not in name}  # fmt: skip
+    base = {
+        name.replace("base_model.model.", "", 1).replace(".base_layer", ""): value
+        for name, value in final.items()
+        if "lora_" not in name
+    }
     assert base.keys() == on_disk.keys()
     for name, value in base.items():
         assert torch.equal(value, on_disk[name].detach()), name

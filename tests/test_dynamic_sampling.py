@@ -172,10 +172,12 @@ def reference_batch_advantages(rewards: list[float], groups: list[str]) -> list[
 
 @pytest.mark.parametrize(
     "overrides",
-    [("mixed_share=0.5", "max_filter_gen_batches=0", "filter_groups_carry_surplus=true"),
-     ("mixed_share=0.2", "max_filter_gen_batches=1")],
+    [
+        ("mixed_share=0.5", "max_filter_gen_batches=0", "filter_groups_carry_surplus=true"),
+        ("mixed_share=0.2", "max_filter_gen_batches=1"),
+    ],
     ids=["several-rounds-and-carried-groups", "with-filler"],
-)  # fmt: skip
+)
 def test_batch_scaled_advantages_are_over_the_final_batch(tmp_path, overrides):
     """Every trained row's advantage is TRL's batch formula over the rows actually trained in that step (filler
     left out): rewards vary within groups (reward=ids), and kept groups come from several rounds."""
@@ -250,8 +252,17 @@ def test_a_skipped_step_keeps_weight_decay_and_momentum_from_acting(tmp_path, sk
     steps 2 and 3 are filler only. Skipped, they leave weights, exp_avg, exp_avg_sq and the step count
     bit-identical; the control without skipping shows that they would otherwise move (decay, moment decay)."""
     out = tmp_path / "run"
-    run(out, 8, 3, "mixed_share=1.0", "max_filter_gen_batches=1", "constant_from_step=1", "snapshots=true",
-        *SGD_LIKE_ADAMW, f"skip_empty={skip_empty}")  # fmt: skip
+    run(
+        out,
+        8,
+        3,
+        "mixed_share=1.0",
+        "max_filter_gen_batches=1",
+        "constant_from_step=1",
+        "snapshots=true",
+        *SGD_LIKE_ADAMW,
+        f"skip_empty={skip_empty}",
+    )
     start, first, last = snapshot(out, "start"), snapshot(out, "1"), snapshot(out, "3")
     assert not torch.equal(start["params"]["lm_head.weight"], first["params"]["lm_head.weight"])  # step 1 trained
     assert any(key.endswith(".step") for key in first["optimizer"])

@@ -50,8 +50,9 @@ def requests_of(count: int, versions: int = 2) -> list[GroupRequest]:
 
 
 def expected(request: GroupRequest) -> list[list[int]]:
-    return [fake_completion(request.prompt_ids, request.seed, request.version, i, EOS, MAX_TOKENS)[0]
-            for i in range(GROUP)]  # fmt: skip
+    return [
+        fake_completion(request.prompt_ids, request.seed, request.version, i, EOS, MAX_TOKENS)[0] for i in range(GROUP)
+    ]
 
 
 def test_groups_lost_with_the_engine_are_sent_again_with_their_seed_and_weights_once_it_is_back():

@@ -26,8 +26,15 @@ def fail(exc: BaseException):
 
 def test_a_failure_stops_a_process_stuck_in_a_collective_with_its_message(store, capsys):
     exited, cleaned, release = threading.Event(), threading.Event(), threading.Event()
-    waiting = FailTogether(0, 2, store, on_peer_failure=cleaned.set, exit_process=lambda code: exited.set(),
-                           poll_seconds=0.01, own_exit_seconds=0.05)  # fmt: skip
+    waiting = FailTogether(
+        0,
+        2,
+        store,
+        on_peer_failure=cleaned.set,
+        exit_process=lambda code: exited.set(),
+        poll_seconds=0.01,
+        own_exit_seconds=0.05,
+    )
     failing = FailTogether(1, 2, store, poll_seconds=0.01)
     stuck = threading.Thread(target=waiting.run, args=(lambda: release.wait(30),))  # never returns by itself
     stuck.start()
@@ -63,9 +70,13 @@ def test_one_process_or_no_launcher_runs_train_as_is():
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "fail_in, extra",
-    [("reward", ()), ("decode", ()), ("evaluation", ("eval_strategy=steps", "eval_steps=1",
-                                                     "per_device_eval_batch_size=4")), ("engine", ())],
-)  # fmt: skip
+    [
+        ("reward", ()),
+        ("decode", ()),
+        ("evaluation", ("eval_strategy=steps", "eval_steps=1", "per_device_eval_batch_size=4")),
+        ("engine", ()),
+    ],
+)
 def test_one_process_failing_ends_both_with_its_message(tmp_path, fail_in, extra):
     """Two processes, streaming from the fake engine; one fails at step 2 and stays alive. The other stops with the
     failing one's message and the launcher ends the run, well before any collective timeout. The engine fails on
@@ -79,9 +90,11 @@ def test_one_process_failing_ends_both_with_its_message(tmp_path, fail_in, extra
     if fail_in == "engine":
         assert "TimeoutError: the engine did not answer" in (out / "error_rank1.txt").read_text()
         return
-    cause = {"reward": "ValueError: injected failure in the reward on process 1",
-             "evaluation": "ValueError: injected failure in the reward on process 1",
-             "decode": "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff"}[fail_in]  # fmt: skip
+    cause = {
+        "reward": "ValueError: injected failure in the reward on process 1",
+        "evaluation": "ValueError: injected failure in the reward on process 1",
+        "decode": "UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff",
+    }[fail_in]
     assert cause in (out / "error_rank1.txt").read_text()
     assert f"error: process 0 stops because process 1 failed: {cause}" in result.stderr, result.stderr[-3000:]
     assert not (out / "error_rank0.txt").exists()  # it was stuck in a collective: the watcher ended it

@@ -42,10 +42,23 @@ def run_translator(script: Path, out: Path, *extra: str) -> subprocess.Completed
     """The command line in a subprocess (its exit status and messages are part of the contract)."""
     env = [f"--env={name}={value}" for name, value in ENVIRONMENT.items()]
     return subprocess.run(
-        [sys.executable, "-m", "dapo_trl.from_verl", str(script), "--output", str(out), "--ignore-environment",
-         *env, *extra],
-        cwd=REPO, env=offline_environment(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "dapo_trl.from_verl",
+            str(script),
+            "--output",
+            str(out),
+            "--ignore-environment",
+            *env,
+            *extra,
+        ],
+        cwd=REPO,
+        env=offline_environment(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def parse_recipe(path: Path):
@@ -112,8 +125,11 @@ def test_unresolvable_variables_are_reported_not_guessed(tmp_path):
         "  data.train_files=$DATA/train.parquet data.train_batch_size=$((BATCH * 2)) trainer.nnodes=${NODES:?set it}\n"
     )
     found = read_verl_input(script, {})
-    assert found.unresolved == {"data.train_files": ["DATA"], "data.train_batch_size": ["BATCH"],
-                                "trainer.nnodes": ["NODES"]}  # fmt: skip
+    assert found.unresolved == {
+        "data.train_files": ["DATA"],
+        "data.train_batch_size": ["BATCH"],
+        "trainer.nnodes": ["NODES"],
+    }
     result = run_translator(script, tmp_path / "out")
     assert result.returncode == 2
     assert "data.train_files: DATA" in result.stderr and "data.train_batch_size: BATCH" in result.stderr
@@ -182,9 +198,16 @@ def test_not_a_verl_run_is_refused(tmp_path):
     ],
 )
 def test_batch_plan_keeps_verls_responses_per_update_and_per_rollout(train, n, mini, world, epochs, micro, dynamic):
-    plan = plan_batches(train_batch_size=train, num_generations=n, ppo_mini_batch_size=mini, world_size=world,
-                        ppo_epochs=epochs, micro_batch_per_gpu=micro, use_dynamic_bsz=dynamic,
-                        max_token_len_per_gpu=4096)  # fmt: skip
+    plan = plan_batches(
+        train_batch_size=train,
+        num_generations=n,
+        ppo_mini_batch_size=mini,
+        world_size=world,
+        ppo_epochs=epochs,
+        micro_batch_per_gpu=micro,
+        use_dynamic_bsz=dynamic,
+        max_token_len_per_gpu=4096,
+    )
     assert not plan.errors
     assert plan.responses_per_update == mini * n
     assert plan.responses_per_rollout == train * n
@@ -199,12 +222,24 @@ def test_batch_plan_keeps_verls_responses_per_update_and_per_rollout(train, n, m
 def test_batch_plan_with_ulysses_runs_verls_micro_batch_per_group():
     """verl's ppo_micro_batch_size_per_gpu under SP is what a group of sp GPUs runs together; here a group runs its
     processes' micro-batches together, so each process takes micro / sp, and accumulation stays verl's."""
-    plan = plan_batches(train_batch_size=256, num_generations=8, ppo_mini_batch_size=64, world_size=8,
-                        micro_batch_per_gpu=8, sequence_parallel_size=4)  # fmt: skip
+    plan = plan_batches(
+        train_batch_size=256,
+        num_generations=8,
+        ppo_mini_batch_size=64,
+        world_size=8,
+        micro_batch_per_gpu=8,
+        sequence_parallel_size=4,
+    )
     # verl: 2 groups of 4, 64 x 8 / 2 = 256 responses per group and update, micro 8: 32 accumulation steps.
     assert (plan.per_device_train_batch_size, plan.gradient_accumulation_steps) == (2, 32) and not plan.notes
-    plan = plan_batches(train_batch_size=256, num_generations=8, ppo_mini_batch_size=64, world_size=8,
-                        micro_batch_per_gpu=6, sequence_parallel_size=4)  # fmt: skip
+    plan = plan_batches(
+        train_batch_size=256,
+        num_generations=8,
+        ppo_mini_batch_size=64,
+        world_size=8,
+        micro_batch_per_gpu=6,
+        sequence_parallel_size=4,
+    )
     assert plan.per_device_train_batch_size == 1 and "per Ulysses group" in plan.notes[0]
 
 
@@ -242,8 +277,13 @@ def test_dapo_recipe():
     assert (r["steps_per_generation"], r["num_iterations"], plan.updates_per_rollout) == (16, 1, 16)
     assert r["max_tokens_per_microbatch"] == 2048 + 20480
     # The DAPO components.
-    assert (r["loss_type"], r["epsilon"], r["epsilon_high"], r["clip_ratio_c"], r["beta"]) == ("dapo", 0.2, 0.28,
-                                                                                              10.0, 0.0)  # fmt: skip
+    assert (r["loss_type"], r["epsilon"], r["epsilon_high"], r["clip_ratio_c"], r["beta"]) == (
+        "dapo",
+        0.2,
+        0.28,
+        10.0,
+        0.0,
+    )
     assert (r["max_prompt_length"], r["max_completion_length"], r["overlong_prompt_policy"]) == (2048, 20480, "filter")
     assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 4096, 1.0)
     assert (r["filter_groups_enable"], r["max_filter_gen_batches"], r["filter_groups_oversample"]) == (True, 10, 3)
@@ -252,8 +292,7 @@ def test_dapo_recipe():
     assert (r["lr_scheduler_type"], r["warmup_steps"], r["learning_rate"]) == ("constant_with_warmup", 160, 1e-6)
     assert (r["save_strategy"], r["save_steps"], r["eval_strategy"], r["eval_steps"]) == ("steps", 80, "steps", 80)
     assert (r["weight_decay"], r["max_grad_norm"], r["num_train_epochs"], r["logging_steps"]) == (0.1, 1.0, 1.0, 16)
-    assert (r["val_before_train"], r["eval_num_samples"], r["eval_temperature"], r["eval_top_p"]) == (True, 1, 1.0,
-                                                                                                     0.7)  # fmt: skip
+    assert (r["val_before_train"], r["eval_num_samples"], r["eval_temperature"], r["eval_top_p"]) == (True, 1, 1.0, 0.7)
     assert (r["temperature"], r["top_p"], r["top_k"], r["padding_free"]) == (1.0, 1.0, 0, True)
     assert r["output_dir"] == "/home/user/verl/ckpts/DAPO/DAPO-Qwen2.5-32B" and r["run_name"] == "DAPO-Qwen2.5-32B"
     assert r["report_to"] == "wandb" and r["vllm_importance_sampling_correction"] is False
@@ -280,8 +319,10 @@ def test_retool_recipe():
     t = translated(RETOOL_SCRIPT)
     r = t.recipe
     assert r["dataset_name"] == "dapo-math-17k:/data/dataset/BytedTsinghua-SIA/DAPO-Math-17k"
-    assert r["eval_dataset_name"] == ["aime2025:/data/dataset/yentinglin/aime_2025",
-                                      "aime2024:/data/dataset/Maxwell-Jia/AIME_2024"]  # fmt: skip
+    assert r["eval_dataset_name"] == [
+        "aime2025:/data/dataset/yentinglin/aime_2025",
+        "aime2024:/data/dataset/Maxwell-Jia/AIME_2024",
+    ]
     plan = t.batch
     assert plan.responses_per_rollout == 64 * 16 and plan.responses_per_update == 16 * 16
     assert (r["per_device_train_batch_size"], r["steps_per_generation"], plan.updates_per_rollout) == (32, 4, 4)
@@ -374,8 +415,12 @@ def test_unsupported_kl_loss_types_fail_with_a_reason(tmp_path, kind):
     why = t.entries["actor_rollout_ref.actor.kl_loss_type"].how
     assert f"kl_loss_type={kind!r}" in why and "k3 (low_var_kl)" in why
     if kind == "mse":
-        result = run_translator(GRPO_SCRIPT, tmp_path / "out", "algorithm.use_kl_in_reward=False",
-                                "actor_rollout_ref.actor.kl_loss_type=mse")  # fmt: skip
+        result = run_translator(
+            GRPO_SCRIPT,
+            tmp_path / "out",
+            "algorithm.use_kl_in_reward=False",
+            "actor_rollout_ref.actor.kl_loss_type=mse",
+        )
         assert result.returncode == 1 and "kl_loss_type='mse'" in result.stderr
 
 
@@ -389,8 +434,13 @@ def test_verl_lora_example_maps_lora_as_verl_builds_it():
     t = translated(LORA_SCRIPT)
     assert not t.blocking
     lora = {key: t.recipe[key] for key in ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")}
-    assert lora == {"use_peft": True, "lora_r": 64, "lora_alpha": 32, "lora_target_modules": ["all-linear"],
-                    "lora_dropout": 0.0}  # fmt: skip
+    assert lora == {
+        "use_peft": True,
+        "lora_r": 64,
+        "lora_alpha": 32,
+        "lora_target_modules": ["all-linear"],
+        "lora_dropout": 0.0,
+    }
     assert "lora_exclude_modules" not in t.recipe
     assert t.recipe["learning_rate"] == 3e-6 and t.recipe["beta"] == 0.001  # verl's lr as is; the KL loss
     for key in ("lora_rank", "lora_alpha"):
@@ -428,8 +478,9 @@ def test_lora_exclude_modules_reaches_the_peft_config(tmp_path):
     lora = config("--use_peft", "true", "--lora_target_modules", "all-linear", "--lora_exclude_modules", ".*mlp.*")
     assert (lora.target_modules, lora.exclude_modules) == ("all-linear", ".*mlp.*")
     assert config("--use_peft", "true", "--lora_exclude_modules", "up_proj", "down_proj").exclude_modules == {
-        "up_proj", "down_proj"
-    }  # fmt: skip
+        "up_proj",
+        "down_proj",
+    }
     with pytest.raises(UserFacingError, match="--lora_exclude_modules needs --use_peft true"):
         config("--lora_exclude_modules", "up_proj")
 
@@ -487,22 +538,51 @@ def write_verl_parquet(path: Path, sources: list[str], rows: int = 64) -> Path:
     problems = make_arithmetic_dataset(num_problems=rows)
     Dataset.from_list(
         [
-            {"data_source": sources[i % len(sources)], "prompt": row["prompt"], "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": row["solution"]}, "extra_info": {"index": i}}
+            {
+                "data_source": sources[i % len(sources)],
+                "prompt": row["prompt"],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": row["solution"]},
+                "extra_info": {"index": i},
+            }
             for i, row in enumerate(problems)
         ]
-    ).to_parquet(str(path))  # fmt: skip
+    ).to_parquet(str(path))
     return path
 
 
 E2E_OVERRIDES = [
-    "--model_name_or_path", "builtin:tiny", "--max_steps", "2",
-    "--per_device_train_batch_size", "8", "--num_generations", "4", "--gradient_accumulation_steps", "1",
-    "--steps_per_generation", "2", "--max_completion_length", "32",
-    "--use_vllm", "false", "--eval_strategy", "no",
-    "--val_before_train", "false", "--report_to", "none",
-    "--save_strategy", "no", "--logging_steps", "1", "--plot", "false", "--disable_tqdm", "true",
-]  # fmt: skip
+    "--model_name_or_path",
+    "builtin:tiny",
+    "--max_steps",
+    "2",
+    "--per_device_train_batch_size",
+    "8",
+    "--num_generations",
+    "4",
+    "--gradient_accumulation_steps",
+    "1",
+    "--steps_per_generation",
+    "2",
+    "--max_completion_length",
+    "32",
+    "--use_vllm",
+    "false",
+    "--eval_strategy",
+    "no",
+    "--val_before_train",
+    "false",
+    "--report_to",
+    "none",
+    "--save_strategy",
+    "no",
+    "--logging_steps",
+    "1",
+    "--plot",
+    "false",
+    "--disable_tqdm",
+    "true",
+]
 
 
 def test_verls_gspo_example_is_sequence_level_importance_sampling_without_dual_clip():
@@ -581,8 +661,11 @@ def test_default_reward_is_verls_scorer_per_data_source(tmp_path):
     assert "'numina_olympiads' (verl's prime_math)" in t.blocking[0].how and "compute_score" in t.blocking[0].how
     # Code sources are scored on the SandboxFusion service verl's config names.
     write_verl_parquet(tmp_path / "train.parquet", ["openai/gsm8k", "apps"], rows=4)
-    t = translated(GRPO_SCRIPT, "reward_model.sandbox_fusion.url=http://sandbox:8080/run_code",
-                   env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)})  # fmt: skip
+    t = translated(
+        GRPO_SCRIPT,
+        "reward_model.sandbox_fusion.url=http://sandbox:8080/run_code",
+        env={**ENVIRONMENT, "GSM8K_DIR": str(tmp_path)},
+    )
     assert not t.blocking and t.recipe["sandbox_url"] == "http://sandbox:8080/run_code"
     assert "'apps' (2 rows of" in "\n".join(t.notes) and "SandboxFusion code scorer" in "\n".join(t.notes)
     # Files that are not here: the sources are unknown, said in a note, nothing blocks.
@@ -684,8 +767,11 @@ def test_reward_import_paths_and_verl_compute_score(tmp_path):
     )
     verl_reward = resolve_reward_function(f"{module}:compute_score")
     assert verl_reward.__name__ == "compute_score"
-    scores = verl_reward(completions=["so 4", [{"role": "assistant", "content": "5"}]], solution=["4", "4"],
-                         data_source=["math_dapo", "math_dapo"])  # fmt: skip
+    scores = verl_reward(
+        completions=["so 4", [{"role": "assistant", "content": "5"}]],
+        solution=["4", "4"],
+        data_source=["math_dapo", "math_dapo"],
+    )
     assert scores == [1.0, -1.0]
     assert resolve_reward_function(f"{module}:trl_style")(completions=["a"]) == [0.5]  # TRL signature: as is
     with pytest.raises(UserFacingError, match="cannot import it"):
@@ -698,19 +784,26 @@ def test_yaml_config_through_the_command_line(tmp_path):
         yaml.safe_dump(
             {
                 "algorithm": {"adv_estimator": "grpo"},
-                "data": {"train_batch_size": 32, "max_prompt_length": 256, "max_response_length": 128,
-                         "train_files": "/d/train.parquet"},
+                "data": {
+                    "train_batch_size": 32,
+                    "max_prompt_length": 256,
+                    "max_response_length": 128,
+                    "train_files": "/d/train.parquet",
+                },
                 "actor_rollout_ref": {
                     "model": {"path": "/m/tiny-0.1B"},
-                    "actor": {"ppo_mini_batch_size": 8, "ppo_micro_batch_size_per_gpu": 4,
-                              "checkpoint": {"save_contents": ["model"], "load_contents": "${.save_contents}"}},
+                    "actor": {
+                        "ppo_mini_batch_size": 8,
+                        "ppo_micro_batch_size_per_gpu": 4,
+                        "checkpoint": {"save_contents": ["model"], "load_contents": "${.save_contents}"},
+                    },
                     "rollout": {"n": 4, "name": "hf"},
                 },
                 "custom_reward_function": {"path": "/rewards/mine.py", "name": "score"},
                 "trainer": {"n_gpus_per_node": 2, "nnodes": 1, "logger": ["console"]},
             }
         )
-    )  # fmt: skip
+    )
     result = run_translator(config, tmp_path / "out")
     assert result.returncode == 0, result.stderr
     recipe = yaml.safe_load((tmp_path / "out" / "recipe.yaml").read_text())
@@ -728,9 +821,14 @@ def test_the_overlong_buffer_main_ppo_passes_to_the_dapo_reward_manager_is_mappe
     """Many DAPO scripts set it as +reward_model.reward_kwargs.overlong_buffer_cfg.* (main_ppo hands reward_kwargs to
     the DAPO reward manager): the penalty is on, with their length and factor, not filed as not needed."""
     prefix = "+reward_model.reward_kwargs."
-    t = translated(GRPO_SCRIPT, f"{prefix}overlong_buffer_cfg.enable=True", f"{prefix}overlong_buffer_cfg.len=512",
-                   f"{prefix}overlong_buffer_cfg.penalty_factor=0.5", f"{prefix}overlong_buffer_cfg.log=False",
-                   f"{prefix}max_resp_len=2048")  # fmt: skip
+    t = translated(
+        GRPO_SCRIPT,
+        f"{prefix}overlong_buffer_cfg.enable=True",
+        f"{prefix}overlong_buffer_cfg.len=512",
+        f"{prefix}overlong_buffer_cfg.penalty_factor=0.5",
+        f"{prefix}overlong_buffer_cfg.log=False",
+        f"{prefix}max_resp_len=2048",
+    )
     r = t.recipe
     assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 512, 0.5)
     assert t.entries["reward_model.reward_kwargs.overlong_buffer_cfg.enable"].status == MAPPED
@@ -749,8 +847,13 @@ def test_a_model_config_override_is_a_step_the_user_takes_with_its_command():
 
 
 def test_allow_unsupported_says_at_the_top_of_the_recipe_what_the_run_does_instead(tmp_path):
-    result = run_translator(GSPO_SCRIPT, tmp_path / "out", *GSPO_INPUTS, "actor_rollout_ref.actor.policy_loss."
-                            "loss_mode=geo_mean", "--allow-unsupported")  # fmt: skip
+    result = run_translator(
+        GSPO_SCRIPT,
+        tmp_path / "out",
+        *GSPO_INPUTS,
+        "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+        "--allow-unsupported",
+    )
     assert result.returncode == 0, result.stderr
     head = (tmp_path / "out" / "recipe.yaml").read_text().split("\n\n")[0]
     assert "NOT TRANSLATED (written with --allow-unsupported)" in head

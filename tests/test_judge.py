@@ -102,9 +102,18 @@ def test_chat_completions_url(base_url, url):
 
 @pytest.mark.parametrize(
     "base_url",
-    ["", "127.0.0.1:8000", "localhost", "ftp://host", "http://", "http://host:port", "http://h:8000?a=1",
-     "http://h/v1/chat/completions", "http://h /x"],
-)  # fmt: skip
+    [
+        "",
+        "127.0.0.1:8000",
+        "localhost",
+        "ftp://host",
+        "http://",
+        "http://host:port",
+        "http://h:8000?a=1",
+        "http://h/v1/chat/completions",
+        "http://h /x",
+    ],
+)
 def test_malformed_base_url_is_rejected_at_construction(base_url):
     with pytest.raises(ValueError, match=r"base_url=.*e\.g\. 'http://127\.0\.0\.1:8000'"):
         JudgeReward(base_url, "judge-model")
@@ -128,8 +137,9 @@ def test_name_message_pickle_and_repr():
     message = reward.judge_message([{"role": "user", "content": "Find {reference} \\frac{1}{2}"}], "Answer: 3", 3)
     assert "Find {reference} \\frac{1}{2}" in message and message.endswith("CORRECT or INCORRECT.")
     assert "Response:\nAnswer: 3\n\nReference answer:\n3\n" in message
-    assert message == DEFAULT_JUDGE_TEMPLATE.format(prompt="Find {reference} \\frac{1}{2}", response="Answer: 3",
-                                                    reference="3")  # fmt: skip
+    assert message == DEFAULT_JUDGE_TEMPLATE.format(
+        prompt="Find {reference} \\frac{1}{2}", response="Answer: 3", reference="3"
+    )
     assert "sk-secret" not in repr(reward)
     assert pickle.loads(pickle.dumps(reward)).url == reward.url
 

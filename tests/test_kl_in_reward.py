@@ -197,9 +197,12 @@ def test_fixed_kl_in_reward_matches_a_reference_computation(tmp_path, steps_per_
     policy forward per batch, not two) and the result is the same."""
     beta, estimator = 0.5, "low_var_kl"
     trainer = kl_trainer(
-        tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4,
+        tmp_path,
+        kl_in_reward_coef=beta,
+        kl_in_reward_estimator=estimator,
+        num_generations=4,
         steps_per_generation=steps_per_generation,
-    )  # fmt: skip
+    )
     assert trainer.ref_model is not None and trainer.beta == 0.0 and trainer.args.beta == 0.0  # no KL loss
     trainer.train()
     assert trainer.policy_forwards == 1
@@ -231,17 +234,25 @@ def test_peft_kl_in_reward_uses_the_adapter_off_reference_and_reuses_trls_forwar
     beta, estimator = 0.5, "low_var_kl"
     lora = LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = kl_trainer(
-        tmp_path, kl_in_reward_coef=beta, kl_in_reward_estimator=estimator, num_generations=4,
-        steps_per_generation=steps_per_generation, beta=kl_loss, peft_config=lora,
-    )  # fmt: skip
+        tmp_path,
+        kl_in_reward_coef=beta,
+        kl_in_reward_estimator=estimator,
+        num_generations=4,
+        steps_per_generation=steps_per_generation,
+        beta=kl_loss,
+        peft_config=lora,
+    )
     assert trainer.ref_model is None and trainer.beta == kl_loss  # the reference is the adapter off
     adapter = {name: p.detach().clone() for name, p in trainer.model.named_parameters() if "lora_" in name}
     trainer.train()
     assert (trainer.policy_forwards, trainer.adapter_off_forwards) == (1, 1)
     parameters = dict(trainer.accelerator.unwrap_model(trainer.model).named_parameters())
     assert all(not torch.equal(parameters[name], before) for name, before in adapter.items())
-    base = {name.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
-            for name, p in parameters.items() if "lora_" not in name}  # fmt: skip
+    base = {
+        name.replace("base_model.model.", "", 1).replace(".base_layer", ""): p
+        for name, p in parameters.items()
+        if "lora_" not in name
+    }
     on_disk = dict(trainer.reference.named_parameters())
     assert base.keys() == on_disk.keys() and all(torch.equal(base[name], on_disk[name]) for name in base)
     ((completions, advantages, sums, means),) = trainer.batches

@@ -95,8 +95,13 @@ def test_run_dapo_multi_node_with_a_vllm_server():
     assert (flag(words, "--main_process_ip"), flag(words, "--main_process_port")) == ("10.1.2.3", "29600")
     assert flag(words, "--rollout_streaming") == "false" and flag(words, "--rollout_max_staleness") == "0"
     assert "--vllm_importance_sampling_mode" not in words
-    words = dry_run(VLLM_SERVER_HOST="gen-node", VLLM_WEIGHT_SYNC="shared_storage", VLLM_WEIGHT_SYNC_DIR="/shared/w",
-                    ROLLOUT_STREAMING="true", ROLLOUT_MAX_STALENESS="1")  # fmt: skip
+    words = dry_run(
+        VLLM_SERVER_HOST="gen-node",
+        VLLM_WEIGHT_SYNC="shared_storage",
+        VLLM_WEIGHT_SYNC_DIR="/shared/w",
+        ROLLOUT_STREAMING="true",
+        ROLLOUT_MAX_STALENESS="1",
+    )
     assert flag(words, "--vllm_weight_sync") == "shared_storage"
     assert flag(words, "--vllm_weight_sync_dir") == "/shared/w"
     assert flag(words, "--rollout_streaming") == "true" and flag(words, "--rollout_max_staleness") == "1"

@@ -99,10 +99,21 @@ def test_loss_equals_grpo_trainer_with_extras_off(tmp_path, model_dir):
     torch.testing.assert_close(dapo_loss, grpo_loss, atol=1e-6, rtol=1e-6)
 
 
-TRL_LOSSES = {"dapo": {}, "dapo-dual-clip": {"clip_ratio_c": 1.5}, "grpo": {}, "dr_grpo": {}, "bnpo": {}, "sapo": {},
-              "cispo": {"epsilon_high": 1.3}, "luspo": {"importance_sampling_level": "sequence"}, "vespo": {},
-              "grpo-sequence": {"importance_sampling_level": "sequence"}, "dapo-kl": {"beta": 0.04},
-              "dapo-entropy-bonus": {"entropy_coef": 0.01}, "grpo-entropy-mask": {"top_entropy_quantile": 0.5}}  # fmt: skip
+TRL_LOSSES = {
+    "dapo": {},
+    "dapo-dual-clip": {"clip_ratio_c": 1.5},
+    "grpo": {},
+    "dr_grpo": {},
+    "bnpo": {},
+    "sapo": {},
+    "cispo": {"epsilon_high": 1.3},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "vespo": {},
+    "grpo-sequence": {"importance_sampling_level": "sequence"},
+    "dapo-kl": {"beta": 0.04},
+    "dapo-entropy-bonus": {"entropy_coef": 0.01},
+    "grpo-entropy-mask": {"top_entropy_quantile": 0.5},
+}
 
 
 @pytest.mark.parametrize("case", sorted(TRL_LOSSES))
@@ -267,9 +278,12 @@ def test_no_default_math_reward_when_the_environment_owns_the_reward(tmp_path, m
     config = DAPOConfig(**common_args(tmp_path))
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": "What is 1 + 1?"}]}] * 8)
     trainer = DAPOTrainer(
-        model=model_dir, args=config, train_dataset=dataset, processing_class=tokenizer,
+        model=model_dir,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
         environment_factory=AdditionEnvironment,
-    )  # fmt: skip
+    )
     assert trainer.reward_func_names == ["AdditionEnvironment"]
     assert trainer.accuracy_reward_index == 0
 
@@ -301,8 +315,10 @@ def test_off_policy_loss_is_the_decoupled_objective(tmp_path, model_dir):
     trainer.use_vllm = True  # TRL's gate for the importance weight (the engine here is the prepared completions)
     generator = torch.Generator().manual_seed(3)
     vocab = trainer.model.config.vocab_size
-    completions = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in
-                   torch.randint(2, COMPLETION_LEN, (ROWS,), generator=generator)]  # fmt: skip
+    completions = [
+        torch.randint(3, vocab, (int(n),), generator=generator).tolist()
+        for n in torch.randint(2, COMPLETION_LEN, (ROWS,), generator=generator)
+    ]
     rows = [{"prompt": f"What is {i // 4} + 1?", "solution": str(i % 3)} for i in range(ROWS)]
     centre = -torch.log(torch.tensor(float(vocab))).item()  # about what the random tiny model gives random tokens
     behaviour = [(centre + 0.8 * torch.randn(len(ids), generator=generator)).tolist() for ids in completions]
@@ -332,8 +348,16 @@ def test_off_policy_loss_is_the_decoupled_objective(tmp_path, model_dir):
     assert ((ratio[mask] > 1.28) | (ratio[mask] < 0.8)).any()  # so does the clip
 
 
-SPLIT_LOSSES = {"dapo": {}, "grpo": {}, "bnpo": {}, "dr_grpo": {}, "sapo": {}, "cispo": {},
-                "luspo": {"importance_sampling_level": "sequence"}, "vespo": {}}  # fmt: skip
+SPLIT_LOSSES = {
+    "dapo": {},
+    "grpo": {},
+    "bnpo": {},
+    "dr_grpo": {},
+    "sapo": {},
+    "cispo": {},
+    "luspo": {"importance_sampling_level": "sequence"},
+    "vespo": {},
+}
 
 
 @pytest.mark.parametrize("loss_type", sorted(SPLIT_LOSSES))
@@ -384,8 +408,9 @@ def test_sequence_level_grpo_is_verls_gspo(tmp_path, model_dir):
     ours = {name: p.grad.clone() for name, p in trainer.model.named_parameters() if p.grad is not None}
     trainer.model.zero_grad()
     mask = batch["completion_mask"].float()
-    expected = verl_gspo_loss(token_logps(trainer.model, batch), batch["old_per_token_logps"], batch["advantages"],
-                              mask, 0.05, 0.08)  # fmt: skip
+    expected = verl_gspo_loss(
+        token_logps(trainer.model, batch), batch["old_per_token_logps"], batch["advantages"], mask, 0.05, 0.08
+    )
     expected.backward()
     torch.testing.assert_close(loss.detach(), expected.detach(), atol=1e-6, rtol=1e-6)
     for name, parameter in trainer.model.named_parameters():

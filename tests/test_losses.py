@@ -41,7 +41,9 @@ def library_loss(name: str, logps, old, advantages, mask, settings=SETTINGS, sam
     loss = policy_loss(name)
     log_ratio = ratio_log(clamped_log_ratio(logps, old), mask, settings.ratio_level)
     terms = loss.function(LossInputs(logps, log_ratio, advantages[:, None], mask, sampling_ratio), settings)
-    per_token = terms.per_token if sampling_ratio is None or loss.corrects_sampling else terms.per_token * sampling_ratio
+    per_token = (
+        terms.per_token if sampling_ratio is None or loss.corrects_sampling else terms.per_token * sampling_ratio
+    )
     return aggregate(per_token, mask, loss.aggregation, step_tokens=mask.sum(), max_completion_length=TOKENS)
 
 
@@ -205,7 +207,13 @@ def test_the_table_is_what_the_trainer_reads():
         "cispo",
         "vespo",
     ]
-    assert {name for name, row in POLICY_LOSSES.items() if row.dual_clip} == {"dapo", "grpo", "dr_grpo", "bnpo", "luspo"}
+    assert {name for name, row in POLICY_LOSSES.items() if row.dual_clip} == {
+        "dapo",
+        "grpo",
+        "dr_grpo",
+        "bnpo",
+        "luspo",
+    }
     assert POLICY_LOSSES["gmpo"].verl_name == "geo_mean" and POLICY_LOSSES["gmpo"].ratio_levels == ("token",)
     assert POLICY_LOSSES["bnpo"].aggregation.split_weight == "tokens"
     assert POLICY_LOSSES["grpo"].aggregation.split_weight == "rows"

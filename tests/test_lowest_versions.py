@@ -32,6 +32,10 @@ def test_resume_and_loss_at_the_lowest_supported_transformers():
     assert [version.removesuffix(".0") for version in installed] == floors, printed
     result = subprocess.run(
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AT_THE_LOWEST],
-        cwd=REPO, env=offline_environment(), capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=REPO,
+        env=offline_environment(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]

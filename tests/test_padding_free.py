@@ -108,8 +108,13 @@ def test_budget_splits_a_micro_batch_and_keeps_long_rows_whole(caplog):
     from .scripts.denominator_run import fixed_global_batch
 
     batch = {k: v for k, v in fixed_global_batch(500).items()}
-    config = DAPOConfig(output_dir="unused", per_device_train_batch_size=16, num_generations=2,
-                        max_tokens_per_microbatch=10, report_to="none")  # fmt: skip
+    config = DAPOConfig(
+        output_dir="unused",
+        per_device_train_batch_size=16,
+        num_generations=2,
+        max_tokens_per_microbatch=10,
+        report_to="none",
+    )
     planner = StepPlanner(config, _OneProcess(), "dapo")
     with caplog.at_level("WARNING"):
         (planned,) = planner.plan([batch])

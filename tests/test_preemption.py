@@ -69,8 +69,13 @@ def test_a_step_that_outlasts_the_grace_period_exits_with_the_signals_code_namin
     mark_complete(tmp_path / "checkpoint-4")
     (tmp_path / "checkpoint-6").mkdir()  # interrupted save: not the one to resume
     exited, codes = threading.Event(), []
-    preemption = Preemption([signal.SIGTERM], 0.05, lambda flag: flag, str(tmp_path), exit_process=lambda code: (
-        codes.append(code), exited.set()))  # fmt: skip
+    preemption = Preemption(
+        [signal.SIGTERM],
+        0.05,
+        lambda flag: flag,
+        str(tmp_path),
+        exit_process=lambda code: (codes.append(code), exited.set()),
+    )
     state, control = TrainerState(), TrainerControl()
     preemption.on_train_begin(None, state, control)
     try:
@@ -113,8 +118,9 @@ def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_fo
     assert_same_weights(final_params(full), final_params(preempted))
     if processes == 1:  # killed -9 halfway through a save: the requeued run resumes from the one before
         killed, every_step = tmp_path / "killed", ("mixed_share=0.3", "save_strategy=steps", "save_steps=1")
-        command = python_command(script, str(killed), batch, "4", *every_step, "kill_while_writing=checkpoint-2/"
-                                 "dapo_sampling_state.pt")  # fmt: skip
+        command = python_command(
+            script, str(killed), batch, "4", *every_step, "kill_while_writing=checkpoint-2/dapo_sampling_state.pt"
+        )
         result = subprocess.run(command, cwd=REPO, env=offline_environment(), capture_output=True, timeout=300)
         assert result.returncode == -signal.SIGKILL
         killed_at = len(read_jsonl(killed / "prompts_seen_rank0.jsonl"))
@@ -139,11 +145,21 @@ def assert_same_weights(expected: dict, got: dict) -> None:
 
 
 RUN_DAPO_TINY = {
-    "MODEL_PATH": "builtin:tiny", "DATASET": "builtin:arithmetic", "NUM_PROCESSES": "2", "BF16": "false",
-    "REPORT_TO": "none", "SAVE_STEPS": "1", "NUM_GENERATIONS": "4", "PER_DEVICE_BATCH_SIZE": "4",
-    "GRADIENT_ACCUMULATION_STEPS": "1", "MAX_PROMPT_LENGTH": "256", "MAX_COMPLETION_LENGTH": "16",
-    "OVERLONG_BUFFER_LEN": "4", "MAX_FILTER_GEN_BATCHES": "3", "WARMUP_STEPS": "0",
-}  # fmt: skip
+    "MODEL_PATH": "builtin:tiny",
+    "DATASET": "builtin:arithmetic",
+    "NUM_PROCESSES": "2",
+    "BF16": "false",
+    "REPORT_TO": "none",
+    "SAVE_STEPS": "1",
+    "NUM_GENERATIONS": "4",
+    "PER_DEVICE_BATCH_SIZE": "4",
+    "GRADIENT_ACCUMULATION_STEPS": "1",
+    "MAX_PROMPT_LENGTH": "256",
+    "MAX_COMPLETION_LENGTH": "16",
+    "OVERLONG_BUFFER_LEN": "4",
+    "MAX_FILTER_GEN_BATCHES": "3",
+    "WARMUP_STEPS": "0",
+}
 
 
 @pytest.mark.e2e

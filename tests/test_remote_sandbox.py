@@ -126,14 +126,22 @@ def test_segfault_is_killed():
         (finished(1, stderr="Traceback ...\nMemoryError\n"), ExecutionStatus.MEMORY, "memory limit of 1024 MB"),
         (finished(139), ExecutionStatus.KILLED, "segmentation fault (SIGSEGV)"),
         (finished(-9), ExecutionStatus.KILLED, "SIGKILL) (possibly for exceeding the memory limit"),
-        (fusion_reply({"status": "Error", "return_code": None, "stdout": "", "stderr": "spawn failed"}, "SandboxError"),
-         ExecutionStatus.SANDBOX_ERROR, "SandboxError: spawn failed"),
-        (fusion_reply(None, "SandboxError", "no executor available"), ExecutionStatus.SANDBOX_ERROR,
-         "no executor available"),
+        (
+            fusion_reply(
+                {"status": "Error", "return_code": None, "stdout": "", "stderr": "spawn failed"}, "SandboxError"
+            ),
+            ExecutionStatus.SANDBOX_ERROR,
+            "SandboxError: spawn failed",
+        ),
+        (
+            fusion_reply(None, "SandboxError", "no executor available"),
+            ExecutionStatus.SANDBOX_ERROR,
+            "no executor available",
+        ),
         (fusion_reply(None, "Failed"), ExecutionStatus.SANDBOX_ERROR, "returned no exit status"),
         ({"unexpected": 1}, ExecutionStatus.SANDBOX_ERROR, "not a SandboxFusion run_code result"),
     ],
-)  # fmt: skip
+)
 def test_reply_mapping(reply, status, message):
     with fusion_server(canned(reply)) as server:
         result = sandbox(server.base_url).run("pass")

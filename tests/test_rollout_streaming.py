@@ -45,8 +45,9 @@ GROUP, EOS, MAX_TOKENS = 4, 2, 8
 
 # ---------------------------------------------------------------------------------------------------- end to end
 def train(out, steps: int, *overrides: str, processes: int = 1, per_device: int = 8, deepspeed: str | None = None):
-    command = python_command(SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes,
-                             deepspeed_config=deepspeed)  # fmt: skip
+    command = python_command(
+        SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes, deepspeed_config=deepspeed
+    )
     return run_command(command)
 
 
@@ -82,8 +83,15 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
     assert sorted(rounds) == [0, 1, 2] and all(len(rows) == 8 for rows in rounds.values())
     assert batches(tmp_path / "stream", processes=2) == rounds
     # As with colocated vLLM: an engine on every process, each generating the groups it owns, waves gathered.
-    train(tmp_path / "spread", 3, "tools=true", "rollout_streaming=true", "engine_per_process=true", processes=2,
-          per_device=4)  # fmt: skip
+    train(
+        tmp_path / "spread",
+        3,
+        "tools=true",
+        "rollout_streaming=true",
+        "engine_per_process=true",
+        processes=2,
+        per_device=4,
+    )
     assert batches(tmp_path / "spread", processes=2) == rounds
     metrics = rollout_metrics(tmp_path / "stream")
     # Two runs that trained the same batches with other timings and wave splits log the same step metrics.
@@ -102,8 +110,14 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     two processes that dies right after its step-2 checkpoint and resumes from it (other engine timings in each leg;
     carried groups keep the weights version that sampled them across the checkpoint). Under ZeRO-3 each scoring
     forward gathers every parameter: one per scoring pass, a few per step."""
-    settings = ("rollout_streaming=true", "rollout_max_staleness=1", "save_strategy=steps", "save_steps=2",
-                "filter_groups_carry_surplus=true", "filter_groups_oversample=2")  # fmt: skip
+    settings = (
+        "rollout_streaming=true",
+        "rollout_max_staleness=1",
+        "save_strategy=steps",
+        "save_steps=2",
+        "filter_groups_carry_surplus=true",
+        "filter_groups_oversample=2",
+    )
     train(tmp_path / "whole", 4, *settings, "timing_seed=1")
     zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
     crashed = tmp_path / "crashed"
@@ -162,8 +176,16 @@ def scored(rows: list[dict], completions: list[list[int]]) -> ScoredRound:
 
 
 def settings(**overrides):
-    args = dict(output_dir="unused", num_generations=GROUP, per_device_train_batch_size=8, use_cpu=True,
-                rollout_streaming=True, max_filter_gen_batches=0, report_to="none", seed=5)  # fmt: skip
+    args = dict(
+        output_dir="unused",
+        num_generations=GROUP,
+        per_device_train_batch_size=8,
+        use_cpu=True,
+        rollout_streaming=True,
+        max_filter_gen_batches=0,
+        report_to="none",
+        seed=5,
+    )
     return DAPOConfig(**{**args, **overrides})
 
 
@@ -409,10 +431,13 @@ class FakeLLMEngine:
                 params = self.running.pop(request_id)[1]
                 first = (params["seed"] or 0) % 50
                 completions = [
-                    SimpleNamespace(index=i, token_ids=[first, i, 7],
-                                    logprobs=[{first: Logprob(-0.5)}, {i: Logprob(-0.25)}, {7: Logprob(None)}])
+                    SimpleNamespace(
+                        index=i,
+                        token_ids=[first, i, 7],
+                        logprobs=[{first: Logprob(-0.5)}, {i: Logprob(-0.25)}, {7: Logprob(None)}],
+                    )
                     for i in reversed(range(params["n"]))
-                ]  # fmt: skip
+                ]
                 outputs.append(SimpleNamespace(request_id=request_id, finished=True, outputs=completions))
         return outputs
 
@@ -637,8 +662,15 @@ def test_the_server_runs_none_of_our_requests_when_weights_are_reloaded(tmp_path
     def reload(base_url, weights, timeout):
         MetricsAndCompletions.reload_saw.append((weights, MetricsAndCompletions.running[0]))
 
-    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10,
-                              "/server/weights", reload, tmp_path)  # fmt: skip
+    engine = VLLMServerEngine(
+        f"http://127.0.0.1:{server.server_port}",
+        SamplingSettings(n=GROUP, max_tokens=8),
+        4,
+        10,
+        "/server/weights",
+        reload,
+        tmp_path,
+    )
     engine.load_weights(1)
     assert MetricsAndCompletions.reload_saw == [("/server/weights/v1", 0)]
     engine.close()

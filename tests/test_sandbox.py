@@ -130,8 +130,17 @@ def test_environment_of_the_trainer_is_invisible(hostile):
     record = hostile["read_environment"]
     _host_intact(record)
     environment = eval(record["stdout"].splitlines()[0])  # noqa: S307 - the program printed a dict literal
-    assert set(environment) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS",
-                                "MKL_NUM_THREADS", "MPLBACKEND"}  # fmt: skip
+    assert set(environment) <= {
+        "PATH",
+        "HOME",
+        "TMPDIR",
+        "LANG",
+        "LC_ALL",
+        "OPENBLAS_NUM_THREADS",
+        "OMP_NUM_THREADS",
+        "MKL_NUM_THREADS",
+        "MPLBACKEND",
+    }
 
 
 def test_writes_outside_the_sandbox_are_refused(hostile):
@@ -179,8 +188,16 @@ def test_the_interpreter_cannot_be_tampered_with_nor_host_tmp_read(hostile):
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root and namespaces")
 def test_all_isolation_layers_are_in_force_as_root(hostile):
     layers = set(hostile["network"]["layers"])  # a run that ends by itself reports its layers
-    assert {"pid_namespace", "network_namespace", "mount_namespace", "readonly_host", "private_tmp",
-            "masked_homes", "unprivileged_user", "rlimits"} <= layers  # fmt: skip
+    assert {
+        "pid_namespace",
+        "network_namespace",
+        "mount_namespace",
+        "readonly_host",
+        "private_tmp",
+        "masked_homes",
+        "unprivileged_user",
+        "rlimits",
+    } <= layers
 
 
 # ---------------------------------------------------------------------------------------------- concurrency

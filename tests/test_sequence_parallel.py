@@ -149,8 +149,15 @@ def test_attention_runs_unchanged_outside_a_sharded_forward():
     from dapo_trl.training import sequence_parallel
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, attn_implementation="sdpa")  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        attn_implementation="sdpa",
+    )
     model = Qwen2ForCausalLM(config)
     ids = torch.randint(0, 50, (2, 7))
     before = model(input_ids=ids).logits

@@ -187,9 +187,13 @@ def test_validation_samples_through_the_tool_loop(tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.chat_template = qwen2_5_chat_template  # Hermes tool calls, as the tool runs use
     config = tiny_config(
-        tmp_path / "out", eval_num_samples=2, eval_max_new_tokens=96, max_completion_length=96,
-        per_device_eval_batch_size=2, max_tool_calling_iterations=1,
-    )  # fmt: skip
+        tmp_path / "out",
+        eval_num_samples=2,
+        eval_max_new_tokens=96,
+        max_completion_length=96,
+        per_device_eval_batch_size=2,
+        max_tool_calling_iterations=1,
+    )
     trainer = ScriptedToolCallTrainer(
         model=str(model_dir),
         reward_funcs=used_the_tool,

@@ -44,8 +44,9 @@ def test_the_installed_trl_has_every_listed_name(model_dir, tmp_path):
         (trl.trainer.utils, "split_tensor_dict", "trl.trainer.utils.split_tensor_dict"),
     ],
 )
-def test_a_missing_name_stops_construction_with_the_supported_range(model_dir, tmp_path, monkeypatch, owner, name,
-                                                                    qualified):  # fmt: skip
+def test_a_missing_name_stops_construction_with_the_supported_range(
+    model_dir, tmp_path, monkeypatch, owner, name, qualified
+):
     monkeypatch.delattr(owner, name)
     with pytest.raises(TRLVersionError) as error:
         build(model_dir, tmp_path)
@@ -72,9 +73,10 @@ def test_generation_output_is_named_and_checked():
 def test_every_overridden_private_trl_method_is_listed():
     listed = {entry.name for entry in trl_seam.OVERRIDDEN_METHODS}
     overridden = {
-        name for name, value in vars(DAPOTrainer).items()
+        name
+        for name, value in vars(DAPOTrainer).items()
         if name.startswith("_") and not name.startswith("__") and callable(value) and hasattr(GRPOTrainer, name)
-    }  # fmt: skip
+    }
     assert overridden and overridden <= listed, overridden - listed
 
 
@@ -84,8 +86,11 @@ def test_no_module_but_the_seam_touches_a_trainers_private_attributes():
     trl_private = {name for name in dir(GRPOTrainer) if name.startswith("_") and not name.startswith("__")}
     trl_private |= {entry.name for entry in trl_seam.INSTANCE_ATTRIBUTES + trl_seam.PER_BATCH_ATTRIBUTES}
     trl_private = {name for name in trl_private if name.startswith("_")}
-    own = {node.attr for node in ast.walk(ast.parse((PACKAGE / "trainer.py").read_text()))
-           if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)} | set(vars(DAPOTrainer))  # fmt: skip
+    own = {
+        node.attr
+        for node in ast.walk(ast.parse((PACKAGE / "trainer.py").read_text()))
+        if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
+    } | set(vars(DAPOTrainer))
     offenders = []
     for path in PACKAGE.rglob("*.py"):
         if path.name == "trl_seam.py":

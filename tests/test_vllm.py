@@ -169,8 +169,17 @@ def test_dapo_steps_in_colocate_mode_with_exact_weight_sync(vllm_venv, model_dir
 
 
 def stream(venv: str, model_dir: str, url: str, out, *overrides: str, expect_crash: bool = False) -> None:
-    command = [f"{venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
-               "check_syncs=false", "rollout_streaming=true", *overrides]  # fmt: skip
+    command = [
+        f"{venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(out),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "rollout_streaming=true",
+        *overrides,
+    ]
     if expect_crash:
         with pytest.raises(AssertionError, match="exited"):
             run_command(command, timeout=600)
@@ -206,8 +215,13 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     run("k0-many", "rollout_max_in_flight_groups=32")
     assert trained(tmp_path / "k0-one") == trained(tmp_path / "k0-many") and len(trained(tmp_path / "k0-one")) == 2
 
-    k1 = ("rollout_max_staleness=1", "max_steps=3", "vllm_importance_sampling_mode=token_truncate",
-          "save_strategy=steps", "save_steps=2")  # fmt: skip
+    k1 = (
+        "rollout_max_staleness=1",
+        "max_steps=3",
+        "vllm_importance_sampling_mode=token_truncate",
+        "save_strategy=steps",
+        "save_steps=2",
+    )
     run("whole", *k1, "check_versions=true")
     whole = tmp_path / "whole"
     steps = [e for e in json.loads((whole / "log_history.json").read_text()) if "rollout/staleness_max" in e]
@@ -238,16 +252,27 @@ def requests_waiting_at(port: int) -> int:
 
 
 @pytest.mark.parametrize("streaming", [True], ids=["streaming"])
-def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, server_and_process, tmp_path,
-                                                          streaming):  # fmt: skip
+def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(
+    vllm_venv, model_dir, server_and_process, tmp_path, streaming
+):
     """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's ServerFault); once a request
     waits unread at the server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request
     timeout."""
     url, server = server_and_process
     out, log_path = tmp_path / "out", tmp_path / "train.log"
-    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
-               "check_syncs=false", "max_steps=200", "vllm_request_timeout=60", f"rollout_streaming={streaming}",
-               f"freeze_server={server.pid}"]  # fmt: skip
+    command = [
+        f"{vllm_venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(out),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "max_steps=200",
+        "vllm_request_timeout=60",
+        f"rollout_streaming={streaming}",
+        f"freeze_server={server.pid}",
+    ]
     with open(log_path, "w") as log:
         trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -271,16 +296,26 @@ def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(vllm_venv, model_dir, 
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
-def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(vllm_venv, model_dir, server_and_process,
-                                                                          tmp_path, streaming):  # fmt: skip
+def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(
+    vllm_venv, model_dir, server_and_process, tmp_path, streaming
+):
     """The trainer kills the server (kill -9) just before step 2's first generation request; a new server starts on
     its port: the trainer waits, reloads the weights of its step into the new server, sends the lost requests again
     (streamed: the driver's groups, with their seeds), and finishes every step."""
     url, server = server_and_process
     log_path = tmp_path / "train.log"
-    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(tmp_path / "out"), model_dir,
-               url, "check_syncs=false", "max_steps=4", f"rollout_streaming={streaming}",
-               f"kill_server={server.pid}"]  # fmt: skip
+    command = [
+        f"{vllm_venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(tmp_path / "out"),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "max_steps=4",
+        f"rollout_streaming={streaming}",
+        f"kill_server={server.pid}",
+    ]
     with open(log_path, "w") as log:
         trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -302,9 +337,19 @@ def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, se
     request, and nothing restarts it: the run waits --vllm_server_recovery_timeout 10 and fails naming its URL."""
     out = tmp_path / "out"
     url, server = server_and_process
-    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url,
-               "check_syncs=false", "max_steps=200", "vllm_request_timeout=20", "vllm_server_recovery_timeout=10",
-               f"kill_server={server.pid}"]  # fmt: skip
+    command = [
+        f"{vllm_venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(out),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "max_steps=200",
+        "vllm_request_timeout=20",
+        "vllm_server_recovery_timeout=10",
+        f"kill_server={server.pid}",
+    ]
     with open(tmp_path / "train.log", "w") as log:
         trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
     try:

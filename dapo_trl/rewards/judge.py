@@ -346,9 +346,15 @@ class JudgeReward:
 
         try:
             response = client.request(
-                "POST", self.url, timeout=self.timeout_s, json=payload, headers=headers, deadline=deadline, stop=stop,
+                "POST",
+                self.url,
+                timeout=self.timeout_s,
+                json=payload,
+                headers=headers,
+                deadline=deadline,
+                stop=stop,
                 on_retry=count_retry,
-            )  # fmt: skip
+            )
             outcome.verdict = parse_verdict(_reply_text(response.content))
         except RequestFailed as failure:
             outcome.attempts = failure.attempts

@@ -41,9 +41,26 @@ MAX_CONCURRENCY = 64  # verl's reward_model.sandbox_fusion.max_concurrent defaul
 # The program a LeetCode-style response (`fn_name`) runs as: the response, then a main that reads one JSON argument
 # per stdin line, calls `fn_name` (a function, or a method of `Solution`) and prints its result (JSON for
 # containers, None and booleans; str() otherwise). The star imports are the names verl's wrapper makes available.
-_STAR_IMPORTS = ("string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
-                 "statistics", "itertools", "functools", "operator", "io", "sys", "json", "builtins",
-                 "typing")  # fmt: skip
+_STAR_IMPORTS = (
+    "string",
+    "re",
+    "datetime",
+    "collections",
+    "heapq",
+    "bisect",
+    "copy",
+    "math",
+    "random",
+    "statistics",
+    "itertools",
+    "functools",
+    "operator",
+    "io",
+    "sys",
+    "json",
+    "builtins",
+    "typing",
+)
 _FUNCTION_MAIN = """
 _DAPO_FN_NAME = {name!r}
 

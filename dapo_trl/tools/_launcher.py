@@ -76,8 +76,12 @@ def _mount(source, target, fstype, flags, data=None):
 
 
 class _MountAttr(ctypes.Structure):
-    _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64), ("propagation", ctypes.c_uint64),
-                ("userns_fd", ctypes.c_uint64)]  # fmt: skip
+    _fields_ = [
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    ]
 
 
 def _set_readonly(path, readonly, recursive):
@@ -85,9 +89,13 @@ def _set_readonly(path, readonly, recursive):
     attr = _MountAttr(MOUNT_ATTR_RDONLY if readonly else 0, 0 if readonly else MOUNT_ATTR_RDONLY, 0, 0)
     flags = AT_RECURSIVE if recursive else 0
     result = libc.syscall(
-        ctypes.c_long(SYS_MOUNT_SETATTR), ctypes.c_int(AT_FDCWD), path.encode(), ctypes.c_uint(flags),
-        ctypes.byref(attr), ctypes.c_size_t(ctypes.sizeof(attr)),
-    )  # fmt: skip
+        ctypes.c_long(SYS_MOUNT_SETATTR),
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(flags),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
     _check(result, f"mount_setattr {path}")
 
 

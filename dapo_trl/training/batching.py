@@ -307,8 +307,10 @@ class StepPlanner:
                     "a row of %d tokens exceeds max_tokens_per_microbatch=%d x sequence_parallel_size=%d: it "
                     "trains alone in its own pass (nothing is dropped or truncated); raise max_tokens_per_microbatch "
                     "(or sequence_parallel_size) to bound memory by it",
-                    longest, budget, sequence_parallel,
-                )  # fmt: skip
+                    longest,
+                    budget,
+                    sequence_parallel,
+                )
         return micro_batches
 
     def part_weights(self, batch: dict[str, Any], parts: list[dict[str, Any]]) -> list[float]:

@@ -43,10 +43,17 @@ class VLLMColocateEngine:
         """vLLM's SamplingParams of one group (the settings TRL's colocate mode uses, `n` and the group's seed)."""
         s = self.sampling
         params = self._params(
-            n=s.n if n is None else n, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-            top_k=s.top_k, min_p=s.min_p, repetition_penalty=s.repetition_penalty, logprobs=0, **s.extra,
+            n=s.n if n is None else n,
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty,
+            logprobs=0,
+            **s.extra,
             seed=request.seed,
-        )  # fmt: skip
+        )
         params.output_kind = self._final_only
         return params
 
@@ -178,11 +185,12 @@ class VLLMColocateEngine:
                 try:
                     completions = sorted(output.outputs, key=lambda completion: completion.index)
                     result: GroupResult | BaseException = GroupResult(
-                        key=request.key, version=request.version,
+                        key=request.key,
+                        version=request.version,
                         completion_ids=[list(completion.token_ids) for completion in completions],
                         logprobs=[_sampled_token_logprobs(completion) for completion in completions],
                         seconds=time.monotonic() - started,
-                    )  # fmt: skip
+                    )
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
                     result = RuntimeError(f"the colocated vLLM engine's answer to {request.key}: {exc}")
                 finished.append((request, done, result))

@@ -129,8 +129,12 @@ class Preemption(TrainerCallback):
         logger.warning(
             "%s received: saving a checkpoint once this optimizer step ends, then stopping (within "
             "preemption_grace_seconds=%g; the step has run %.0f s, the last one took %.0f s and the last save %.0f s)",
-            sig.name, self.grace_seconds, elapsed, self._last_step_seconds, self._last_save_seconds,
-        )  # fmt: skip
+            sig.name,
+            self.grace_seconds,
+            elapsed,
+            self._last_step_seconds,
+            self._last_save_seconds,
+        )
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
         try:

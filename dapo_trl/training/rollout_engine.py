@@ -36,8 +36,14 @@ class GroupResult:
 
     __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds")
 
-    def __init__(self, key: tuple, version: int, completion_ids: list[list[int]], logprobs: list[list[float]],
-                 seconds: float = 0.0):  # fmt: skip
+    def __init__(
+        self,
+        key: tuple,
+        version: int,
+        completion_ids: list[list[int]],
+        logprobs: list[list[float]],
+        seconds: float = 0.0,
+    ):
         self.key, self.version, self.seconds = key, version, seconds
         self.lengths = np.array([len(ids) for ids in completion_ids], dtype=np.int64)
         if [len(values) for values in logprobs] != self.lengths.tolist():
@@ -46,8 +52,15 @@ class GroupResult:
         self.token_logprobs = np.fromiter((v for vs in logprobs for v in vs), dtype=np.float32, count=self.tokens)
 
     @classmethod
-    def from_arrays(cls, key: tuple, version: int, token_ids: np.ndarray, token_logprobs: np.ndarray,
-                    lengths: np.ndarray, seconds: float = 0.0) -> GroupResult:  # fmt: skip
+    def from_arrays(
+        cls,
+        key: tuple,
+        version: int,
+        token_ids: np.ndarray,
+        token_logprobs: np.ndarray,
+        lengths: np.ndarray,
+        seconds: float = 0.0,
+    ) -> GroupResult:
         """A result from flat arrays already (an engine that decodes into arrays: no per-token Python objects)."""
         result = cls.__new__(cls)
         result.key, result.version, result.seconds = key, version, seconds

@@ -31,9 +31,12 @@ def build_streaming_rollout(
         )
     accelerator, colocated = trainer.accelerator, trainer.colocated_rollout_engines
     round_groups = (
-        args.per_device_train_batch_size * args.steps_per_generation * accelerator.num_processes
-        * args.filter_groups_oversample // trainer.num_generations
-    )  # fmt: skip
+        args.per_device_train_batch_size
+        * args.steps_per_generation
+        * accelerator.num_processes
+        * args.filter_groups_oversample
+        // trainer.num_generations
+    )
     driver, error = None, None
     in_flight = args.rollout_max_in_flight_groups or round_groups
     if accelerator.is_main_process or colocated:
@@ -45,8 +48,13 @@ def build_streaming_rollout(
             # A restarted server has no NCCL communicator with the trainer: only shared storage can reload it.
             nccl = args.use_vllm and args.vllm_weight_sync == "nccl"
             recovery = 0.0 if nccl else args.vllm_server_recovery_timeout
-            driver = RolloutDriver(trainer.build_rollout_engine(in_flight), in_flight, None if colocated else held,
-                                   recovery, reload_external)  # fmt: skip
+            driver = RolloutDriver(
+                trainer.build_rollout_engine(in_flight),
+                in_flight,
+                None if colocated else held,
+                recovery,
+                reload_external,
+            )
             trainer.add_callback(CloseRollout(driver, wait_for_engine))
         except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
             error = f"{type(exc).__name__}: {exc}"
@@ -57,8 +65,11 @@ def build_streaming_rollout(
     def tokenize(prompts: list[Any]) -> list[list[int]]:
         return trl_seam.tokenize_prompts(trainer, prompts)
 
-    timing = {"lag": args.rollout_max_staleness, "lookahead_rounds": args.rollout_lookahead_rounds,
-              "wave_timeout": 2 * args.vllm_request_timeout + 60}  # fmt: skip
+    timing = {
+        "lag": args.rollout_max_staleness,
+        "lookahead_rounds": args.rollout_lookahead_rounds,
+        "wave_timeout": 2 * args.vllm_request_timeout + 60,
+    }
     if colocated:
         return ColocatedStreamingRollout(sampler, driver, tokenize, **timing)
     return ServerStreamingRollout(sampler, driver, tokenize, _broadcaster(accelerator), **timing)

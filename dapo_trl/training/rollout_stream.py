@@ -178,8 +178,9 @@ class StreamingRollout:
         self.generation += 1
         if self.driver is not None:
             version = self.version
-            self.driver.withdraw(keep=lambda item: item.version == version and item.key[0] == "stream"
-                                 and item.key not in consumed)  # fmt: skip
+            self.driver.withdraw(
+                keep=lambda item: item.version == version and item.key[0] == "stream" and item.key not in consumed
+            )
             if self.lag > 0:  # generate the next batch while this one trains
                 ahead, cap = self._horizon(len(inputs) * self.process.count, 0), args.max_filter_gen_batches
                 self._plan_stream(min(ahead, cap * round_groups) if cap else ahead)
@@ -191,8 +192,11 @@ class StreamingRollout:
         figures: the step's reward, length and keep metrics are over these. `group_kept` are the sampler's keep
         decisions of the wave, `kept_rows` what the batch held before it."""
         size, kept = self.group_size, torch.tensor(group_kept, dtype=torch.bool)
-        decided = len(kept) if self.sampler.args.filter_groups_carry_surplus else decided_groups(
-            kept, size, kept_rows, target_rows)  # fmt: skip
+        decided = (
+            len(kept)
+            if self.sampler.args.filter_groups_carry_surplus
+            else decided_groups(kept, size, kept_rows, target_rows)
+        )
         self._decided["generated"] += decided
         self._decided["kept"] += int(kept[:decided].sum())
         if scored.row_stats is not None and decided:
@@ -339,8 +343,10 @@ class StreamingRollout:
         rows, completions, logprobs = [], [], []
         for (key, row), result in zip(groups, results, strict=True):
             if result.key != key or len(result.completion_ids) != self.group_size:
-                raise RuntimeError(f"the engine answered {result.key} with {len(result.completion_ids)} completions "
-                                   f"for group {key} of {self.group_size}")  # fmt: skip
+                raise RuntimeError(
+                    f"the engine answered {result.key} with {len(result.completion_ids)} completions "
+                    f"for group {key} of {self.group_size}"
+                )
             rows.extend(dict(row) for _ in range(self.group_size))
             completions.extend(result.completion_ids)
             logprobs.extend(result.logprobs)
@@ -368,9 +374,16 @@ class ServerStreamingRollout(StreamingRollout):
     broadcasts it (`broadcast(obj)` returns the main process's object on every process), errors included, so that
     every process raises together instead of one waiting in a collective."""
 
-    def __init__(self, sampler: DynamicSampler, driver: RolloutDriver | None,
-                 tokenize: Callable[[list[Any]], list[list[int]]], broadcast: Callable[[Any], Any], lag: int,
-                 lookahead_rounds: int, wave_timeout: float):  # fmt: skip
+    def __init__(
+        self,
+        sampler: DynamicSampler,
+        driver: RolloutDriver | None,
+        tokenize: Callable[[list[Any]], list[list[int]]],
+        broadcast: Callable[[Any], Any],
+        lag: int,
+        lookahead_rounds: int,
+        wave_timeout: float,
+    ):
         super().__init__(sampler, driver, tokenize, lag, lookahead_rounds, wave_timeout)
         self.broadcast = broadcast
 

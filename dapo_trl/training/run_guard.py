@@ -19,11 +19,20 @@ class RunGuard:
         args, accelerator = trainer.args, trainer.accelerator
         self.trainer = trainer
         signals = parse_signals(args.preemption_signals)
-        self.preemption = Preemption(signals, args.preemption_grace_seconds, agreement(accelerator), args.output_dir,
-                                     on_interrupt=self.abort_requests)  # fmt: skip
+        self.preemption = Preemption(
+            signals,
+            args.preemption_grace_seconds,
+            agreement(accelerator),
+            args.output_dir,
+            on_interrupt=self.abort_requests,
+        )
         trainer.add_callback(self.preemption)
-        self.fail_together = FailTogether(accelerator.process_index, accelerator.num_processes, launcher_store(),
-                                          on_peer_failure=self.withdraw_rollout)  # fmt: skip
+        self.fail_together = FailTogether(
+            accelerator.process_index,
+            accelerator.num_processes,
+            launcher_store(),
+            on_peer_failure=self.withdraw_rollout,
+        )
 
     @property
     def preempted(self) -> bool:

@@ -162,7 +162,7 @@ def segment_causal_attention(
             is_causal=True,
             scale=scaling,
             enable_gqa=grouped,
-        )  # fmt: skip
+        )
         for start, end in zip(bounds[:-1], bounds[1:], strict=True)
         if end > start
     ]
@@ -300,17 +300,24 @@ class SequenceParallel:
 
             core = ALL_ATTENTION_FUNCTIONS[attention]
         self.ulysses = UlyssesSPAttentionHF(
-            attn=core, batch_size=1, attn_head_count=text_config.num_attention_heads,
+            attn=core,
+            batch_size=1,
+            attn_head_count=text_config.num_attention_heads,
             attn_head_size=getattr(text_config, "head_dim", None)
             or text_config.hidden_size // text_config.num_attention_heads,
-            kv_head_count=text_config.num_key_value_heads, num_hidden_layers=text_config.num_hidden_layers,
-            process_group=self.group, seq_length_is_variable=True, disable_in_eval=False,
-        )  # fmt: skip
+            kv_head_count=text_config.num_key_value_heads,
+            num_hidden_layers=text_config.num_hidden_layers,
+            process_group=self.group,
+            seq_length_is_variable=True,
+            disable_in_eval=False,
+        )
         _install_dispatch(attention)
         logger.info(
             "sequence parallelism: groups of %d processes (this one: shard %d), %s attention inside Ulysses",
-            size, self.rank, "row-by-row SDPA" if attention in SEGMENT_CORE else attention,
-        )  # fmt: skip
+            size,
+            self.rank,
+            "row-by-row SDPA" if attention in SEGMENT_CORE else attention,
+        )
 
     @contextlib.contextmanager
     def sharded(self) -> Iterator[dict[str, Any]]:
@@ -340,9 +347,12 @@ class SequenceParallel:
         both = torch.stack([input_ids, attention_mask.to(input_ids.dtype)])
         prompt, completion = both[:, :, : width - logits_to_keep], both[:, :, width - logits_to_keep :]
         left, right = prompt_width - prompt.size(2), keep - completion.size(2)
-        aligned = torch.nn.functional.pad(torch.cat([prompt.new_zeros(2, rows, left), prompt, completion,
-                                                     completion.new_zeros(2, rows, right)], dim=2),
-                                          (0, 0, 0, max_rows - rows))  # fmt: skip
+        aligned = torch.nn.functional.pad(
+            torch.cat(
+                [prompt.new_zeros(2, rows, left), prompt, completion, completion.new_zeros(2, rows, right)], dim=2
+            ),
+            (0, 0, 0, max_rows - rows),
+        )
         counts = [shape[0] for shape in shapes]
         group = torch.cat(
             [part[:, :count] for part, count in zip(_all_gather(aligned, self.group, self.size), counts, strict=True)],
@@ -402,11 +412,17 @@ class SequenceParallel:
         if torch.is_grad_enabled():  # a training pass: `group_passes` already bounded it (its masked rows aside)
             max_tokens = max_rows = None
         logps, entropy, _ = padding_free_per_token(
-            group_rows.input_ids, group_rows.attention_mask, group_rows.logits_to_keep,
-            packed_forward=packed_forward, padded_forward=padded_forward,
+            group_rows.input_ids,
+            group_rows.attention_mask,
+            group_rows.logits_to_keep,
+            packed_forward=packed_forward,
+            padded_forward=padded_forward,
             max_tokens=None if max_tokens is None else max_tokens * self.size,
             max_rows=None if max_rows is None else max_rows * self.size,
-            one_sequence=True, pad_token_id=pad_token_id, agree_count=agree_count, one_forward=one_forward,
-        )  # fmt: skip
+            one_sequence=True,
+            pad_token_id=pad_token_id,
+            agree_count=agree_count,
+            one_forward=one_forward,
+        )
         own, keep = group_rows.own_rows, group_rows.own_keep
         return logps[own, :keep], None if entropy is None else entropy[own, :keep], None

@@ -204,9 +204,12 @@ class VLLMServerEngine:
                 raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
             choices = json.loads(raw)["choices"]
             result: GroupResult | BaseException = GroupResult(
-                request.key, request.version, [list(choice["token_ids"]) for choice in choices],
-                [_sampled_logprobs(choice) for choice in choices], seconds=time.monotonic() - started,
-            )  # fmt: skip
+                request.key,
+                request.version,
+                [list(choice["token_ids"]) for choice in choices],
+                [_sampled_logprobs(choice) for choice in choices],
+                seconds=time.monotonic() - started,
+            )
         except asyncio.CancelledError:
             return  # cancelled: the connection is closed, the driver expects no answer
         except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11
@@ -214,8 +217,9 @@ class VLLMServerEngine:
         except RuntimeError as exc:
             result = exc
         except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, closed mid-answer: the server went away
-            result = EngineUnavailable(f"POST {self.base_url}/v1/completions: the vLLM server went away "
-                                       f"({type(exc).__name__}: {exc})")  # fmt: skip
+            result = EngineUnavailable(
+                f"POST {self.base_url}/v1/completions: the vLLM server went away ({type(exc).__name__}: {exc})"
+            )
         except Exception as exc:  # noqa: BLE001 - a malformed answer: the run must stop now
             result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
         done(request, result)

@@ -106,6 +106,7 @@ class SkipEmptySteps(TrainerCallback):
             self.warned = True
             logger.warning(
                 "optimizer step %d has no loss token; DeepSpeed takes it anyway (zero gradient: weight decay and "
-                "Adam's moment decay still apply)", state.global_step + 1,
-            )  # fmt: skip
+                "Adam's moment decay still apply)",
+                state.global_step + 1,
+            )
         metrics(self.trainer, "train")["skipped_steps"].append(float(skipped))

@@ -437,5 +437,6 @@ def backend_for(args: DAPOConfig) -> contextlib.AbstractContextManager:
     if args.vllm_weight_sync == "nccl":
         return nccl_vllm_backend(args.vllm_request_timeout)
     weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
-    return shared_storage_vllm_backend(weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout,
-                                       args.vllm_server_recovery_timeout)  # fmt: skip
+    return shared_storage_vllm_backend(
+        weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout, args.vllm_server_recovery_timeout
+    )

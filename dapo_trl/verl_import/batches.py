@@ -248,8 +248,13 @@ def map_sequence_parallel(t: Translation, size: int, world: int) -> None:
     if size == 1:
         t.mark(actor + "ulysses_sequence_parallel_size", NOT_NEEDED, how="1: no sequence parallelism")
     elif world % size:
-        t.mark(actor + "ulysses_sequence_parallel_size", UNSUPPORTED, "",
-               f"{size} does not divide the world size {world} (verl refuses it too)", blocking=True)  # fmt: skip
+        t.mark(
+            actor + "ulysses_sequence_parallel_size",
+            UNSUPPORTED,
+            "",
+            f"{size} does not divide the world size {world} (verl refuses it too)",
+            blocking=True,
+        )
     else:
         t.set(sequence_parallel_size=size)
         t.mark(

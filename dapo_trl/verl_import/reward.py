@@ -98,8 +98,11 @@ def map_dynamic_sampling(t: Translation) -> None:
 
 # Where verl scripts set DAPO's overlong buffer: the recipe's reward_model.overlong_buffer, main_ppo's
 # reward_model.reward_kwargs (passed to the DAPO reward manager, often with hydra's +), the newer reward.reward_kwargs.
-OVERLONG_BUFFER = ("reward_model.overlong_buffer.", "reward_model.reward_kwargs.overlong_buffer_cfg.",
-                   "reward.reward_kwargs.overlong_buffer_cfg.")  # fmt: skip
+OVERLONG_BUFFER = (
+    "reward_model.overlong_buffer.",
+    "reward_model.reward_kwargs.overlong_buffer_cfg.",
+    "reward.reward_kwargs.overlong_buffer_cfg.",
+)
 
 
 def map_reward(t: Translation) -> None:

@@ -71,22 +71,22 @@ def cases() -> list[tuple[str, Any]]:
         (
             block("def pair(a):\n    return [a, str(a)]"),
             json.dumps({"fn_name": "pair", "inputs": ["1"], "outputs": ["[1, '1']"]}),
-        ),  # fmt: skip
+        ),
         (
             block("def root(x):\n    return sqrt(x)"),
             json.dumps({"fn_name": "root", "inputs": ["16"], "outputs": ["4.0"]}),
-        ),  # star-imported sqrt  # fmt: skip
+        ),  # star-imported sqrt
         (
             block("def flag(x):\n    return x > 1"),
             json.dumps({"fn_name": "flag", "inputs": ["2", "0"], "outputs": ["true", "false"]}),
-        ),  # fmt: skip
+        ),
         (block("def other(x):\n    return x"), json.dumps({"fn_name": "f", "inputs": ["1"], "outputs": ["1"]})),
         (block(ADD), json.dumps({"fn_name": "add", "inputs": ["1\n2\n"], "outputs": ["3"]})),  # "" is not JSON
         (block("def f(x):\n    return x + 1"), json.dumps({"assert_case": ["assert f(1) == 2", "assert f(2) == 4"]})),
         (
             block("def f(x):\n    return x + 1"),
             json.dumps({"assert_case": ["assert f(1) == 2"], "inputs": ["7"], "outputs": [None]}),
-        ),  # fmt: skip
+        ),
         (block(DOUBLE), "not json"),
         (block(DOUBLE), "[]"),
         (block(DOUBLE), "{}"),

@@ -138,10 +138,13 @@ def main() -> None:
         )
     ]
     torch.save(
-        {"rows": trainer.recorded_rows[:accumulation], "micro_batches": micro_batches,
-         "sharded_forwards": getattr(trainer._sequence_parallel, "sharded_forwards", 0)},
+        {
+            "rows": trainer.recorded_rows[:accumulation],
+            "micro_batches": micro_batches,
+            "sharded_forwards": getattr(trainer._sequence_parallel, "sharded_forwards", 0),
+        },
         out / f"rows_rank{rank}.pt",
-    )  # fmt: skip
+    )
     if trainer.accelerator.is_main_process:
         torch.save(delta, out / "delta.pt")
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))

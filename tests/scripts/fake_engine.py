@@ -21,8 +21,15 @@ from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
 COMPLETION_TOKENS = range(10, 60)
 
 
-def fake_completion(prompt_ids: list[int], seed: int | None, version: int, index: int, eos_id: int, max_tokens: int,
-                    tool_call_ids: list[int] | None = None):  # fmt: skip
+def fake_completion(
+    prompt_ids: list[int],
+    seed: int | None,
+    version: int,
+    index: int,
+    eos_id: int,
+    max_tokens: int,
+    tool_call_ids: list[int] | None = None,
+):
     """(token ids, log-probs) of completion `index` of a prompt sampled with `seed` under weights `version`; with
     `tool_call_ids`, half of the completions are that tool call."""
     digest = hashlib.sha256(repr((seed, list(prompt_ids), version, index)).encode()).digest()
@@ -40,8 +47,15 @@ def fake_completion(prompt_ids: list[int], seed: int | None, version: int, index
 class FakeEngine:
     """`GroupEngine` protocol; `loads` records every weights version loaded, `max_seen_in_flight` the concurrency."""
 
-    def __init__(self, group_size: int, eos_id: int, max_tokens: int, timing_seed: int, max_delay: float = 0.03,
-                 tool_call_ids: list[int] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        group_size: int,
+        eos_id: int,
+        max_tokens: int,
+        timing_seed: int,
+        max_delay: float = 0.03,
+        tool_call_ids: list[int] | None = None,
+    ):
         self.group_size, self.eos_id, self.max_tokens = group_size, eos_id, max_tokens
         self.tool_call_ids = tool_call_ids
         self.version: int | None = None

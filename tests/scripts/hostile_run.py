@@ -151,7 +151,7 @@ def main() -> None:
                             *(directory / "pwned" for directory in INTERPRETER_DIRS),
                         )
                         if p.exists()
-                    ],  # fmt: skip
+                    ],
                     "server_accepted": accepted,
                 }
                 record["host_files_written"] = [str(p) for p in record["host_files_written"]]

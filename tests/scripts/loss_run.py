@@ -58,11 +58,19 @@ def main() -> None:
     losses, trainer = {}, None
     for padding_free, temperature in CASES:
         config = DAPOConfig(
-            output_dir=str(out / "run"), per_device_train_batch_size=ROWS // 2, num_generations=4,
-            max_completion_length=COMPLETION_LEN, report_to="none", **no_activation_checkpointing(),
-            epsilon=EPSILON_LOW, epsilon_high=EPSILON_HIGH, clip_ratio_c=CLIP_RATIO_C, padding_free=padding_free,
-            temperature=temperature, apply_overlong_penalty=False,
-        )  # fmt: skip
+            output_dir=str(out / "run"),
+            per_device_train_batch_size=ROWS // 2,
+            num_generations=4,
+            max_completion_length=COMPLETION_LEN,
+            report_to="none",
+            **no_activation_checkpointing(),
+            epsilon=EPSILON_LOW,
+            epsilon_high=EPSILON_HIGH,
+            clip_ratio_c=CLIP_RATIO_C,
+            padding_free=padding_free,
+            temperature=temperature,
+            apply_overlong_penalty=False,
+        )
         prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 8)
         trainer = DAPOTrainer(model=str(model_dir), args=config, train_dataset=prompts)
         trainer.current_gradient_accumulation_steps = 1

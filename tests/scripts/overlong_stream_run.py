@@ -25,10 +25,17 @@ def main() -> None:
     out, max_prompt_length = Path(sys.argv[1]), int(sys.argv[2])
     rank = int(os.environ.get("RANK", "0"))
     config = DAPOConfig(
-        output_dir=str(out), per_device_train_batch_size=4, num_generations=2, max_completion_length=8, max_steps=1,
-        report_to="none", save_strategy="no", disable_tqdm=True, activation_checkpointing=False,
+        output_dir=str(out),
+        per_device_train_batch_size=4,
+        num_generations=2,
+        max_completion_length=8,
+        max_steps=1,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        activation_checkpointing=False,
         max_prompt_length=max_prompt_length,
-    )  # fmt: skip
+    )
     stream = Dataset.from_list([SHORT if rank == 0 else LONG] * 4).to_iterable_dataset()
     try:
         DAPOTrainer(model=str(build_tiny_model()), args=config, train_dataset=stream)

@@ -74,8 +74,17 @@ def main() -> None:
             result.completion_ids  # noqa: B018 - what a wave hands TRL, one group at a time
         start += ready
     driver.close()
-    print(json.dumps({"groups": groups, "tokens": moved, "rss_growth_mb": round(peak_rss_mb() - baseline, 1),
-                      "peak_threads": threads, "seconds": round(time.monotonic() - started, 2)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "groups": groups,
+                "tokens": moved,
+                "rss_growth_mb": round(peak_rss_mb() - baseline, 1),
+                "peak_threads": threads,
+                "seconds": round(time.monotonic() - started, 2),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

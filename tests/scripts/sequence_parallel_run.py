@@ -31,9 +31,17 @@ PAD = 0
 
 def build_model(kv_heads: int) -> Qwen2ForCausalLM:
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=256,
-                         tie_word_embeddings=False, attn_implementation="sdpa")  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return Qwen2ForCausalLM(config).float()
 
 
@@ -93,19 +101,34 @@ def compare(out: Path, kv_heads: int) -> None:
     def unused_padded_forward(*args):
         raise AssertionError("every group here has rows")
 
-    logps, _, _ = sp.per_token(mine["ids"], mine["mask"], mine["keep"], shard_forward=shard_forward,
-                               padded_forward=unused_padded_forward, max_tokens=None, max_rows=None, pad_token_id=PAD,
-                               agree_count=None, one_forward=False)  # fmt: skip
+    logps, _, _ = sp.per_token(
+        mine["ids"],
+        mine["mask"],
+        mine["keep"],
+        shard_forward=shard_forward,
+        padded_forward=unused_padded_forward,
+        max_tokens=None,
+        max_rows=None,
+        pad_token_id=PAD,
+        agree_count=None,
+        one_forward=False,
+    )
     loss = -(logps * mine["advantages"][:, None] * mine["completion_mask"]).sum() / total_tokens * world
     loss.backward()
 
     expected_logps = reference_logps(reference, mine["ids"], mine["mask"], mine["keep"])
     expected_loss = -(expected_logps * mine["advantages"][:, None] * mine["completion_mask"]).sum() / total_tokens
-    full = sum(
-        -(reference_logps(reference, rows["ids"], rows["mask"], rows["keep"]) * rows["advantages"][:, None]
-          * rows["completion_mask"]).sum()
-        for rows in everyone
-    ) / total_tokens  # fmt: skip
+    full = (
+        sum(
+            -(
+                reference_logps(reference, rows["ids"], rows["mask"], rows["keep"])
+                * rows["advantages"][:, None]
+                * rows["completion_mask"]
+            ).sum()
+            for rows in everyone
+        )
+        / total_tokens
+    )
     full.backward()
     gradient_error = max(
         float((p.grad - q.grad).abs().max()) for p, q in zip(model.parameters(), reference.parameters(), strict=True)

@@ -126,11 +126,17 @@ class FakeGenerationTrainer(RecordingTrainer):
         version = self.state.global_step  # rounds: the weights TRL would have synced
         first_row = self.accelerator.process_index * len(prompt_ids)  # groups are contiguous in the global rows
         pairs = [
-            fake_completion(ids, None if keys is None else group_seed(self.args.seed, keys[row]), version,
-                            (first_row + row) % num_generations, self.processing_class.eos_token_id,
-                            self.args.max_completion_length, self.tool_call_ids)
+            fake_completion(
+                ids,
+                None if keys is None else group_seed(self.args.seed, keys[row]),
+                version,
+                (first_row + row) % num_generations,
+                self.processing_class.eos_token_id,
+                self.args.max_completion_length,
+                self.tool_call_ids,
+            )
             for row, ids in enumerate(prompt_ids)
-        ]  # fmt: skip
+        ]
         return [ids for ids, _ in pairs], [logprobs for _, logprobs in pairs]
 
 
@@ -177,11 +183,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
     settings = dict(
-        output_dir=str(out / "run"), per_device_train_batch_size=per_device, num_generations=4,
-        max_completion_length=8, max_steps=max_steps, max_filter_gen_batches=0, apply_overlong_penalty=False,
-        activation_checkpointing=False, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=per_device,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=max_steps,
+        max_filter_gen_batches=0,
+        apply_overlong_penalty=False,
+        activation_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
         seed=0,
-    )  # fmt: skip
+    )
     dataset, tokenizer, tools, model = difficulty_dataset(0.5), None, None, build_tiny_model(out.parent / "tiny")
     if with_tools:  # the first turn's tool call and its reply fit; at most two tool rounds
         settings.update(max_completion_length=96, max_tool_calling_iterations=2)

@@ -84,8 +84,13 @@ class ScriptedToolCalls(DAPOTrainer):
             def script(request_, result):
                 if not isinstance(result, BaseException):
                     count = len(result.lengths)
-                    result = GroupResult(result.key, result.version, [list(call)] * count,
-                                         [[float("nan")] * len(call)] * count, result.seconds)  # fmt: skip
+                    result = GroupResult(
+                        result.key,
+                        result.version,
+                        [list(call)] * count,
+                        [[float("nan")] * len(call)] * count,
+                        result.seconds,
+                    )
                 done(request_, result)
 
             return start(request, script)
@@ -110,9 +115,12 @@ class RecordedStreaming(DAPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         masks = inputs["completion_mask"].bool()
-        record = {"step": self.state.global_step, "prompt_ids": inputs["prompt_ids"].tolist(),
-                  "completion_ids": [ids[m].tolist() for ids, m in zip(inputs["completion_ids"], masks, strict=True)],
-                  "advantages": inputs["advantages"].tolist()}  # fmt: skip
+        record = {
+            "step": self.state.global_step,
+            "prompt_ids": inputs["prompt_ids"].tolist(),
+            "completion_ids": [ids[m].tolist() for ids, m in zip(inputs["completion_ids"], masks, strict=True)],
+            "advantages": inputs["advantages"].tolist(),
+        }
         with open(self.out / "trained.jsonl", "a") as file:
             file.write(json.dumps(record) + "\n")
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -149,9 +157,14 @@ def mode_settings(mode: str, out: Path, arguments: list[str]) -> tuple[dict, lis
     """The DAPOConfig fields of a mode, and the arguments left for overrides."""
     if mode == "server":
         base_url = arguments[0]
-        settings = {"vllm_mode": "server", "vllm_server_base_url": base_url, "vllm_server_timeout": 120.0,
-                    "vllm_weight_sync": "shared_storage", "vllm_weight_sync_dir": str(out / "vllm_weights"),
-                    "vllm_request_timeout": 300.0}  # fmt: skip
+        settings = {
+            "vllm_mode": "server",
+            "vllm_server_base_url": base_url,
+            "vllm_server_timeout": 120.0,
+            "vllm_weight_sync": "shared_storage",
+            "vllm_weight_sync_dir": str(out / "vllm_weights"),
+            "vllm_request_timeout": 300.0,
+        }
         return settings, arguments[1:]
     if mode == "colocate":
         return {"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3, "vllm_max_model_length": 256}, arguments
@@ -243,9 +256,13 @@ def main() -> None:
 
         peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = trainer_class(
-        model=model_dir, reward_funcs=parity_reward, args=DAPOConfig(**settings), train_dataset=Dataset.from_list(rows),
-        peft_config=peft_config, **tool_options,
-    )  # fmt: skip
+        model=model_dir,
+        reward_funcs=parity_reward,
+        args=DAPOConfig(**settings),
+        train_dataset=Dataset.from_list(rows),
+        peft_config=peft_config,
+        **tool_options,
+    )
     if not check_syncs:  # plain training, e.g. to watch what happens when the server dies
         if crash_after is not None:
             trainer.add_callback(CrashAfterSave(crash_after))
@@ -304,10 +321,16 @@ def main() -> None:
     if trainer.accelerator.is_main_process:
         model = trainer.accelerator.unwrap_model(trainer.model)
         trained = sorted(name for name, parameter in model.named_parameters() if parameter.requires_grad)
-        result = {"train_seconds": train_seconds, "backend": type(backend).__name__, "checks": checks,
-                  "log_history": trainer.state.log_history, "tolerance": TOLERANCE,
-                  "model_class": type(model).__name__, "trained_parameters": trained,
-                  "tool_turn_calls": ScriptedToolCalls.tool_turn_calls}  # fmt: skip
+        result = {
+            "train_seconds": train_seconds,
+            "backend": type(backend).__name__,
+            "checks": checks,
+            "log_history": trainer.state.log_history,
+            "tolerance": TOLERANCE,
+            "model_class": type(model).__name__,
+            "trained_parameters": trained,
+            "tool_turn_calls": ScriptedToolCalls.tool_turn_calls,
+        }
         (out / "sync_checks.json").write_text(json.dumps(result, indent=2, default=float))
         print(f"train {train_seconds:.1f} s; worst gap after sync {worst:.3g}; gaps before sync {moved}")
     sys.exit(0 if passed else 1)
