@@ -28,6 +28,8 @@ RETOOL_SCRIPT = DATA / "retool_recipe.sh"
 GRPO_SCRIPT = DATA / "grpo_kl.sh"
 LORA_SCRIPT = DATA / "grpo_lora.sh"  # verl's examples/grpo_trainer/run_qwen2_5-3b_gsm8k_grpo_lora.sh, unchanged
 GSPO_SCRIPT = DATA / "gspo_3b_math.sh"  # verl's examples/gspo_trainer/test_gspo_3b_math.sh, unchanged
+GMPO_SCRIPT = DATA / "gmpo_7b_math.sh"  # verl's examples/gmpo_trainer/test_dapo_7b_math.sh, unchanged
+QWEN3_SCRIPT = DATA / "grpo_qwen3_8b.sh"  # verl's examples/grpo_trainer/run_qwen3-8b.sh, unchanged
 # What the GSPO script leaves to its surroundings: SLURM's node count, and a name made by $(basename ...).
 GSPO_INPUTS = ("--env", "SLURM_JOB_NUM_NODES=1", "trainer.experiment_name=gspo-3b", "trainer.default_local_dir=/ckpt")
 TOOL_CONFIG = DATA / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
@@ -597,9 +599,44 @@ def test_verls_gspo_example_is_sequence_level_importance_sampling_without_dual_c
     assert dual_clip.status == NOT_NEEDED  # verl's GSPO loss ignores it: its 3.0 default is not applied
 
 
+def test_verls_gmpo_example_is_gmpo_with_its_overlong_penalty():
+    """loss_mode=geo_mean is the gmpo loss (its own sequence mean, log-space clip 0.4, no dual-clip); the DAPO reward
+    manager's overlong buffer, passed as reward_kwargs, is DAPO's penalty; the model-config override is a step the
+    user takes, reported, not a refusal."""
+    t = translated(GMPO_SCRIPT)
+    r = t.recipe
+    assert not t.blocking and not t.found.unresolved
+    assert (r["loss_type"], r["epsilon"], r["epsilon_high"], r["clip_ratio_c"]) == ("gmpo", 0.4, 0.4, None)
+    assert r.get("importance_sampling_level", "token") == "token"
+    assert (r["apply_overlong_penalty"], r["overlong_buffer_len"], r["overlong_penalty_factor"]) == (True, 4096, 1.0)
+    assert t.entries["actor_rollout_ref.actor.policy_loss.loss_mode"].status == MAPPED
+    assert t.entries["actor_rollout_ref.actor.loss_agg_mode"].status == NOT_NEEDED  # geo_mean ignores it
+    override = t.entries["actor_rollout_ref.model.override_config.max_position_embeddings"]
+    assert override.status == UNSUPPORTED and not override.blocking
+
+
+def test_verls_qwen3_grpo_example_translates_as_it_is():
+    t = translated(QWEN3_SCRIPT)
+    r = t.recipe
+    assert not t.blocking and not t.found.unresolved
+    assert (r["loss_type"], r["beta"], r["clip_ratio_c"], r["num_generations"]) == ("dapo", 0.001, 3.0, 5)
+    assert r["filter_groups_enable"] is False and r["kl_in_reward"] is False
+
+
+def test_verls_sapo_loss_mode_maps_with_its_temperatures():
+    mode, tau = "actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "+actor_rollout_ref.actor.tau_pos=1.2"
+    t = translated(GRPO_SCRIPT, mode, tau, "actor_rollout_ref.actor.loss_agg_mode=token-mean")
+    r = t.recipe
+    assert not t.blocking
+    assert (r["loss_type"], r["clip_ratio_c"]) == ("sapo", None)  # verl's SAPO aggregates seq-mean-token-mean
+    assert (r["sapo_temperature_pos"], r["sapo_temperature_neg"]) == (1.2, 1.05)
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT, GSPO_SCRIPT], ids=lambda p: p.stem
+    "script",
+    [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT, GSPO_SCRIPT, GMPO_SCRIPT, QWEN3_SCRIPT],
+    ids=lambda p: p.stem,
 )
 def test_translated_recipe_trains_two_steps(tmp_path, script):
     """Each translated recipe trains 2 steps on verl-format rows (GSM8K's among them): DAPO's with its Ulysses
@@ -851,11 +888,11 @@ def test_allow_unsupported_says_at_the_top_of_the_recipe_what_the_run_does_inste
         GSPO_SCRIPT,
         tmp_path / "out",
         *GSPO_INPUTS,
-        "actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean",
+        "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov",
         "--allow-unsupported",
     )
     assert result.returncode == 0, result.stderr
     head = (tmp_path / "out" / "recipe.yaml").read_text().split("\n\n")[0]
     assert "NOT TRANSLATED (written with --allow-unsupported)" in head
-    assert "actor_rollout_ref.actor.policy_loss.loss_mode = geo_mean" in head
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode = clip_cov" in head
     assert "Instead: loss_type grpo with a token-level clipped ratio and the same epsilons" in head

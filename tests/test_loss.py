@@ -164,21 +164,59 @@ def test_loss_is_the_library_objective(tmp_path, model_dir, padding_free, temper
         assert not torch.allclose(library_objective(token_logps(trainer.model, batch), batch, clip_ratio_c), got)
 
 
+def whole_batch_loss(loss_type: str, logps, batch, settings: dict) -> torch.Tensor:
+    """The table's loss of `loss_type` over the whole batch on one process, in one pass (its functions are checked
+    against verl's and TRL's in test_losses.py)."""
+    from dapo_trl.algorithm.losses import LossInputs, LossSettings, aggregate, clamped_log_ratio, policy_loss, ratio_log
+
+    loss, mask = policy_loss(loss_type), batch["completion_mask"].float()
+    options = {"epsilon_low": 0.2, "epsilon_high": 0.28, "max_completion_length": COMPLETION_LEN}
+    options.update({"delta": 1.5} if loss.dual_clip else {})
+    options.update(
+        {"ratio_level": settings["importance_sampling_level"]} if "importance_sampling_level" in settings else {}
+    )
+    options.update({"epsilon_high": settings["epsilon_high"]} if "epsilon_high" in settings else {})
+    settings = LossSettings(**options)
+    log_ratio = ratio_log(clamped_log_ratio(logps, batch["old_per_token_logps"]), mask, settings.ratio_level)
+    terms = loss.function(LossInputs(logps, log_ratio, batch["advantages"][:, None], mask, None), settings)
+    return aggregate(terms.per_token, mask, loss.aggregation, mask.sum(), COMPLETION_LEN)
+
+
 @pytest.mark.e2e
 def test_loss_on_two_processes_is_the_library_objective(tmp_path):
     """Each process's loss on its half of one batch, normalised by every process's tokens (Eq. 11): their mean (DDP
-    averages the gradients) is the objective over the whole batch, padded and packed, at temperature 1 and 0.7."""
+    averages the gradients) is the objective over the whole batch, padded and packed, at temperature 1 and 0.7. And
+    every registered loss, each half cut into token-budget passes: passes and processes give the whole batch's loss
+    on one process."""
+    import importlib.util
+
     run_command(python_command(LOSS_SCRIPT, str(tmp_path), num_processes=2))
     batch = torch.load(tmp_path / "batch.pt")
     losses = [torch.load(tmp_path / f"loss_rank{rank}.pt") for rank in range(2)]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)
-    assert sorted(losses[0]) == ["packed-t0.7", "packed-t1.0", "padded-t0.7", "padded-t1.0"]
+    spec = importlib.util.spec_from_file_location("loss_run", LOSS_SCRIPT)
+    loss_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loss_run)
+    from dapo_trl.algorithm.losses import POLICY_LOSSES
+
+    budget_cases = sorted(f"budget-{name}" for name in POLICY_LOSSES)
+    assert sorted(losses[0]) == sorted(["packed-t0.7", "packed-t1.0", "padded-t0.7", "padded-t1.0", *budget_cases])
     for case in losses[0]:
-        temperature = float(case.split("-t")[1])
+        temperature = float(case.split("-t")[1]) if "-t" in case else 1.0
         batch["old_per_token_logps"] = torch.load(tmp_path / f"old_{case}.pt")
         with torch.no_grad():
             logps = token_logps(model, batch, temperature)
-        expected = library_objective(logps, batch, clip_ratio_c=1.5)
+            if case.startswith("budget-"):
+                loss_type = case.removeprefix("budget-")
+                settings = loss_run.LOSS_SETTINGS.get(loss_type, {})
+                if loss_type == "bnpo":  # by TRL's definition a token mean per process: the processes' mean of it
+                    halves = (slice(0, ROWS // 2), slice(ROWS // 2, None))
+                    parts = [(logps[h], {key: value[h] for key, value in batch.items()}) for h in halves]
+                    expected = sum(whole_batch_loss("bnpo", *part, settings) for part in parts) / 2
+                else:
+                    expected = whole_batch_loss(loss_type, logps, batch, settings)
+            else:
+                expected = library_objective(logps, batch, clip_ratio_c=1.5)
         got = (losses[0][case] + losses[1][case]) / 2
         assert abs(got - expected.item()) < 1e-5, (case, got, expected.item())
         assert abs(losses[0][case] - losses[1][case]) > 1e-4  # two different halves: each process computed its own
@@ -357,6 +395,7 @@ SPLIT_LOSSES = {
     "cispo": {},
     "luspo": {"importance_sampling_level": "sequence"},
     "vespo": {},
+    "gmpo": {},
 }
 
 
@@ -420,3 +459,44 @@ def test_sequence_level_grpo_is_verls_gspo(tmp_path, model_dir):
         sequence = ((token_logps(trainer.model, batch) - batch["old_per_token_logps"]) * mask).sum(-1) / mask.sum(-1)
         clipped = ((sequence.exp() < 0.95) | (sequence.exp() > 1.08)).sum()
     assert 0 < clipped < len(sequence)
+
+
+def test_adding_a_loss_is_one_function_and_one_table_row(tmp_path, model_dir):
+    """The Losses page's example: a REINFORCE-style loss registered in one place trains through DAPOTrainer, its
+    metric logged, its aggregation (each row's token mean) taken from its row."""
+    from dapo_trl.algorithm.losses import POLICY_LOSSES, Aggregation, LossTerms, register_policy_loss
+
+    @register_policy_loss("reinforce", Aggregation.SEQUENCE_MEAN, metrics=("reinforce/ratio_mean",))
+    def reinforce(inputs, settings):
+        """-A log pi per token: the on-policy policy gradient, no ratio, no clip."""
+        return LossTerms(-inputs.advantages * inputs.logps, {"reinforce/ratio_mean": inputs.log_ratio.exp()})
+
+    try:
+        config = DAPOConfig(**common_args(tmp_path, loss_type="reinforce"))
+        trainer = make_trainer(DAPOTrainer, config, model_dir)
+        batch = fixed_batch(trainer.model.config.vocab_size, trainer.model)
+        loss = trainer.compute_loss(trainer.model, dict(batch))
+        with torch.no_grad():
+            logps = token_logps(trainer.model, batch)
+        expected = ref.seq_mean_token_mean(-batch["advantages"][:, None] * logps, batch["completion_mask"].float())
+        torch.testing.assert_close(loss.detach(), expected, atol=1e-6, rtol=1e-6)
+        assert trainer._metrics["train"]["reinforce/ratio_mean"]
+        with pytest.raises(ValueError, match="clip_ratio_c .dual-clip. needs a loss_type with a clipped ratio"):
+            DAPOConfig(**common_args(tmp_path, loss_type="reinforce", clip_ratio_c=3.0))
+    finally:
+        POLICY_LOSSES.pop("reinforce")
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"loss_type": "ppo"}, "loss_type='ppo' is not a registered policy loss; choose one of"),
+        ({"loss_type": "gmpo", "importance_sampling_level": "sequence"}, "builds its own sequence weight"),
+        ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "set importance_sampling_level: token"),
+        ({"importance_sampling_level": "group"}, "must be 'token' or 'sequence'"),
+        ({"loss_type": "gmpo", "clip_ratio_c": 3.0}, "unset clip_ratio_c"),
+    ],
+)
+def test_loss_settings_the_table_refuses_are_explained(tmp_path, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        DAPOConfig(**common_args(tmp_path, **overrides))

@@ -9,6 +9,19 @@ KL_IN_REWARD_KEYS = ("algorithm.use_kl_in_reward", "algorithm.kl_penalty", "algo
 KL_IN_REWARD_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
+# verl loss modes that fix their own aggregation (verl ignores loss_agg_mode for them): dapo-trl's loss_type, and why.
+OWN_LOSS_MODES = {
+    "geo_mean": ("gmpo", "verl's geo_mean averages its per-sequence losses over the sequences, whatever loss_agg_mode"),
+    "sapo": ("sapo", "verl's SAPO always aggregates seq-mean-token-mean, as dapo-trl's sapo does"),
+}
+LOSS_MODE_NOTES = {
+    "geo_mean": "GMPO: the geometric mean of the token ratios, each token's log-ratio clipped to [-clip_ratio_low, "
+    "clip_ratio_high] (epsilon / epsilon_high are log-space bounds for gmpo); equal to verl's to 1e-6 in "
+    "tests/test_losses.py",
+    "sapo": "SAPO: the soft gate sigmoid(tau (r - 1)) 4 / tau instead of the clip (tau_pos / tau_neg below)",
+}
+
+
 def map_loss(t: Translation) -> None:
     actor = "actor_rollout_ref.actor."
     # Clip-higher: verl's vanilla loss takes clip_ratio_low/high (defaults 0.2, not null), clip_ratio only as
@@ -18,12 +31,20 @@ def map_loss(t: Translation) -> None:
     low = ratio if low_value is None else float(low_value)
     high = ratio if high_value is None else float(high_value)
     t.set(epsilon=low, epsilon_high=high)
-    t.record(actor + "clip_ratio_low", MAPPED, recipe_line("epsilon", low), "lower clip 1 - epsilon")
+    log_space = str(t.value(actor + "policy_loss.loss_mode")) == "geo_mean"  # GMPO clips log-ratios
+    t.record(
+        actor + "clip_ratio_low",
+        MAPPED,
+        recipe_line("epsilon", low),
+        "lower clip of the log-ratio, -epsilon (gmpo)" if log_space else "lower clip 1 - epsilon",
+    )
     t.record(
         actor + "clip_ratio_high",
         MAPPED,
         recipe_line("epsilon_high", high),
-        "upper clip 1 + epsilon_high (clip-higher); verl's default 0.2 differs from dapo-trl's 0.28",
+        "upper clip of the log-ratio, epsilon_high (gmpo)"
+        if log_space
+        else "upper clip 1 + epsilon_high (clip-higher); verl's default 0.2 differs from dapo-trl's 0.28",
     )
     used = low_value is None or high_value is None
     t.mark(
@@ -36,9 +57,9 @@ def map_loss(t: Translation) -> None:
     )
     loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
     c = float(t.value(actor + "clip_ratio_c"))
-    if loss_mode == "gspo":  # verl's GSPO loss clips the sequence ratio only: no dual-clip
+    if loss_mode in OWN_LOSS_MODES or loss_mode == "gspo":  # verl's dual-clip belongs to its vanilla loss only
         t.set(clip_ratio_c=None)
-        t.record(actor + "clip_ratio_c", NOT_NEEDED, "clip_ratio_c: null", "verl's GSPO loss does not read it")
+        t.record(actor + "clip_ratio_c", NOT_NEEDED, "clip_ratio_c: null", f"verl's {loss_mode} loss does not read it")
     else:
         t.set(clip_ratio_c=c)
         t.record(
@@ -77,7 +98,11 @@ def map_loss(t: Translation) -> None:
             "constant",
         ),
     }
-    if mode in losses:
+    if loss_mode in OWN_LOSS_MODES:  # the loss mode fixes the aggregation: verl ignores loss_agg_mode
+        loss_type, how = OWN_LOSS_MODES[loss_mode]
+        t.set(loss_type=loss_type)
+        t.record(actor + "loss_agg_mode", NOT_NEEDED, recipe_line("loss_type", loss_type), how)
+    elif mode in losses:
         loss_type, status, how = losses[mode]
         t.set(loss_type=loss_type)
         t.record(actor + "loss_agg_mode", status, recipe_line("loss_type", loss_type), how)
@@ -92,6 +117,14 @@ def map_loss(t: Translation) -> None:
 
     if loss_mode == "vanilla":
         t.mark(actor + "policy_loss.loss_mode", MAPPED, "(PPO clip with dual-clip)", "verl's vanilla PPO loss")
+    elif loss_mode in OWN_LOSS_MODES:
+        loss_type = OWN_LOSS_MODES[loss_mode][0]
+        t.mark(actor + "policy_loss.loss_mode", MAPPED, recipe_line("loss_type", loss_type), LOSS_MODE_NOTES[loss_mode])
+        if loss_mode == "sapo":
+            for key, field in (("tau_pos", "sapo_temperature_pos"), ("tau_neg", "sapo_temperature_neg")):
+                value = float(t.value(actor + key))
+                t.set(**{field: value})
+                t.record(actor + key, MAPPED, recipe_line(field, value), "SAPO's gate temperature")
     elif loss_mode == "gspo":
         t.set(importance_sampling_level="sequence")
         t.mark(
@@ -108,7 +141,8 @@ def map_loss(t: Translation) -> None:
             actor + "policy_loss.loss_mode",
             UNSUPPORTED,
             "",
-            f"policy loss {loss_mode!r}: only verl's vanilla clipped loss and gspo are translated",
+            f"policy loss {loss_mode!r}: verl's vanilla, gspo, geo_mean and sapo losses are translated "
+            "(dapo-trl's loss table: docs/losses.md)",
             blocking=True,
         )
 

@@ -53,7 +53,18 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
     ),
     (
         "DAPO / PPO loss",
-        ("loss_type", "epsilon", "epsilon_high", "clip_ratio_c", "beta", "entropy_coeff", "scale_rewards"),
+        (
+            "loss_type",
+            "importance_sampling_level",
+            "epsilon",
+            "epsilon_high",
+            "clip_ratio_c",
+            "sapo_temperature_pos",
+            "sapo_temperature_neg",
+            "beta",
+            "entropy_coeff",
+            "scale_rewards",
+        ),
     ),
     (
         "Reward and dynamic sampling",

@@ -56,6 +56,8 @@ VERL_DEFAULTS: dict[str, Any] = {
     "actor_rollout_ref.actor.kl_loss_type": "low_var_kl",
     "actor_rollout_ref.actor.grad_clip": 1.0,
     "actor_rollout_ref.actor.policy_loss.loss_mode": "vanilla",
+    "actor_rollout_ref.actor.tau_pos": 1.0,
+    "actor_rollout_ref.actor.tau_neg": 1.05,
     "actor_rollout_ref.actor.optim.lr": 1e-6,
     "actor_rollout_ref.actor.optim.weight_decay": 0.01,
     "actor_rollout_ref.actor.optim.lr_warmup_steps": -1,

@@ -17,6 +17,10 @@ from dapo_trl.tiny_model import build_tiny_model
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 CASES = [(padding_free, temperature) for padding_free in (False, True) for temperature in (1.0, 0.7)]
+# Every registered loss, each process's half cut into token-budget passes (about one row each): the passes and
+# processes together must give the loss of the whole batch on one process.
+BUDGET = 12
+LOSS_SETTINGS = {"luspo": {"importance_sampling_level": "sequence"}, "cispo": {"epsilon_high": 1.3}}
 EPSILON_LOW, EPSILON_HIGH, CLIP_RATIO_C = 0.2, 0.28, 1.5
 
 
@@ -47,6 +51,10 @@ def fixed_batch(model_dir: Path) -> dict:
         "advantages": torch.randn(ROWS, generator=generator),
         "noise": 0.8 * torch.randn(ROWS, COMPLETION_LEN, generator=generator),
     }
+
+
+def budget_case(loss_type: str) -> str:
+    return f"budget-{loss_type}"
 
 
 def main() -> None:
@@ -84,6 +92,36 @@ def main() -> None:
         inputs["num_items_in_batch"] = batch["completion_mask"].sum()  # every process's loss tokens
         losses[case_name(padding_free, temperature)] = trainer.compute_loss(trainer.model, inputs).item()
         torch.save(old, out / f"old_{case_name(padding_free, temperature)}.pt")
+    from dapo_trl.algorithm.losses import POLICY_LOSSES
+
+    for loss_type in POLICY_LOSSES:
+        dual_clip = {"clip_ratio_c": CLIP_RATIO_C} if POLICY_LOSSES[loss_type].dual_clip else {}
+        config = DAPOConfig(
+            output_dir=str(out / "run"),
+            per_device_train_batch_size=ROWS // 2,
+            num_generations=4,
+            max_completion_length=COMPLETION_LEN,
+            report_to="none",
+            **no_activation_checkpointing(),
+            loss_type=loss_type,
+            **{"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH, **dual_clip, **LOSS_SETTINGS.get(loss_type, {})},
+            padding_free=True,
+            max_tokens_per_microbatch=BUDGET,
+            apply_overlong_penalty=False,
+        )
+        trainer = DAPOTrainer(model=str(model_dir), args=config, train_dataset=prompts)
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.train()
+        with torch.no_grad():
+            old = token_log_probs(trainer.model, batch, 1.0) + batch["noise"]
+        inputs = {key: value[share] for key, value in batch.items() if key != "noise"}
+        inputs["old_per_token_logps"] = old[share]
+        (planned,) = trainer._planner.plan([inputs])
+        assert planned["backward_passes"] > 1, planned["backward_passes"]  # the budget really splits
+        inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+        planned["num_items_in_batch"] = inputs["num_items_in_batch"]
+        losses[budget_case(loss_type)] = trainer.compute_loss(trainer.model, planned).item()
+        torch.save(old, out / f"old_{budget_case(loss_type)}.pt")
     torch.save(batch, out / "batch.pt")
     torch.save(losses, out / f"loss_rank{trainer.accelerator.process_index}.pt")
     leave_together(trainer.accelerator)
