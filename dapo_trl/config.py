@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers.utils import is_torch_bf16_gpu_available
@@ -334,6 +335,19 @@ class DAPOConfig(GRPOConfig):
             "process exits without them (code 128 + the signal). Set it below the scheduler's own deadline."
         },
     )
+
+    @classmethod
+    def for_trainer(cls, args: Any, model: Any) -> DAPOConfig:
+        """`args` for a DAPOTrainer: DAPO's defaults named after the model when None; a plain GRPOConfig is refused."""
+        if args is None:
+            model_name = model if isinstance(model, str) else model.config._name_or_path
+            return cls(f"{str(model_name).rstrip('/').split('/')[-1]}-DAPO")
+        if not isinstance(args, cls):
+            raise TypeError(
+                f"DAPOTrainer needs a DAPOConfig, got {type(args).__name__}: build it with "
+                "DAPOConfig(**same_arguments) (DAPOConfig accepts every GRPOConfig field)."
+            )
+        return args
 
     def __post_init__(self):
         self._derive_platform_defaults()

@@ -1,16 +1,14 @@
 """DAPOTrainer: TRL's GRPOTrainer with DAPO's reward shaping, exact token-level loss and dynamic sampling.
 
-The trainer only orchestrates; every override calls `super()`, and every private TRL name it touches is listed and
-checked in `dapo_trl.training.trl_seam`. The loss is TRL's `_compute_loss` (for `loss_type="dapo"` with
-`epsilon_high` and dual-clip `delta`, tested equal to the reference `dapo_trl.algorithm.dapo_token_loss`), the
-log-ratio clamped here, token-budget passes weighted (docs/losses.md); the step machinery
-(dynamic sampling, micro-batches, padding-free forwards, reward columns, exact denominators) is `dapo_trl.training`.
+The trainer only orchestrates: every override calls `super()` but `_compute_loss`, which trains the loss of the
+table in `dapo_trl.algorithm.losses` (`training.policy_loss`: bit for bit TRL's where TRL has the loss); every
+private TRL name it touches is listed and checked in `dapo_trl.training.trl_seam`. The step machinery (dynamic
+sampling, streaming, micro-batches, forwards, reward columns, exact denominators, checkpoints) is `dapo_trl.training`.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from functools import partial
 from typing import Any
 
@@ -22,37 +20,26 @@ from .config import DAPOConfig
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
-from .training import batch_metrics, checkpoints, evaluation, steps, streams, trl_seam
-from .training.batch_metrics import row_statistics
+from .training import batch_metrics, checkpoints, evaluation, rollout_setup, steps, streams, trl_seam
 from .training.batching import (
     StepPlanner,
     TokenWeightedMetrics,
     backward_without_sync,
-    fed_tokens,
     loss_mask,
-    process_rows,
-    select_rows,
+    process_share,
 )
-from .training.colocate_engine import VLLMColocateEngine
-from .training.packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
+from .training.forwards import TokenForwards
 from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
-from .training.rollout_driver import driver_metrics
-from .training.rollout_engine import GroupEngine, SamplingSettings
-from .training.rollout_setup import build_streaming_rollout
-from .training.rollout_stream import ROLLOUT_STATE_FILE, StreamingRollout
+from .training.rollout_engine import GroupEngine
+from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
 from .training.run_guard import RunGuard
 from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
-from .training.sequence_parallel import SequenceParallel, check_sequence_parallel
-from .training.server_engine import VLLMServerEngine
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
     backend_for,
-    prune_versions,
-    reload_server_weights,
     restore_rollout_versions,
-    rollout_weights_dirs,
     save_rollout_versions,
 )
 
@@ -76,14 +63,7 @@ class DAPOTrainer(GRPOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
-        if args is None:
-            model_name = model if isinstance(model, str) else model.config._name_or_path
-            args = DAPOConfig(f"{str(model_name).rstrip('/').split('/')[-1]}-DAPO")
-        elif not isinstance(args, DAPOConfig):
-            raise TypeError(
-                f"DAPOTrainer needs a DAPOConfig, got {type(args).__name__}: build it with "
-                "DAPOConfig(**same_arguments) (DAPOConfig accepts every GRPOConfig field)."
-            )
+        args = DAPOConfig.for_trainer(args, model)
         trl_seam.check_trl_classes(trl_seam.CLASS_NAMES + (trl_seam.WITH_VLLM if args.use_vllm else ()))
         env_factory = kwargs.get("environment_factory")
         with backend_for(args):
@@ -107,38 +87,22 @@ class DAPOTrainer(GRPOTrainer):
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
         self._round: RoundScoring | None = None  # the round TRL is scoring for dynamic sampling (`_score_round`)
-        self._packing = packing_mode(self.model) if args.padding_free else None  # said once in the log
-        self._agree_forwards = forward_count_agreement(self.accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
-        self._one_forward = one_forward_per_backward(self.accelerator, args)  # ZeRO-3 + reentrant checkpointing
-        self._sequence_parallel = self._build_sequence_parallel(args)
+        pad_token_id, router_aux_loss = trl_seam.tokenizer(self).pad_token_id, self.aux_loss_enabled
+        self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
         self._token_metrics = TokenWeightedMetrics()
         self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
-        group_passes = None if self._sequence_parallel is None else self._sequence_parallel.group_passes
-        self._planner = StepPlanner(args, self.accelerator, self.loss_type, group_passes)
+        self._planner = StepPlanner(args, self.accelerator, self.loss_type, self._forwards.group_passes)
         self._optimizer_steps = steps.OptimizerSteps(args, self.accelerator.device, self._planner.exact_denominator)
         self.add_callback(steps.SkipEmptySteps(self, self._optimizer_steps))  # a step without a loss token: no change
         self._guard = RunGuard(self)  # preemption, Ctrl-C, one process failing: `train` runs inside it
         if args.val_before_train:
-            if self.eval_dataset is None:
-                raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
             self.add_callback(evaluation.ValidateBeforeTraining(self))
-        if args.max_prompt_length is not None and self.train_dataset is not None:
-            from .data import filter_overlong_prompts
-
-            self.train_dataset = filter_overlong_prompts(
-                self.train_dataset,
-                self.processing_class,
-                args.max_prompt_length,
-                policy=args.overlong_prompt_policy,
-                chat_template_kwargs=self.chat_template_kwargs,
-                tools=self.tools or None,
-                chat_template=self.chat_template,
-                gather=gather_object if self.accelerator.num_processes > 1 else None,
-            )
+        self.train_dataset = streams.trainable_prompts(self, self.train_dataset)  # overlong prompts dropped
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
-        self._rollout = self._build_streaming_rollout(args) if args.rollout_streaming else None
+        streaming = args.rollout_streaming
+        self._rollout = rollout_setup.build_streaming_rollout(self, args, self._sampler) if streaming else None
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
@@ -148,18 +112,10 @@ class DAPOTrainer(GRPOTrainer):
         if self._round is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._round.rewards_per_func = rewards_per_func
             if self._round.streamed:
-                self._round.row_stats = self._row_statistics(rewards_per_func, completion_ids_list)
+                self._round.row_stats = batch_metrics.streamed_row_statistics(
+                    self, rewards_per_func, completion_ids_list, self._generation.output
+                )
         return rewards_per_func
-
-    def _row_statistics(self, rewards_per_func: torch.Tensor, completion_ids_list: list) -> dict[str, Any]:
-        """A streamed wave's per-row figures for the step's metrics (`training.batch_metrics`), every process's."""
-        device, ends = rewards_per_func.device, {*self.eos_token_ids, trl_seam.tokenizer(self).pad_token_id}
-        tool_mask = None if self._generation.output is None else self._generation.output.tool_mask
-        model_tokens = [sum(mask) for mask in tool_mask] if tool_mask else [len(ids) for ids in completion_ids_list]
-        lengths = torch.tensor(model_tokens, device=device)  # as TRL counts them: tool results left out
-        truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
-        stats = row_statistics(rewards_per_func, gather(lengths), gather(truncated))
-        return {**stats, "names": list(self.reward_func_names), "weights": self.reward_weights.detach().cpu()}
 
     # -------------------------------------------------------------- micro-batches: balance, exact denominator
     def _get_dataloader(self, dataset, *args, **kwargs):  # TRL's loader, each process slicing one whole stream
@@ -212,7 +168,7 @@ class DAPOTrainer(GRPOTrainer):
             evaluation.name_eval_metrics(self, trl_seam.metrics(self, mode))
         super().log(logs, start_time)
 
-    # ----------------------------------------------------------------------------------- padding-free forwards
+    # ---------------------------------------------------------------------- forwards: padding-free, sharded
     def _get_per_token_logps_and_entropies(
         self,
         model,
@@ -224,98 +180,15 @@ class DAPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        """Every training-phase forward goes through here (padding-free, sequence-parallel)."""
+        """Every training-phase forward goes through here (`training.forwards`: padding-free, sequence-parallel)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
-        logps, *rest = self._real_token_forward(
-            model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
+        trl_forward = partial(super()._get_per_token_logps_and_entropies, model)
+        logps, *rest = self._forwards.per_token(
+            model, trl_forward, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
         )
         if not torch.is_grad_enabled():  # TRL's old and reference log-probs: KL in the reward reuses them
             self._generation.record_forward(self, model, input_ids, attention_mask, logps)
         return (logps, *rest)
-
-    def _build_sequence_parallel(self, args: DAPOConfig) -> SequenceParallel | None:
-        if args.sequence_parallel_size == 1:
-            return None
-        size, config = args.sequence_parallel_size, self.model.config
-        distributed = str(self.accelerator.distributed_type)
-        attention = check_sequence_parallel(
-            size, config, self.accelerator.num_processes, distributed, getattr(self, "aux_loss_enabled", False)
-        )
-        return SequenceParallel(size, config, attention)
-
-    def _real_token_forward(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal):
-        """TRL's forward, fed real tokens only when `padding_free` is on (sharded across the sequence-parallel
-        group when there is one)."""
-
-        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
-            return super(DAPOTrainer, self)._get_per_token_logps_and_entropies(model, ids, mask, keep, **flags)
-
-        if self._sequence_parallel is not None:
-            return self._sequence_parallel_forward(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward
-            )
-        if not self.args.padding_free or any(value is not None for value in multimodal.values()):
-            return super()._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal
-            )
-
-        def packed_forward(packed):
-            entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
-            extra = {"output_router_logits": True} if aux else {}
-            with self.accelerator.autocast():
-                out = model(
-                    input_ids=packed.input_ids,
-                    position_ids=packed.position_ids,
-                    labels=packed.labels,
-                    fused_lm_head=True,
-                    **extra,
-                )
-            return out.log_probs, out.entropy if entropy else None, out.aux_loss if aux else None
-
-        return padding_free_per_token(
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            packed_forward=packed_forward if self._packing else None,
-            padded_forward=padded_forward,
-            max_tokens=self.args.max_tokens_per_microbatch,
-            max_rows=batch_size,
-            one_sequence=self._packing == "sequence",
-            pad_token_id=trl_seam.tokenizer(self).pad_token_id,
-            agree_count=self._agree_forwards,
-            one_forward=self._one_forward and torch.is_grad_enabled(),
-        )
-
-    def _sequence_parallel_forward(
-        self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward
-    ):
-        """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
-        if any(value is not None for value in multimodal.values()):
-            raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
-        attention = getattr(self.accelerator.unwrap_model(model).config, "_attn_implementation", None)
-        if attention != self._sequence_parallel.attention:
-            raise ValueError(
-                f"sequence parallelism was set up for {self._sequence_parallel.attention} attention, but a forward "
-                f"runs a model with {attention!r}: load the reference model with the policy's attn_implementation."
-            )
-
-        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict):
-            with self.accelerator.autocast():
-                out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
-            return out.log_probs, out.entropy if flags["compute_entropy"] else None
-
-        return self._sequence_parallel.per_token(
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            shard_forward=shard_forward,
-            padded_forward=padded_forward,
-            max_tokens=self.args.max_tokens_per_microbatch,
-            max_rows=batch_size,
-            pad_token_id=trl_seam.tokenizer(self).pad_token_id,
-            agree_count=self._agree_forwards,
-            one_forward=self._one_forward and torch.is_grad_enabled(),
-        )
 
     # ------------------------------------------------------------------------------------------------ tool use
     def _generate(self, prompts: list):
@@ -334,18 +207,8 @@ class DAPOTrainer(GRPOTrainer):
         return output
 
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
-        prepared = None if self._round is None else self._round.take_prepared()
-        if prepared is not None:  # a streamed wave's first turn: the engine sampled these rows (later turns: below)
-            if len(prepared["completion_ids"]) != len(prompt_ids):
-                raise RuntimeError(
-                    f"streaming rollout prepared {len(prepared['completion_ids'])} completions for "
-                    f"{len(prompt_ids)} prompts"
-                )
-            completion_ids, logprobs = prepared["completion_ids"], prepared["logprobs"]
-        elif self._round is not None and self._round.next_turns is not None:  # colocated: on the engine's thread
-            completion_ids, logprobs = self._round.next_turns(prompt_ids)
-        else:
-            completion_ids, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        turn = None if self._round is None else self._round.sampled_turn(prompt_ids)  # streamed: sampled already
+        completion_ids, logprobs = turn or super()._generate_single_turn(prompt_ids, *args, **kwargs)
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
         return completion_ids, logprobs
 
@@ -358,21 +221,10 @@ class DAPOTrainer(GRPOTrainer):
                 batch, metrics = self._sampler.sample(inputs, self._score_round)
             else:
                 self.publish_rollout_weights(self._rollout.generation)
-                batch, metrics = self._rollout.sample(inputs, self._score_wave)
-                if self._rollout.driver is not None:
-                    wait = metrics.pop("rollout/trainer_wait_seconds")
-                    metrics.update(driver_metrics(self._rollout.driver.take_metrics(), wait))
-                else:
-                    metrics.pop("rollout/trainer_wait_seconds")
+                batch, metrics = rollout_setup.sample_streamed(self._rollout, inputs, self._score_wave)
             for name, value in metrics.items():
                 trl_seam.metrics(self, "train")[name].append(value)
-            # Every process holds the whole batch: with one optimizer step per generation, deal rows by token count.
-            balance = self.args.padding_free and self.args.steps_per_generation == self.args.gradient_accumulation_steps
-            weights = fed_tokens(batch).tolist()
-            rows = process_rows(weights, self.accelerator.num_processes, balance)
-            local = select_rows(batch, rows[self.accelerator.process_index])
-            local["num_items_in_batch"] = self.accelerator.gather(loss_mask(local).sum()).sum()
-            return local
+            return process_share(batch, self.args, self.accelerator)  # every process holds the whole batch
         finally:
             self._shaping.hide(self)  # the user's reward lists again, once the batch is scored
 
@@ -391,12 +243,9 @@ class DAPOTrainer(GRPOTrainer):
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
             attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
             with torch.no_grad():
-                output["old_per_token_logps"], _, _ = self._get_per_token_logps_and_entropies(
-                    self.model,
-                    input_ids,
-                    attention_mask,
-                    output["completion_ids"].size(1),
-                    batch_size=self.args.per_device_train_batch_size,
+                keep = output["completion_ids"].size(1)
+                output["old_per_token_logps"] = trl_seam.per_token_log_probs(
+                    self, self.model, input_ids, attention_mask, keep
                 )
         return ScoredRound(
             gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
@@ -408,7 +257,7 @@ class DAPOTrainer(GRPOTrainer):
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
-        engine = self._colocated_engine()
+        engine = rollout_setup.colocated_engine(self._rollout)
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
         scoring = RoundScoring(prepared, None if engine is None else engine.generate_turns, streamed=True)
         pending = trl_seam.metrics(self, "train")
@@ -418,16 +267,6 @@ class DAPOTrainer(GRPOTrainer):
             if batch_metrics.replaced(name):
                 del values[before.get(name, 0) :]
         return scored
-
-    def _build_streaming_rollout(self, args: DAPOConfig) -> StreamingRollout:
-        if type(self).build_rollout_engine is DAPOTrainer.build_rollout_engine and not args.use_vllm:
-            raise ValueError(
-                "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
-                "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
-            )
-        self.check_off_policy_correction(args)
-        # At train end only a colocated engine must be free (the caller may generate with it next).
-        return build_streaming_rollout(self, args, self._sampler, lambda: self._wait_for_rollout_engine(server=False))
 
     def check_off_policy_correction(self, args: DAPOConfig) -> None:
         """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
@@ -451,82 +290,19 @@ class DAPOTrainer(GRPOTrainer):
         / `vllm_server_host:port` (built on the main process only), or with colocated vLLM this process's in-process
         engine (built on every process: `colocated_rollout_engines`). Override to stream from another engine (main
         process only)."""
-        args = self.args
-        sampling = SamplingSettings(
-            n=self.num_generations,
-            max_tokens=args.max_completion_length,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k or 0,
-            min_p=args.min_p or 0.0,
-            repetition_penalty=args.repetition_penalty,
-            extra=dict(args.generation_kwargs or {}),
-        )
-        if self.colocated_rollout_engines:
-            return VLLMColocateEngine(trl_seam.vllm_backend(self).llm, sampling, args.vllm_request_timeout)
-        base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-        local_root, server_root = rollout_weights_dirs(args)
-        return VLLMServerEngine(
-            base_url, sampling, max_in_flight, args.vllm_request_timeout, server_root, reload_server_weights, local_root
-        )
+        return rollout_setup.vllm_rollout_engine(self, max_in_flight)
 
     def publish_rollout_weights(self, version: int) -> None:
-        """Make the current weights (`version` = generation batches trained so far) available to the engine.
-
-        Synchronous streaming (rollout_max_staleness 0) loads them now, as rounds do (TRL's sync: NCCL or shared
-        storage). With staleness k the trainer writes them to vllm_weight_sync_dir/v<version> and the engine
-        loads the version each batch needs when it starts that batch; versions no batch can need are deleted.
-        """
-        lag, driver = self.args.rollout_max_staleness, self._rollout.driver
-        if not self.args.use_vllm:  # an engine of your own (`build_rollout_engine`): it loads versions itself
-            if driver is not None:
-                driver.publish(version)
-            return
-        # The engine gets this batch's weights below: the later turns of a tool loop (TRL's generation, on the same
-        # engine) must sample with them, so TRL must not sync the current ones.
-        trl_seam.set_weights_loaded(self, True)
-        if lag == 0:
-            self._wait_for_rollout_engine()  # the trainer may use it only while no streamed request runs
-            trl_seam.vllm_backend(self).sync_weights()
-            if driver is not None:
-                driver.loaded_externally(version)
-            return
-        local_root, _ = rollout_weights_dirs(self.args)
-        trl_seam.vllm_backend(self).publish_weights(os.path.join(local_root, f"v{version}"))
-        if driver is not None:
-            prune_versions(local_root, keep_from=version - lag)  # this batch samples from version - lag
-            driver.publish(version)
-
-    def _rollout_engine(self) -> GroupEngine | None:
-        """The engine this process's streaming driver sends groups to, if it has one."""
-        return None if self._rollout is None or self._rollout.driver is None else self._rollout.driver.engine
-
-    def _colocated_engine(self) -> VLLMColocateEngine | None:
-        """This process's colocated vLLM engine when streaming drives one, else None."""
-        engine = self._rollout_engine()
-        return engine if isinstance(engine, VLLMColocateEngine) else None
-
-    def _wait_for_rollout_engine(self, server: bool = True) -> None:
-        """Return once the streamed requests withdrawn before are gone from the engine, before TRL uses it (its
-        weight sync, its own generation): a colocated engine is not thread-safe, and a server (`server`) still
-        running an aborted request would refuse TRL's prefix-cache reset, or sample with two weights versions."""
-        engine = self._rollout_engine()
-        if isinstance(engine, VLLMColocateEngine):
-            engine.wait_idle()
-        elif server and isinstance(engine, VLLMServerEngine):
-            engine.wait_server_idle(recover_within=self._rollout.driver.recovery_timeout)
+        """Make the current weights (`version` = generation batches trained so far) available to the engine
+        (`rollout_setup.publish_weights`: now, or as a version the engine loads when a batch needs it)."""
+        rollout_setup.publish_weights(self, self._rollout, version)
 
     # --------------------------------------------------------------------------------------------- validation
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
         TRL's metrics: `dapo_trl.training.evaluation.evaluate_with_validation`."""
-        driver = None if self._rollout is None else self._rollout.driver
-        if driver is not None:  # evaluation syncs and samples the current weights: nothing streamed may run
-            driver.withdraw()
-            driver.loaded_externally(None)
-            trl_seam.set_weights_loaded(self, False)  # the engine may hold an older version: TRL syncs
-            self._wait_for_rollout_engine()
+        rollout_setup.release_engine(self, self._rollout)  # evaluation syncs and samples the current weights
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
     # ----------------------------------------------------------------------------------------- checkpointing
@@ -551,34 +327,19 @@ class DAPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
-        are rotated away only once this one is complete."""
-        folder, limit = trl_seam.checkpoint_folder(self, trial), self.args.save_total_limit
-        self.args.save_total_limit = None  # Trainer would rotate before DAPO's state and the record are written
-        try:
+        are rotated away only once this one is complete (`training.checkpoints`)."""
+        folder = trl_seam.checkpoint_folder(self, trial)
+        with checkpoints.complete_save(self, folder, self._checkpointed_state, self._save_rollout_versions):
             super()._save_checkpoint(model, trial)
-            for file, part in self._checkpointed_state().items() if self.args.should_save else ():
-                torch.save(part.state_dict(), os.path.join(folder, file))
-            if self._rollout is not None and self.args.should_save:  # the older weights a resumed run samples from
-                save_rollout_versions(self.args, self._rollout, folder)
-        except (OSError, RuntimeError) as exc:
-            raise checkpoints.save_failure(folder, exc) from exc
-        finally:
-            self.args.save_total_limit = limit
-        self.accelerator.wait_for_everyone()  # every process's files (shards, RNG states) are written
-        if self.args.should_save:
-            checkpoints.mark_complete(folder)
-            checkpoints.rotate(os.path.dirname(folder), limit, self.state.best_model_checkpoint)
+
+    def _save_rollout_versions(self, folder: str) -> None:  # the older weights a resumed run samples from
+        if self._rollout is not None:
+            save_rollout_versions(self.args, self._rollout, folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         with checkpoints.cpu_loads_unindexed(self.args.device):  # transformers 5.17 on CPU with several processes
             super()._load_optimizer_and_scheduler(checkpoint)
-        for file, part in self._checkpointed_state().items() if checkpoint is not None else ():
-            if not os.path.exists(path := os.path.join(checkpoint, file)):
-                raise checkpoints.IncompleteCheckpointError(
-                    f"{checkpoint} has no {file}, which this run's settings need to resume exactly (it was saved "
-                    "with dynamic sampling, streaming or KL in the reward set otherwise): resume with the settings "
-                    "it was saved with."
-                )
-            part.load_state_dict(torch.load(path, map_location="cpu"), self.accelerator.device)
-        if self._rollout is not None and checkpoint is not None and self.accelerator.is_main_process:
-            restore_rollout_versions(self.args, checkpoint)
+        if checkpoint is not None:
+            checkpoints.load_run_state(checkpoint, self._checkpointed_state(), self.accelerator.device)
+            if self._rollout is not None and self.accelerator.is_main_process:
+                restore_rollout_versions(self.args, checkpoint)

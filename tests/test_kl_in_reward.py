@@ -125,13 +125,13 @@ class RecordingTrainer(DAPOTrainer):
         self.batches.append((completion_ids, output["advantages"], *kl))
         return output
 
-    def _real_token_forward(self, model, *args):
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         """Counts the no-grad forwards of `self.model`: with the adapter on (the policy) or off (a PEFT reference)."""
         if model is self.model and not torch.is_grad_enabled():
             off = any(getattr(module, "disable_adapters", None) is True for module in model.modules())
             self.adapter_off_forwards += off
             self.policy_forwards += not off
-        return super()._real_token_forward(model, *args)
+        return super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
 
 
 def kl_trainer(tmp_path, **overrides) -> RecordingTrainer:

@@ -152,7 +152,7 @@ def test_the_table_trains_bit_for_bit_what_trl_trains(tmp_path, model_dir, case)
 def test_loss_is_the_library_objective(tmp_path, model_dir, padding_free, temperature, clip_ratio_c):
     overrides = {"clip_ratio_c": clip_ratio_c, "padding_free": padding_free, "temperature": temperature}
     trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path, **overrides)), model_dir)
-    assert (trainer._packing is not None) == padding_free  # the packed forward really runs (sdpa packs rows)
+    assert (trainer._forwards.packing is not None) == padding_free  # the packed forward really runs (sdpa packs rows)
     batch = fixed_batch(trainer.model.config.vocab_size, trainer.model, ratio_noise=0.8)
     got = trainer.compute_loss(trainer.model, dict(batch))
     with torch.no_grad():

@@ -11,8 +11,12 @@ filled the batch (with carried surplus, whole rounds: they are always scored who
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from trl.trainer.utils import nanstd  # TRL's own: Bessel-corrected, NaN-ignoring
+
+from . import trl_seam
 
 # TRL's per-pass metrics that `trained_batch_metrics` replaces (`rewards/<name>/mean|std` too).
 REPLACED = (
@@ -88,3 +92,18 @@ def trained_batch_metrics(
     metrics["completions/min_terminated_length"] = terminated.min().item()
     metrics["completions/max_terminated_length"] = terminated.max().item()
     return metrics
+
+
+def streamed_row_statistics(trainer: Any, rewards_per_func: torch.Tensor, completion_ids_list: list, output: Any):
+    """A streamed wave's per-row figures for the step's metrics (`row_statistics`), every process's: lengths as TRL
+    counts them (tool results left out, from the generation `output`'s tool mask), truncation, reward columns."""
+    from accelerate.utils import gather
+
+    device = rewards_per_func.device
+    ends = {*trainer.eos_token_ids, trl_seam.tokenizer(trainer).pad_token_id}
+    tool_mask = None if output is None else output.tool_mask
+    model_tokens = [sum(mask) for mask in tool_mask] if tool_mask else [len(ids) for ids in completion_ids_list]
+    lengths = torch.tensor(model_tokens, device=device)
+    truncated = torch.tensor([not ids or ids[-1] not in ends for ids in completion_ids_list], device=device)
+    stats = row_statistics(rewards_per_func, gather(lengths), gather(truncated))
+    return {**stats, "names": list(trainer.reward_func_names), "weights": trainer.reward_weights.detach().cpu()}

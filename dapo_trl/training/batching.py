@@ -343,3 +343,14 @@ class StepPlanner:
         rows = torch.tensor([part["prompt_ids"].size(0) for part in parts], device=self.accelerator.device)
         rows = self.accelerator.reduce(rows, reduction="max").tolist()
         return [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]
+
+
+def process_share(batch: dict[str, Any], args: Any, accelerator: Any) -> dict[str, Any]:
+    """This process's rows of a generation batch every process holds whole (dynamic sampling's), with the batch's
+    loss-token count over all processes as `num_items_in_batch`. With one optimizer step per generation batch and
+    padding_free, rows are dealt by token count (`process_rows`), so processes carry about equal tokens."""
+    balance = args.padding_free and args.steps_per_generation == args.gradient_accumulation_steps
+    rows = process_rows(fed_tokens(batch).tolist(), accelerator.num_processes, balance)
+    local = select_rows(batch, rows[accelerator.process_index])
+    local["num_items_in_batch"] = accelerator.gather(loss_mask(local).sum()).sum()
+    return local

@@ -17,7 +17,7 @@ import logging
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +145,38 @@ def cpu_loads_unindexed(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.load = load
+
+
+@contextlib.contextmanager
+def complete_save(trainer: Any, folder: str, run_state: Callable[[], dict[str, Any]], save_more: Callable[[str], None]):
+    """Around Trainer's `_save_checkpoint`: then the run state beyond it (`run_state()`: {file: part with a
+    state_dict}) and `save_more(folder)` on the main process; once every process is done, the completion record, and
+    only then the rotation of older checkpoints (Trainer's own rotation is held off while this is open)."""
+    args = trainer.args
+    limit, args.save_total_limit = args.save_total_limit, None  # Trainer would rotate before the record is written
+    try:
+        yield
+        if args.should_save:
+            for file, part in run_state().items():
+                torch.save(part.state_dict(), os.path.join(folder, file))
+            save_more(folder)
+    except (OSError, RuntimeError) as exc:
+        raise save_failure(folder, exc) from exc
+    finally:
+        args.save_total_limit = limit
+    trainer.accelerator.wait_for_everyone()  # every process's files (shards, RNG states) are written
+    if args.should_save:
+        mark_complete(folder)
+        rotate(os.path.dirname(folder), limit, trainer.state.best_model_checkpoint)
+
+
+def load_run_state(checkpoint: str, run_state: dict[str, Any], device: Any) -> None:
+    """Restore each part of `run_state` ({file: part with load_state_dict(state, device)}) from `checkpoint`."""
+    for file, part in run_state.items():
+        if not os.path.exists(path := os.path.join(checkpoint, file)):
+            raise IncompleteCheckpointError(
+                f"{checkpoint} has no {file}, which this run's settings need to resume exactly (it was saved "
+                "with dynamic sampling, streaming or KL in the reward set otherwise): resume with the settings "
+                "it was saved with."
+            )
+        part.load_state_dict(torch.load(path, map_location="cpu"), device)

@@ -42,6 +42,8 @@ class ValidateBeforeTraining(TrainerCallback):
     """verl's `val_before_train`: one validation pass once the model is prepared, before the first step."""
 
     def __init__(self, trainer: DAPOTrainer):
+        if trainer.eval_dataset is None:
+            raise ValueError("val_before_train needs an eval_dataset (--eval_dataset_name on the command line).")
         self.trainer = trainer
 
     def on_train_begin(self, args, state, control, **kwargs):

@@ -1,29 +1,41 @@
 """Builds a trainer's streaming rollout: its driver and engine on the processes that generate, the rollout class for
-where the engine runs (one server for all, or one engine per process), and the callback that stops it at train end.
+where the engine runs (one server for all, or one engine per process), and the callback that stops it at train end;
+and the trainer's dealings with that engine (its weights published, waiting until it is free).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from transformers import TrainerCallback
 
 from . import trl_seam
-from .rollout_driver import RolloutDriver
+from .colocate_engine import VLLMColocateEngine
+from .rollout_driver import RolloutDriver, driver_metrics
+from .rollout_engine import GroupEngine, SamplingSettings
 from .rollout_stream import ColocatedStreamingRollout, ServerStreamingRollout, StreamingRollout
 from .sampling import DynamicSampler
+from .server_engine import VLLMServerEngine
+from .vllm_backends import prune_versions, reload_server_weights, rollout_weights_dirs
 
 
-def build_streaming_rollout(
-    trainer: Any, args: Any, sampler: DynamicSampler, wait_for_engine: Callable[[], None]
-) -> StreamingRollout:
+def build_streaming_rollout(trainer: Any, args: Any, sampler: DynamicSampler) -> StreamingRollout:
     """The streaming rollout of a DAPOTrainer (`rollout_streaming`), on every process.
 
     With a server only the main process builds a driver (its engine is `trainer.build_rollout_engine`); with
     colocated engines (`trainer.colocated_rollout_engines`) every process does. A failure to build one is raised on
     every process, so that none waits for the others in a collective.
     """
+    own_engine = type(trainer).build_rollout_engine.__qualname__ != "DAPOTrainer.build_rollout_engine"
+    if not own_engine and not args.use_vllm:
+        raise ValueError(
+            "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
+            "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
+        )
+    trainer.check_off_policy_correction(args)
     if getattr(trainer, "environment_factories", None):
         raise ValueError(
             "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
@@ -55,7 +67,6 @@ def build_streaming_rollout(
                 recovery,
                 reload_external,
             )
-            trainer.add_callback(CloseRollout(driver, wait_for_engine))
         except Exception as exc:  # noqa: BLE001 - raised on every process below, so none waits for the others
             error = f"{type(exc).__name__}: {exc}"
     errors = [error for error in sampler.process.gather_objects([error]) if error is not None]
@@ -71,8 +82,21 @@ def build_streaming_rollout(
         "wave_timeout": 2 * args.vllm_request_timeout + 60,
     }
     if colocated:
-        return ColocatedStreamingRollout(sampler, driver, tokenize, **timing)
-    return ServerStreamingRollout(sampler, driver, tokenize, _broadcaster(accelerator), **timing)
+        rollout = ColocatedStreamingRollout(sampler, driver, tokenize, **timing)
+    else:
+        rollout = ServerStreamingRollout(sampler, driver, tokenize, _broadcaster(accelerator), **timing)
+    if driver is not None:  # at train end only a colocated engine must be free (the caller may generate with it next)
+        trainer.add_callback(CloseRollout(driver, partial(wait_for_engine, rollout, server=False)))
+    return rollout
+
+
+def sample_streamed(rollout: StreamingRollout, inputs: list[dict[str, Any]], score_wave: Callable) -> tuple:
+    """One generation batch from the stream, and its metrics (the driver's, on the process that has one)."""
+    batch, metrics = rollout.sample(inputs, score_wave)
+    wait = metrics.pop("rollout/trainer_wait_seconds")
+    if rollout.driver is not None:
+        metrics.update(driver_metrics(rollout.driver.take_metrics(), wait))
+    return batch, metrics
 
 
 def _broadcaster(accelerator: Any) -> Callable[[Any], Any]:
@@ -100,3 +124,85 @@ class CloseRollout(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         self.driver.withdraw()
         self.wait_for_engine()
+
+
+def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
+    """`DAPOTrainer.build_rollout_engine`'s default: the vLLM server's client, or this process's colocated engine."""
+    args = trainer.args
+    sampling = SamplingSettings(
+        n=trainer.num_generations,
+        max_tokens=args.max_completion_length,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k or 0,
+        min_p=args.min_p or 0.0,
+        repetition_penalty=args.repetition_penalty,
+        extra=dict(args.generation_kwargs or {}),
+    )
+    if trainer.colocated_rollout_engines:
+        return VLLMColocateEngine(trl_seam.vllm_backend(trainer).llm, sampling, args.vllm_request_timeout)
+    base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
+    local_root, server_root = rollout_weights_dirs(args)
+    timeout = args.vllm_request_timeout
+    return VLLMServerEngine(base_url, sampling, max_in_flight, timeout, server_root, reload_server_weights, local_root)
+
+
+def publish_weights(trainer: Any, rollout: StreamingRollout, version: int) -> None:
+    """Make the current weights (`version` = generation batches trained so far) available to the engine.
+
+    Synchronous streaming (rollout_max_staleness 0) loads them now, as rounds do (TRL's sync: NCCL or shared
+    storage). With staleness k the trainer writes them to vllm_weight_sync_dir/v<version> and the engine loads the
+    version each batch needs when it starts that batch; versions no batch can need are deleted.
+    """
+    staleness, driver = trainer.args.rollout_max_staleness, rollout.driver
+    if not trainer.args.use_vllm:  # an engine of your own (`build_rollout_engine`): it loads versions itself
+        if driver is not None:
+            driver.publish(version)
+        return
+    # The engine gets this batch's weights below: the later turns of a tool loop (TRL's generation, on the same
+    # engine) must sample with them, so TRL must not sync the current ones.
+    trl_seam.set_weights_loaded(trainer, True)
+    if staleness == 0:
+        wait_for_engine(rollout)  # the trainer may use it only while no streamed request runs
+        trl_seam.vllm_backend(trainer).sync_weights()
+        if driver is not None:
+            driver.loaded_externally(version)
+        return
+    local_root, _ = rollout_weights_dirs(trainer.args)
+    trl_seam.vllm_backend(trainer).publish_weights(os.path.join(local_root, f"v{version}"))
+    if driver is not None:
+        prune_versions(local_root, keep_from=version - staleness)  # this batch samples from version - staleness
+        driver.publish(version)
+
+
+def streamed_engine(rollout: StreamingRollout | None) -> GroupEngine | None:
+    """The engine this process's streaming driver sends groups to, if it has one."""
+    return None if rollout is None or rollout.driver is None else rollout.driver.engine
+
+
+def colocated_engine(rollout: StreamingRollout | None) -> VLLMColocateEngine | None:
+    """This process's colocated vLLM engine when streaming drives one, else None."""
+    engine = streamed_engine(rollout)
+    return engine if isinstance(engine, VLLMColocateEngine) else None
+
+
+def wait_for_engine(rollout: StreamingRollout | None, server: bool = True) -> None:
+    """Return once the streamed requests withdrawn before are gone from the engine, before TRL uses it (its weight
+    sync, its own generation): a colocated engine is not thread-safe, and a server (`server`) still running an
+    aborted request would refuse TRL's prefix-cache reset, or sample with two weights versions."""
+    engine = streamed_engine(rollout)
+    if isinstance(engine, VLLMColocateEngine):
+        engine.wait_idle()
+    elif server and isinstance(engine, VLLMServerEngine):
+        engine.wait_server_idle(recover_within=rollout.driver.recovery_timeout)
+
+
+def release_engine(trainer: Any, rollout: StreamingRollout | None) -> None:
+    """Before the trainer samples the current weights itself (evaluation): withdraw what streaming runs, and let TRL
+    sync the weights (the engine may hold an older version)."""
+    driver = None if rollout is None else rollout.driver
+    if driver is not None:
+        driver.withdraw()
+        driver.loaded_externally(None)
+        trl_seam.set_weights_loaded(trainer, False)
+        wait_for_engine(rollout)

@@ -24,6 +24,19 @@ class RoundScoring:
     rewards_per_func: torch.Tensor | None = None  # TRL's gathered rewards, (rows, funcs), shaping columns included
     row_stats: dict[str, Any] | None = None  # `batch_metrics.row_statistics` of a streamed wave
 
+    def sampled_turn(self, prompt_ids: list[list[int]]) -> tuple[list, list] | None:
+        """A turn TRL's generation need not sample: a streamed wave's first turn (the engine sampled it), or with
+        colocated streaming a tool loop's later turns (sampled on the engine's thread); None otherwise."""
+        prepared = self.take_prepared()
+        if prepared is not None:
+            if len(prepared["completion_ids"]) != len(prompt_ids):
+                raise RuntimeError(
+                    f"streaming rollout prepared {len(prepared['completion_ids'])} completions for "
+                    f"{len(prompt_ids)} prompts"
+                )
+            return prepared["completion_ids"], prepared["logprobs"]
+        return None if self.next_turns is None else self.next_turns(prompt_ids)
+
     def take_prepared(self) -> dict[str, list] | None:
         """The prepared completions, once: a tool loop's later turns are sampled afresh."""
         prepared, self.prepared = self.prepared, None

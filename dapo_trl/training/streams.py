@@ -192,3 +192,25 @@ def whole_stream(dataset: Any, num_processes: int) -> Any:
     from datasets import IterableDataset
 
     return WholeStream(dataset) if num_processes > 1 and isinstance(dataset, IterableDataset) else dataset
+
+
+def trainable_prompts(trainer: Any, dataset: Any) -> Any:
+    """The train set without prompts longer than max_prompt_length (`overlong_prompt_policy`: dropped and counted,
+    or an error), measured as TRL renders them (chat template, its kwargs, tools); agreed by every process."""
+    args = trainer.args
+    if args.max_prompt_length is None or dataset is None:
+        return dataset
+    from accelerate.utils import gather_object
+
+    from ..data import filter_overlong_prompts
+
+    return filter_overlong_prompts(
+        dataset,
+        trainer.processing_class,
+        args.max_prompt_length,
+        policy=args.overlong_prompt_policy,
+        chat_template_kwargs=trainer.chat_template_kwargs,
+        tools=trainer.tools or None,
+        chat_template=trainer.chat_template,
+        gather=gather_object if trainer.accelerator.num_processes > 1 else None,
+    )

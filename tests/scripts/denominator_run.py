@@ -141,7 +141,7 @@ def main() -> None:
         {
             "rows": trainer.recorded_rows[:accumulation],
             "micro_batches": micro_batches,
-            "sharded_forwards": getattr(trainer._sequence_parallel, "sharded_forwards", 0),
+            "sharded_forwards": getattr(trainer._forwards.sequence_parallel, "sharded_forwards", 0),
         },
         out / f"rows_rank{rank}.pt",
     )

@@ -1,0 +1,117 @@
+"""Every training-phase forward of DAPOTrainer (old, reference and policy log-probs): TRL's padded forward, or,
+with `padding_free`, real tokens only (rows packed into sequences, `training.packing`), sharded across a
+sequence-parallel group when there is one (`training.sequence_parallel`), under the token budget."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
+from .sequence_parallel import SequenceParallel, check_sequence_parallel
+
+# TRL's own `_get_per_token_logps_and_entropies` bound to a model: (input_ids, attention_mask, logits_to_keep,
+# batch_size=None, **flags and multimodal inputs) -> (log-probs, entropies, aux loss).
+TRLForward = Callable[..., tuple]
+
+
+class TokenForwards:
+    """How this run's forwards are fed, decided once: packed or padded, sharded or whole, agreed across processes."""
+
+    def __init__(self, args: Any, accelerator: Any, model: Any, pad_token_id: int, router_aux_loss: bool):
+        self.args, self.accelerator, self.pad_token_id = args, accelerator, pad_token_id
+        self.packing = packing_mode(model) if args.padding_free else None  # said once in the log
+        self.agree_count = forward_count_agreement(accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
+        self.one_forward = one_forward_per_backward(accelerator, args)  # ZeRO-3 + reentrant checkpointing
+        self.sequence_parallel = None
+        if args.sequence_parallel_size > 1:
+            size, config = args.sequence_parallel_size, model.config
+            processes, distributed = accelerator.num_processes, str(accelerator.distributed_type)
+            attention = check_sequence_parallel(size, config, processes, distributed, router_aux_loss)
+            self.sequence_parallel = SequenceParallel(size, config, attention)
+
+    @property
+    def group_passes(self) -> Any:
+        """With sequence parallelism, how the group plans its token-budget passes (`StepPlanner`); else None."""
+        return None if self.sequence_parallel is None else self.sequence_parallel.group_passes
+
+    def per_token(
+        self,
+        model: Any,
+        trl_forward: TRLForward,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None,
+        flags: dict[str, bool],
+        multimodal: dict[str, Any],
+    ) -> tuple:
+        """TRL's forward, fed real tokens only when `padding_free` is on (sharded across the sequence-parallel group
+        when there is one). `flags` are TRL's compute_entropy / compute_aux_loss."""
+
+        def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
+            return trl_forward(ids, mask, keep, **flags)
+
+        if self.sequence_parallel is not None:
+            sharded = (input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward)
+            return self._sharded(model, *sharded)
+        if not self.args.padding_free or any(value is not None for value in multimodal.values()):
+            return trl_forward(input_ids, attention_mask, logits_to_keep, batch_size, **flags, **multimodal)
+
+        def packed_forward(packed):
+            entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
+            extra = {"output_router_logits": True} if aux else {}
+            with self.accelerator.autocast():
+                out = model(
+                    input_ids=packed.input_ids,
+                    position_ids=packed.position_ids,
+                    labels=packed.labels,
+                    fused_lm_head=True,
+                    **extra,
+                )
+            return out.log_probs, out.entropy if entropy else None, out.aux_loss if aux else None
+
+        return padding_free_per_token(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            packed_forward=packed_forward if self.packing else None,
+            padded_forward=padded_forward,
+            max_tokens=self.args.max_tokens_per_microbatch,
+            max_rows=batch_size,
+            one_sequence=self.packing == "sequence",
+            pad_token_id=self.pad_token_id,
+            agree_count=self.agree_count,
+            one_forward=self.one_forward and torch.is_grad_enabled(),
+        )
+
+    def _sharded(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward):
+        """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
+        if any(value is not None for value in multimodal.values()):
+            raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
+        attention = getattr(self.accelerator.unwrap_model(model).config, "_attn_implementation", None)
+        if attention != self.sequence_parallel.attention:
+            raise ValueError(
+                f"sequence parallelism was set up for {self.sequence_parallel.attention} attention, but a forward "
+                f"runs a model with {attention!r}: load the reference model with the policy's attn_implementation."
+            )
+
+        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict):
+            with self.accelerator.autocast():
+                out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
+            return out.log_probs, out.entropy if flags["compute_entropy"] else None
+
+        return self.sequence_parallel.per_token(
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            shard_forward=shard_forward,
+            padded_forward=padded_forward,
+            max_tokens=self.args.max_tokens_per_microbatch,
+            max_rows=batch_size,
+            pad_token_id=self.pad_token_id,
+            agree_count=self.agree_count,
+            one_forward=self.one_forward and torch.is_grad_enabled(),
+        )
