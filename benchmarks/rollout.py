@@ -134,7 +134,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from dapo_trl import DAPOConfig, DAPOTrainer
     from dapo_trl.training import trl_seam
     from dapo_trl.training.colocate_engine import VLLMColocateEngine
-    from dapo_trl.training.rollout_engine import GroupRequest, SamplingSettings
+    from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
     from dapo_trl.training.rollout_stream import group_seed
     from dapo_trl.training.server_engine import VLLMServerEngine
     from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
@@ -171,7 +171,7 @@ def run_worker(args: argparse.Namespace) -> None:
             return self._engine(max_in_flight)
 
         def _engine(self, max_in_flight):
-            sampling = SamplingSettings(n=group, max_tokens=max_tokens, temperature=1.0)
+            sampling = RequestSampling(n=group, max_tokens=max_tokens, temperature=1.0)
             if colocated(args.worker):
                 return ExactLengthColocateEngine(trl_seam.vllm_backend(self).llm, sampling, 600.0)
             local, server = rollout_weights_dirs(self.args)

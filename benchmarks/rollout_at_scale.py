@@ -7,7 +7,7 @@ and a trainer model that only say how long things take.
 
 What is the project's code (run unmodified)
 -------------------------------------------
-- `dapo_trl.training.sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds, the batch cut.
+- `dapo_trl.training.dynamic_sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds, the batch cut.
 - `dapo_trl.training.rollout_stream.ServerStreamingRollout` (`StreamingRollout`'s vLLM-server path): planning,
   lookahead, waves (reorder buffer, coalesced to at most `MAX_WAVES_PER_ROUND` scoring passes per round),
   withdrawal and regeneration of groups admitted ahead, lag.
@@ -129,10 +129,10 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from dapo_trl import DAPOConfig  # noqa: E402
+from dapo_trl.training.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
 from dapo_trl.training.rollout_driver import RolloutDriver  # noqa: E402
 from dapo_trl.training.rollout_engine import GroupRequest, GroupResult  # noqa: E402
 from dapo_trl.training.rollout_stream import ServerStreamingRollout, group_seed  # noqa: E402
-from dapo_trl.training.sampling import DynamicSampler, ScoredRound  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz

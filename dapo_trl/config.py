@@ -404,5 +404,5 @@ class DAPOConfig(GRPOConfig):
             # verl's dual-clip: for A < 0 the loss becomes |A| * min(c, max(r, clip(r))), for A > 0 nothing changes.
             self.delta = self.clip_ratio_c
 
-    # --------------------------------------------------------------------------------- validation, by feature
+    # ------------------------------------------------------------------------------------- checks, by feature
     # Each check fails at configuration time, naming the field and the fix, instead of deep inside training.

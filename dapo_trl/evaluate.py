@@ -15,7 +15,7 @@ import sys
 
 from .data import load_prompt_dataset
 from .rewards import REWARD_FUNCTIONS
-from .validation import SamplingSettings, format_table, summarize, validate_checkpoint, write_samples
+from .validation import ValidationSampling, format_table, summarize, validate_checkpoint, write_samples
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer,
         rows,
         REWARD_FUNCTIONS[args.reward],
-        SamplingSettings(
+        ValidationSampling(
             args.num_samples, args.temperature, args.top_p, args.max_new_tokens, args.batch_size, args.seed
         ),
         backend,

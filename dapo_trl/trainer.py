@@ -28,6 +28,7 @@ from .training.batching import (
     loss_mask,
     process_share,
 )
+from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.forwards import TokenForwards
 from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
@@ -35,7 +36,6 @@ from .training.rollout_engine import GroupEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
 from .training.run_guard import RunGuard
-from .training.sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
     backend_for,

@@ -138,7 +138,7 @@ def _generate_with_vllm(
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class ValidationSampling:
     """How validation samples: `num_samples` responses per prompt at (temperature, top_p), up to `max_new_tokens`;
     `batch_size` prompts per generation call (in training and with the transformers backend), the standalone vLLM
     backend is seeded with `seed`."""
@@ -153,7 +153,7 @@ class SamplingSettings:
 
 def sample_responses(
     prompts: Sequence[Any],
-    settings: SamplingSettings,
+    settings: ValidationSampling,
     *,
     backend: Backend = "transformers",
     model: Any = None,
@@ -274,7 +274,7 @@ def validate_checkpoint(
     tokenizer: Any,
     rows: Sequence[dict[str, Any]],
     reward_func: Callable[..., list[float]],
-    settings: SamplingSettings,
+    settings: ValidationSampling,
     backend: Backend,
 ) -> list[PromptResult]:
     """Sample and score a saved checkpoint outside training (`python -m dapo_trl.evaluate`), one process.

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from dapo_trl.training.rollout_driver import RolloutDriver
-from dapo_trl.training.rollout_engine import EngineUnavailable, GroupRequest, SamplingSettings
+from dapo_trl.training.rollout_engine import EngineUnavailable, GroupRequest, RequestSampling
 from dapo_trl.training.server_engine import VLLMServerEngine
 
 from .scripts.fake_engine import FakeEngine, fake_completion
@@ -123,7 +123,7 @@ def test_the_server_engine_tells_a_server_gone_from_a_failing_one_and_waits_for_
     first = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Healthy)
     port = first.server_port
     threading.Thread(target=first.serve_forever, daemon=True).start()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 5)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{port}", RequestSampling(n=GROUP, max_tokens=8), 4, 5)
     first.shutdown()
     first.server_close()  # the server is gone: connections are refused
     answers, finished = [], threading.Event()
@@ -143,4 +143,4 @@ def test_a_port_that_refuses_is_unavailable_not_a_plain_error():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(EngineUnavailable, match="cannot reach the vLLM server"):
-        VLLMServerEngine(f"http://127.0.0.1:{port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 5)
+        VLLMServerEngine(f"http://127.0.0.1:{port}", RequestSampling(n=GROUP, max_tokens=8), 4, 5)

@@ -291,7 +291,7 @@ class ForwardRecorder:
         one_process = {"device": torch.device("cpu"), "state": None, "distributed_type": "NO", "num_processes": 1}
         self.accelerator = type("Accelerator", (), one_process)()
         self._tokenizer = type("Tokenizer", (), {"pad_token_id": 0})()
-        self.args = type("Args", (), {"per_device_train_batch_size": 2})()
+        self.args = type("Args", (), {"per_device_train_batch_size": 2, "sequence_parallel_size": 1})()
         self.model, self.ref_model, self.beta, self.calls = "policy", "reference", 0.0, []
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size):

@@ -23,7 +23,8 @@ from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training import colocate_engine, rollout_stream, server_engine
 from dapo_trl.training.colocate_engine import VLLMColocateEngine
-from dapo_trl.training.rollout_engine import GroupRequest, GroupResult, SamplingSettings
+from dapo_trl.training.dynamic_sampling import DynamicSampler, ScoredRound
+from dapo_trl.training.rollout_engine import GroupRequest, GroupResult, RequestSampling
 from dapo_trl.training.rollout_stream import (
     MAX_TAIL_WAVES,
     MAX_WAVES_PER_ROUND,
@@ -32,7 +33,6 @@ from dapo_trl.training.rollout_stream import (
     group_seed,
     plan_horizon,
 )
-from dapo_trl.training.sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.server_engine import VLLMServerEngine
 from dapo_trl.training.streams import PromptStream
 
@@ -152,7 +152,7 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
             )
 
 
-# ----------------------------------------------------------------------------- lag equivalence, without a model
+# ----------------------------------------------------------------------------- staleness equivalence, without a model
 PROMPTS = [f"{'mixed' if i % 2 else 'easy'} {i}" for i in range(40)]
 
 
@@ -190,15 +190,15 @@ def settings(**overrides):
 
 
 def streamed_batches(
-    lag: int, steps: int, timing_seed: int, metrics: list | None = None
+    staleness: int, steps: int, timing_seed: int, metrics: list | None = None
 ) -> tuple[list[list], list[int]]:
     """Batches of a StreamingRollout on the fake engine, the trainer 'training' for a random while between them."""
-    args = settings(rollout_max_staleness=lag)
+    args = settings(rollout_max_staleness=staleness)
     dataset = [{"prompt": prompt} for prompt in PROMPTS]
     sampler = DynamicSampler(args, dataset, GROUP, {}, shuffle=True)
     engine = FakeEngine(GROUP, EOS, MAX_TOKENS, timing_seed, max_delay=0.01)
     driver = RolloutDriver(engine, max_in_flight=3)
-    rollout = ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, lag, 1, wave_timeout=30)
+    rollout = ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, staleness, 1, wave_timeout=30)
     pace = random.Random(timing_seed)
     out = []
     for _ in range(steps):
@@ -213,14 +213,14 @@ def streamed_batches(
     return out, engine.loads
 
 
-def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
+def synchronous_stale_batches(staleness: int, steps: int) -> list[list]:
     """The reference, from the rule alone: batch j samples, one group after another in the seeded prompt stream,
-    from weights version max(0, j - lag), and keeps the first 2 groups with spread; rounds of 2 groups are consumed
-    whole."""
+    from weights version max(0, j - staleness), and keeps the first 2 groups with spread; rounds of 2 groups are
+    consumed whole."""
     stream, drawn = PromptStream(len(PROMPTS), seed=5), 0
     out = []
     for step in range(steps):
-        version, kept = max(0, step - lag), []
+        version, kept = max(0, step - staleness), []
         while len(kept) < 2:
             for index in stream.draw(2):  # one round
                 prompt, seed, drawn = PROMPTS[index], group_seed(5, ("stream", drawn)), drawn + 1
@@ -232,17 +232,17 @@ def synchronous_lagged_batches(lag: int, steps: int) -> list[list]:
     return out
 
 
-@pytest.mark.parametrize("lag", [1, 2])
-def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_k(lag):
-    reference, figures = synchronous_lagged_batches(lag, steps=5), []
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_overlapped_batches_equal_a_synchronous_run_whose_weights_lag_by_staleness(staleness):
+    reference, figures = synchronous_stale_batches(staleness, steps=5), []
     for timing_seed in (1, 2):
         metrics = []
-        streamed, loads = streamed_batches(lag, steps=5, timing_seed=timing_seed, metrics=metrics)
+        streamed, loads = streamed_batches(staleness, steps=5, timing_seed=timing_seed, metrics=metrics)
         assert streamed == reference
-        assert loads[: 5 - lag] == list(range(5 - lag))  # each version loaded once, in order
-        # Measured from each trained row's own version: batch j samples from max(0, j - lag).
-        assert [m["rollout/staleness_max"] for m in metrics] == [min(j, lag) for j in range(5)]
-        assert [m["rollout/staleness_mean"] for m in metrics] == [min(j, lag) for j in range(5)]
+        assert loads[: 5 - staleness] == list(range(5 - staleness))  # each version loaded once, in order
+        # Measured from each trained row's own version: batch j samples from max(0, j - staleness).
+        assert [m["rollout/staleness_max"] for m in metrics] == [min(j, staleness) for j in range(5)]
+        assert [m["rollout/staleness_mean"] for m in metrics] == [min(j, staleness) for j in range(5)]
         # Waves coalesced: a round is scored in at most MAX_WAVES_PER_ROUND passes, whatever finished when.
         assert all(
             1 <= m["rollout/scoring_passes"] <= MAX_WAVES_PER_ROUND * m["dynamic_sampling/rounds"] + MAX_TAIL_WAVES
@@ -256,7 +256,7 @@ def test_a_wrong_group_seed_changes_the_batches(monkeypatch):
     """The fake engine samples from the request's seed, so the equality above is sensitive to the per-group seed."""
     monkeypatch.setattr(rollout_stream, "group_seed", lambda run_seed, key: group_seed(run_seed, key) + 1)
     streamed, _ = streamed_batches(1, steps=2, timing_seed=1)
-    assert streamed != synchronous_lagged_batches(1, steps=2)
+    assert streamed != synchronous_stale_batches(1, steps=2)
 
 
 def test_group_seeds_are_stable_and_distinct():
@@ -362,7 +362,7 @@ def test_the_server_engine_sends_seeded_groups_and_a_cancelled_key_can_run_again
     group regenerated under the next weights) runs and answers."""
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), FakeCompletions)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", RequestSampling(n=GROUP, max_tokens=8), 4, 10)
     answers, finished = [], threading.Event()
 
     def done(request, result):
@@ -452,7 +452,7 @@ def colocated_engine(monkeypatch, fake: FakeLLMEngine) -> VLLMColocateEngine:
             super().__init__(kwargs)
 
     monkeypatch.setattr(colocate_engine, "vllm_sampling_params", lambda: (Params, "final-only"))
-    return VLLMColocateEngine(SimpleNamespace(llm_engine=fake), SamplingSettings(n=3, max_tokens=8), timeout=5)
+    return VLLMColocateEngine(SimpleNamespace(llm_engine=fake), RequestSampling(n=3, max_tokens=8), timeout=5)
 
 
 def test_the_colocated_engine_steps_groups_on_its_own_thread_and_aborts_cancelled_ones(monkeypatch):
@@ -664,7 +664,7 @@ def test_the_server_runs_none_of_our_requests_when_weights_are_reloaded(tmp_path
 
     engine = VLLMServerEngine(
         f"http://127.0.0.1:{server.server_port}",
-        SamplingSettings(n=GROUP, max_tokens=8),
+        RequestSampling(n=GROUP, max_tokens=8),
         4,
         10,
         "/server/weights",
@@ -689,7 +689,7 @@ def test_a_group_cancelled_before_its_connection_opens_is_never_sent(monkeypatch
     monkeypatch.setattr(server_engine.asyncio, "open_connection", gated_open_connection)
     FakeCompletions.bodies = []
     server = serve(FakeCompletions)
-    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 10)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", RequestSampling(n=GROUP, max_tokens=8), 4, 10)
     answers = []
     request = GroupRequest(("stream", 0), [7, 8], seed=11, version=0)
     engine.start(request, lambda r, result: answers.append(result))
@@ -782,7 +782,7 @@ class ClosingMidBody(http.server.BaseHTTPRequestHandler):
 
 def test_a_connection_closed_mid_answer_fails_the_group_at_once():
     server = serve(ClosingMidBody)
-    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", SamplingSettings(n=GROUP, max_tokens=8), 4, 60)
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", RequestSampling(n=GROUP, max_tokens=8), 4, 60)
     answers, finished = [], threading.Event()
     engine.start(GroupRequest(("stream", 0), [1], 3, 0), lambda r, result: (answers.append(result), finished.set()))
     assert finished.wait(10)  # not after the 60 s request timeout

@@ -11,7 +11,7 @@ from dapo_trl import DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.validation import (
     PromptResult,
-    SamplingSettings,
+    ValidationSampling,
     format_table,
     pass_at_k,
     sample_responses,
@@ -77,7 +77,7 @@ def test_score_responses_calls_the_reward_like_trl():
     "backend,message", [("transformers", "needs a model"), ("vllm", "needs a model_path"), ("tgi", "unknown")]
 )
 def test_sample_responses_checks_its_backend(backend, message):
-    settings = SamplingSettings(num_samples=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
+    settings = ValidationSampling(num_samples=1, temperature=1.0, top_p=1.0, max_new_tokens=1)
     with pytest.raises(ValueError, match=message):
         sample_responses(["What is 1 + 1?"], settings, backend=backend, tokenizer=None)
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         script_args, training_args, model_args = DAPOParser().parse_args_and_config(args=argv)
-    except ValueError as error:  # DAPOConfig validation: the message names the field and the fix
+    except ValueError as error:  # DAPOConfig's checks: the message names the field and the fix
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:

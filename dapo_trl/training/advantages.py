@@ -63,6 +63,6 @@ def batch_scaled_advantages(rewards: torch.Tensor, group_size: int, center: str 
 
 def batch_normalisation(args: object) -> str | None:
     """Which batch-level normalisation a config asks for: the `center` of `batch_scaled_advantages`, or None."""
-    if getattr(args, "multi_objective_aggregation", "sum_then_normalize") == "normalize_then_sum":
+    if args.multi_objective_aggregation == "normalize_then_sum":
         return "batch"
-    return "group" if getattr(args, "scale_rewards", "group") == "batch" else None
+    return "group" if args.scale_rewards == "batch" else None

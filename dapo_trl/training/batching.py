@@ -11,11 +11,14 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..algorithm.losses import POLICY_LOSSES, Aggregation, policy_loss
+
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +274,7 @@ class StepPlanner:
     budget gets a pass of its own, split N ways, while the group's other processes run a masked row.
     """
 
-    def __init__(self, args: Any, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
+    def __init__(self, args: DAPOConfig, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
         self.args = args
         self.accelerator = accelerator
         self.split_weight = policy_loss(loss_type).aggregation.split_weight
@@ -300,7 +303,7 @@ class StepPlanner:
             for batch, passes in zip(micro_batches, agreed, strict=True):
                 batch["backward_passes"] = passes
             longest = max(int(fed_tokens(batch).max()) for batch in micro_batches)
-            sequence_parallel = getattr(self.args, "sequence_parallel_size", 1)
+            sequence_parallel = self.args.sequence_parallel_size
             limit = budget * sequence_parallel  # a sequence-parallel group shares its forwards
             if longest > limit:
                 logger.warning(
@@ -345,7 +348,7 @@ class StepPlanner:
         return [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]
 
 
-def process_share(batch: dict[str, Any], args: Any, accelerator: Any) -> dict[str, Any]:
+def process_share(batch: dict[str, Any], args: DAPOConfig, accelerator: Any) -> dict[str, Any]:
     """This process's rows of a generation batch every process holds whole (dynamic sampling's), with the batch's
     loss-token count over all processes as `num_items_in_batch`. With one optimizer step per generation batch and
     padding_free, rows are dealt by token count (`process_rows`), so processes carry about equal tokens."""

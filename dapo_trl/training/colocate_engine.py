@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .rollout_engine import Callback, GroupRequest, GroupResult, SamplingSettings
+from .rollout_engine import Callback, GroupRequest, GroupResult, RequestSampling
 
 
 class VLLMColocateEngine:
@@ -23,7 +23,7 @@ class VLLMColocateEngine:
     are loaded by the trainer that way (synchronous streaming), never through `load_weights`.
     """
 
-    def __init__(self, llm: Any, sampling: SamplingSettings, timeout: float):
+    def __init__(self, llm: Any, sampling: RequestSampling, timeout: float):
         self._engine = llm.llm_engine
         self._params, self._final_only = vllm_sampling_params()  # FINAL_ONLY: one output per group, all n in it
         self.sampling = sampling

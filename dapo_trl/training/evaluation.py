@@ -22,7 +22,7 @@ from transformers import TrainerCallback
 
 from ..validation import (
     PromptResult,
-    SamplingSettings,
+    ValidationSampling,
     build_results,
     call_reward,
     correct_per_prompt,
@@ -34,6 +34,8 @@ from . import trl_seam
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
     from trl import GRPOTrainer as DAPOTrainer  # a dapo_trl.DAPOTrainer; named by its base, so imports run one way
+
+    from ..config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,11 +151,11 @@ def evaluate_with_validation(
             pending.pop(key, None)
 
 
-def eval_sampling_settings(args: Any) -> SamplingSettings:
+def eval_sampling_settings(args: DAPOConfig) -> ValidationSampling:
     """The eval sampling fields of a DAPOConfig: eval_num_samples, eval_temperature, eval_top_p, eval_max_new_tokens
     (default max_completion_length) and per_device_eval_batch_size prompts per generation call."""
     max_new_tokens = args.eval_max_new_tokens or args.max_completion_length
-    return SamplingSettings(
+    return ValidationSampling(
         args.eval_num_samples, args.eval_temperature, args.eval_top_p, max_new_tokens, args.per_device_eval_batch_size
     )
 
@@ -195,7 +197,7 @@ def _local_rows(
 
 
 @contextmanager
-def eval_sampling(trainer: DAPOTrainer, settings: SamplingSettings) -> Iterator[None]:
+def eval_sampling(trainer: DAPOTrainer, settings: ValidationSampling) -> Iterator[None]:
     """Make the trainer's own generation (`_generate`: transformers, vLLM or a rollout_func, then TRL's tool loop)
     sample with the eval settings, and restore the training ones after.
 
@@ -240,7 +242,7 @@ def _generate(trainer: DAPOTrainer, prompts: list[Any]) -> tuple[list[list[int]]
 
 
 def _sample_and_score(
-    trainer: DAPOTrainer, batches: list[list[tuple[int, dict]]], settings: SamplingSettings
+    trainer: DAPOTrainer, batches: list[list[tuple[int, dict]]], settings: ValidationSampling
 ) -> tuple[list[PromptResult], dict[str, float]]:
     """Sample `num_samples` responses per prompt through the trainer's generation in eval mode, and score them.
 

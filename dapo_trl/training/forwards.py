@@ -5,12 +5,15 @@ sequence-parallel group when there is one (`training.sequence_parallel`), under 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .sequence_parallel import SequenceParallel, check_sequence_parallel
+
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
 # TRL's own `_get_per_token_logps_and_entropies` bound to a model: (input_ids, attention_mask, logits_to_keep,
 # batch_size=None, **flags and multimodal inputs) -> (log-probs, entropies, aux loss).
@@ -20,7 +23,7 @@ TRLForward = Callable[..., tuple]
 class TokenForwards:
     """How this run's forwards are fed, decided once: packed or padded, sharded or whole, agreed across processes."""
 
-    def __init__(self, args: Any, accelerator: Any, model: Any, pad_token_id: int, router_aux_loss: bool):
+    def __init__(self, args: DAPOConfig, accelerator: Any, model: Any, pad_token_id: int, router_aux_loss: bool):
         self.args, self.accelerator, self.pad_token_id = args, accelerator, pad_token_id
         self.packing = packing_mode(model) if args.padding_free else None  # said once in the log
         self.agree_count = forward_count_agreement(accelerator)  # ZeRO-3 / FSDP forwards run in lockstep

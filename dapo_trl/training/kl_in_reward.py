@@ -114,7 +114,7 @@ def policy_and_reference_log_probs(trainer: Any, generation: Any) -> LogProbs:
 
     # Forwards that are collective (ZeRO-3 / FSDP gathers, a sequence-parallel group) must run on every process or on
     # none: reuse a recorded forward only where every process can.
-    sequence_parallel = getattr(trainer.args, "sequence_parallel_size", 1) > 1
+    sequence_parallel = trainer.args.sequence_parallel_size > 1
     collective = sequence_parallel or forward_count_agreement(trainer.accelerator) is not None
 
     def recorded(forward: tuple | None) -> torch.Tensor | None:

@@ -10,11 +10,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .batching import balanced_partition, token_budget_chunks
+
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
 IGNORE_INDEX = -100
 BIN_ALIGNMENT = 64
@@ -232,7 +235,7 @@ def padding_free_per_token(
     return torch.cat(logps)[inverse], entropy, aux_loss
 
 
-def one_forward_per_backward(accelerator: Any, args: Any) -> bool:
+def one_forward_per_backward(accelerator: Any, args: DAPOConfig) -> bool:
     """DeepSpeed ZeRO-3 with reentrant activation checkpointing (what TRL forces for a PEFT model under ZeRO-3) fails
     when a backward pass meets a module that ran more than once ("assert len(set(p.ds_id for p in params_in_bucket))
     == len(params_in_bucket)"): each reentrant segment reports its parameters' gradients again. Training forwards
@@ -241,7 +244,7 @@ def one_forward_per_backward(accelerator: Any, args: Any) -> bool:
     if plugin is None or plugin.zero_stage != 3 or not args.gradient_checkpointing:
         return False
     reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
-    if reentrant and getattr(args, "max_tokens_per_microbatch", None):
+    if reentrant and args.max_tokens_per_microbatch:
         logger.warning(
             "max_tokens_per_microbatch=%s is not applied to training forwards: under ZeRO-3 with reentrant "
             "activation checkpointing (TRL's choice for PEFT models) each micro-batch runs as one forward, as "

@@ -11,18 +11,21 @@ user's config is never changed.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .trl_seam import trl_function
+
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 
 
-def needs_own_reference(args: Any, ref_model: Any, model: Any) -> bool:
+def needs_own_reference(args: DAPOConfig, ref_model: Any, model: Any) -> bool:
     """KL in the reward is on, TRL built no reference model, and the policy is not a PEFT model."""
     from accelerate.utils import is_peft_model
 
-    return bool(getattr(args, "kl_in_reward", False)) and ref_model is None and not is_peft_model(model)
+    return args.kl_in_reward and ref_model is None and not is_peft_model(model)
 
 
 def build_reference_model(trainer: Any, quantization_config: Any = None) -> Any:

@@ -119,7 +119,7 @@ class GroupEngine(Protocol):
 
 
 @dataclass
-class SamplingSettings:
+class RequestSampling:
     """The sampling parameters TRL's server mode sends, per group (`n` completions of one prompt)."""
 
     n: int

@@ -8,21 +8,24 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
 from . import trl_seam
 from .colocate_engine import VLLMColocateEngine
+from .dynamic_sampling import DynamicSampler
 from .rollout_driver import RolloutDriver, driver_metrics
-from .rollout_engine import GroupEngine, SamplingSettings
+from .rollout_engine import GroupEngine, RequestSampling
 from .rollout_stream import ColocatedStreamingRollout, ServerStreamingRollout, StreamingRollout
-from .sampling import DynamicSampler
 from .server_engine import VLLMServerEngine
 from .vllm_backends import prune_versions, reload_server_weights, rollout_weights_dirs
 
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
-def build_streaming_rollout(trainer: Any, args: Any, sampler: DynamicSampler) -> StreamingRollout:
+
+def build_streaming_rollout(trainer: Any, args: DAPOConfig, sampler: DynamicSampler) -> StreamingRollout:
     """The streaming rollout of a DAPOTrainer (`rollout_streaming`), on every process.
 
     With a server only the main process builds a driver (its engine is `trainer.build_rollout_engine`); with
@@ -77,7 +80,7 @@ def build_streaming_rollout(trainer: Any, args: Any, sampler: DynamicSampler) ->
         return trl_seam.tokenize_prompts(trainer, prompts)
 
     timing = {
-        "lag": args.rollout_max_staleness,
+        "staleness": args.rollout_max_staleness,
         "lookahead_rounds": args.rollout_lookahead_rounds,
         "wave_timeout": 2 * args.vllm_request_timeout + 60,
     }
@@ -129,7 +132,7 @@ class CloseRollout(TrainerCallback):
 def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
     """`DAPOTrainer.build_rollout_engine`'s default: the vLLM server's client, or this process's colocated engine."""
     args = trainer.args
-    sampling = SamplingSettings(
+    sampling = RequestSampling(
         n=trainer.num_generations,
         max_tokens=args.max_completion_length,
         temperature=args.temperature,

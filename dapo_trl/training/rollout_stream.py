@@ -11,11 +11,11 @@ for the same group whatever else it runs; docs/rollout.md says where that was me
 
 - a group's key is its place in the prompt stream (`("stream", n)`, the n-th prompt drawn) or in the step's
   dataloader batch (`("batch", generation, g)`); its seed is a hash of the run's seed and that key;
-- batch j is sampled by the weights of generation max(0, j - lag) (`rollout_max_staleness`): 0 is today's
-  synchronous step; with lag >= 1 the next batch is generated while the trainer trains, its prompts all drawn from
+- batch j is sampled by the weights of generation max(0, j - staleness) (`rollout_max_staleness`): 0 is today's
+  synchronous step; with staleness >= 1 the next batch is generated while the trainer trains, its prompts all drawn from
   the seeded stream (the dataloader's next batch is not known yet);
 - groups generated for a batch but not consumed by it (admitted ahead, before the batch turned out full) are
-  cancelled and regenerated with the same seed under the next batch's weights: every trained row is exactly `lag`
+  cancelled and regenerated with the same seed under the next batch's weights: every trained row is exactly `staleness`
   steps old (carried surplus one more, as in rounds), and a resumed run regenerates them identically.
 
 With a vLLM server only the main process talks to the engine (`RolloutDriver`, a background thread); it broadcasts
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from .batch_metrics import decided_groups, trained_batch_metrics
+from .dynamic_sampling import DynamicSampler, Filling, ScoredRound
 from .rollout_driver import RolloutDriver, done_prefix
 from .rollout_engine import GroupRequest, GroupResult
-from .sampling import DynamicSampler, Filling, ScoredRound
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
@@ -120,14 +120,14 @@ class StreamingRollout:
         sampler: DynamicSampler,
         driver: RolloutDriver | None,
         tokenize: Callable[[list[Any]], list[list[int]]],
-        lag: int,
+        staleness: int,
         lookahead_rounds: int,
         wave_timeout: float,
     ):
         self.sampler = sampler
         self.driver = driver
         self.tokenize = tokenize
-        self.lag = lag
+        self.staleness = staleness
         self.lookahead_rounds = lookahead_rounds
         self.wave_timeout = wave_timeout
         self.cursor = StreamCursor(sampler.stream)
@@ -141,11 +141,11 @@ class StreamingRollout:
     @property
     def version(self) -> int:
         """The weights version that samples the current batch."""
-        return max(0, self.generation - self.lag)
+        return max(0, self.generation - self.staleness)
 
     @property
     def _previous_version(self) -> int:
-        return max(0, self.generation - 1 - self.lag)
+        return max(0, self.generation - 1 - self.staleness)
 
     # ------------------------------------------------------------------------------------------------- a batch
     def sample(self, inputs: list[dict[str, Any]], score_wave: WaveScorer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -181,7 +181,7 @@ class StreamingRollout:
             self.driver.withdraw(
                 keep=lambda item: item.version == version and item.key[0] == "stream" and item.key not in consumed
             )
-            if self.lag > 0:  # generate the next batch while this one trains
+            if self.staleness > 0:  # generate the next batch while this one trains
                 ahead, cap = self._horizon(len(inputs) * self.process.count, 0), args.max_filter_gen_batches
                 self._plan_stream(min(ahead, cap * round_groups) if cap else ahead)
         return batch, metrics
@@ -238,7 +238,7 @@ class StreamingRollout:
         return plan_horizon(max(0, target_rows - kept_rows) / self.group_size, self.keep_rate)
 
     def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
-        if self.lag > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
+        if self.staleness > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
             return self._keyed(self._take(round_groups))
         loader_rows = self.process.gather_objects(inputs)
         groups = [
@@ -357,12 +357,13 @@ class StreamingRollout:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor.state_dict(), "generation": self.generation, "lag": self.lag}
+        return {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
 
     def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
-        if state.get("lag") != self.lag:
+        saved = state.get("staleness", state.get("lag"))  # "lag": checkpoints written before the rename
+        if saved != self.staleness:
             raise ValueError(
-                f"the checkpoint was written with rollout_max_staleness={state.get('lag')}, this run has {self.lag}: "
+                f"the checkpoint was written with rollout_max_staleness={saved}, this run has {self.staleness}: "
                 "resume with the same value (the batches depend on it)."
             )
         self.cursor.load_state_dict(state["cursor"])
@@ -380,11 +381,11 @@ class ServerStreamingRollout(StreamingRollout):
         driver: RolloutDriver | None,
         tokenize: Callable[[list[Any]], list[list[int]]],
         broadcast: Callable[[Any], Any],
-        lag: int,
+        staleness: int,
         lookahead_rounds: int,
         wave_timeout: float,
     ):
-        super().__init__(sampler, driver, tokenize, lag, lookahead_rounds, wave_timeout)
+        super().__init__(sampler, driver, tokenize, staleness, lookahead_rounds, wave_timeout)
         self.broadcast = broadcast
 
     def _next_wave(self, keys: list[tuple], least: int) -> Wave:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, SamplingSettings
+from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
 
 
 class VLLMServerEngine:
@@ -33,7 +33,7 @@ class VLLMServerEngine:
     def __init__(
         self,
         base_url: str,
-        sampling: SamplingSettings,
+        sampling: RequestSampling,
         max_in_flight: int,
         timeout: float,
         weights_server_root: str | Path | None = None,

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
 
 from ..algorithm import trl_items_for_exact_normalizer
 from .trl_seam import metrics
+
+if TYPE_CHECKING:
+    from ..config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +40,7 @@ class OptimizerSteps:
     every process), which `SkipEmptySteps` reads.
     """
 
-    def __init__(self, args: Any, device: Any, exact_denominator: bool):
+    def __init__(self, args: DAPOConfig, device: Any, exact_denominator: bool):
         self.steps_per_generation = args.steps_per_generation
         self.generate_every = args.steps_per_generation * args.num_iterations
         self.device = device

@@ -407,7 +407,7 @@ def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path
     import shutil
 
     root, _ = rollout_weights_dirs(args)
-    for version in range(max(0, rollout.generation - rollout.lag), rollout.generation):
+    for version in range(max(0, rollout.generation - rollout.staleness), rollout.generation):
         source = Path(root) / f"v{version}"
         if source.is_dir():
             shutil.copytree(source, Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER / f"v{version}", dirs_exist_ok=True)

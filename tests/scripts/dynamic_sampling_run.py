@@ -216,7 +216,8 @@ def main() -> None:
         trainer.add_callback(PreemptAt(preempt_at))
     trainer.train(resume_from_checkpoint=resume)
     final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))  # ZeRO-3 shards gathered on every rank
-    sharded = getattr(trainer._forwards.sequence_parallel, "sharded_forwards", 0)  # forwards run with sequence parallelism
+    # forwards run with sequence parallelism
+    sharded = getattr(trainer._forwards.sequence_parallel, "sharded_forwards", 0)
     (out / f"sharded_forwards_rank{trainer.accelerator.process_index}.txt").write_text(str(sharded))
     (out / f"preempted_rank{trainer.accelerator.process_index}.txt").write_text(str(trainer.preempted))
     if trainer.accelerator.is_main_process:

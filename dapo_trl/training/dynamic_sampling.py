@@ -274,7 +274,7 @@ class DynamicSampler:
 
     def _reward_settings(self) -> list[str]:
         """What a carried group's advantage (or stored reward) was computed under."""
-        return [str(self.args.scale_rewards), str(getattr(self.args, "multi_objective_aggregation", None))]
+        return [str(self.args.scale_rewards), str(self.args.multi_objective_aggregation)]
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.stream.load_state_dict(state["prompt_stream"])
