@@ -2,6 +2,8 @@
 independently in `reference_losses`) with the extras on (padded and packed forwards, temperature 1 and 0.7, one and
 two processes)."""
 
+from functools import partial
+
 import pytest
 import torch
 from datasets import Dataset
@@ -500,3 +502,23 @@ def test_adding_a_loss_is_one_function_and_one_table_row(tmp_path, model_dir):
 def test_loss_settings_the_table_refuses_are_explained(tmp_path, overrides, message):
     with pytest.raises(ValueError, match=message):
         DAPOConfig(**common_args(tmp_path, **overrides))
+
+
+def test_the_adaptive_entropy_bonus_steps_as_trls(tmp_path, model_dir):
+    """TRL's adaptive entropy controller, as the loss step runs it: the same losses, and the same coefficient moves
+    (toward entropy_target, once per optimizer step) as TRL's `_compute_loss` over two steps."""
+    settings = {"use_adaptive_entropy": True, "entropy_coef": 0.01, "entropy_target": 100.0}
+    runs = []
+    for compute in ("ours", "trl"):
+        trainer = make_trainer(DAPOTrainer, DAPOConfig(**common_args(tmp_path / compute, **settings)), model_dir)
+        batch = fixed_batch(trainer.model.config.vocab_size, trainer.model)
+        compute_loss = trainer._compute_loss
+        if compute == "trl":
+            compute_loss = partial(GRPOTrainer._compute_loss, trainer)
+        losses, coefficients = [], []
+        for _ in range(2):
+            losses.append(compute_loss(trainer.model, dict(batch)).item())
+            coefficients.append(trainer.entropy_coef)
+        runs.append((losses, coefficients))
+    assert runs[0] == runs[1]
+    assert runs[0][1][0] != 0.01  # the controller moved the coefficient

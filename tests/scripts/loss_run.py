@@ -1,5 +1,6 @@
 """The trainer's DAPO loss on each process's share of one fixed batch, for the padded and the packed forward at
-temperature 1 and 0.7; the test compares their mean with verl's DAPO objective over the whole batch.
+temperature 1 and 0.7; the test compares their mean with verl's DAPO objective over the whole batch. Then every
+registered loss, each share cut into token-budget passes: the test compares their mean with the whole batch's loss.
 
 Run as `python loss_run.py OUT` (one process) or under `accelerate launch --multi_gpu --num_processes 2`. Writes
 OUT/model (the tiny model), OUT/batch.pt (the whole batch) and OUT/loss_rank{R}.pt ({case: loss}).
@@ -57,68 +58,62 @@ def budget_case(loss_type: str) -> str:
     return f"budget-{loss_type}"
 
 
+def trainer_for(out: Path, model_dir: Path, **settings) -> DAPOTrainer:
+    """A trainer in training mode over the tiny model, its loss over half the fixed batch per process."""
+    from script_args import no_activation_checkpointing
+
+    config = DAPOConfig(
+        output_dir=str(out / "run"),
+        per_device_train_batch_size=ROWS // 2,
+        num_generations=4,
+        max_completion_length=COMPLETION_LEN,
+        report_to="none",
+        **no_activation_checkpointing(),
+        apply_overlong_penalty=False,
+        **{"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH, **settings},
+    )
+    prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 8)
+    trainer = DAPOTrainer(model=str(model_dir), args=config, train_dataset=prompts)
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model.train()
+    return trainer
+
+
+def process_inputs(trainer: DAPOTrainer, batch: dict, temperature: float) -> tuple[dict, torch.Tensor]:
+    """This process's half of the batch, with old log-probs (the current ones plus noise) and every process's loss
+    tokens as num_items_in_batch; and the whole batch's old log-probs."""
+    with torch.no_grad():
+        old = token_log_probs(trainer.model, batch, temperature) + batch["noise"]
+    process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
+    share = slice(process * ROWS // processes, (process + 1) * ROWS // processes)
+    inputs = {key: value[share] for key, value in batch.items() if key != "noise"}
+    inputs["old_per_token_logps"] = old[share]
+    inputs["num_items_in_batch"] = batch["completion_mask"].sum()
+    return inputs, old
+
+
 def main() -> None:
     out = Path(sys.argv[1])
-    from script_args import leave_together, no_activation_checkpointing
+    from script_args import leave_together
+
+    from dapo_trl.algorithm.losses import POLICY_LOSSES
 
     model_dir = build_tiny_model(out / "model")
     batch = fixed_batch(model_dir)
     losses, trainer = {}, None
     for padding_free, temperature in CASES:
-        config = DAPOConfig(
-            output_dir=str(out / "run"),
-            per_device_train_batch_size=ROWS // 2,
-            num_generations=4,
-            max_completion_length=COMPLETION_LEN,
-            report_to="none",
-            **no_activation_checkpointing(),
-            epsilon=EPSILON_LOW,
-            epsilon_high=EPSILON_HIGH,
-            clip_ratio_c=CLIP_RATIO_C,
-            padding_free=padding_free,
-            temperature=temperature,
-            apply_overlong_penalty=False,
-        )
-        prompts = Dataset.from_list([{"prompt": "p", "solution": "1"}] * 8)
-        trainer = DAPOTrainer(model=str(model_dir), args=config, train_dataset=prompts)
-        trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
-        with torch.no_grad():
-            old = token_log_probs(trainer.model, batch, temperature) + batch["noise"]
-        process, processes = trainer.accelerator.process_index, trainer.accelerator.num_processes
-        share = slice(process * ROWS // processes, (process + 1) * ROWS // processes)
-        inputs = {key: value[share] for key, value in batch.items() if key != "noise"}
-        inputs["old_per_token_logps"] = old[share]
-        inputs["num_items_in_batch"] = batch["completion_mask"].sum()  # every process's loss tokens
+        settings = {"clip_ratio_c": CLIP_RATIO_C, "padding_free": padding_free, "temperature": temperature}
+        trainer = trainer_for(out, model_dir, **settings)
+        inputs, old = process_inputs(trainer, batch, temperature)
         losses[case_name(padding_free, temperature)] = trainer.compute_loss(trainer.model, inputs).item()
         torch.save(old, out / f"old_{case_name(padding_free, temperature)}.pt")
-    from dapo_trl.algorithm.losses import POLICY_LOSSES
-
     for loss_type in POLICY_LOSSES:
         dual_clip = {"clip_ratio_c": CLIP_RATIO_C} if POLICY_LOSSES[loss_type].dual_clip else {}
-        config = DAPOConfig(
-            output_dir=str(out / "run"),
-            per_device_train_batch_size=ROWS // 2,
-            num_generations=4,
-            max_completion_length=COMPLETION_LEN,
-            report_to="none",
-            **no_activation_checkpointing(),
-            loss_type=loss_type,
-            **{"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH, **dual_clip, **LOSS_SETTINGS.get(loss_type, {})},
-            padding_free=True,
-            max_tokens_per_microbatch=BUDGET,
-            apply_overlong_penalty=False,
-        )
-        trainer = DAPOTrainer(model=str(model_dir), args=config, train_dataset=prompts)
-        trainer.current_gradient_accumulation_steps = 1
-        trainer.model.train()
-        with torch.no_grad():
-            old = token_log_probs(trainer.model, batch, 1.0) + batch["noise"]
-        inputs = {key: value[share] for key, value in batch.items() if key != "noise"}
-        inputs["old_per_token_logps"] = old[share]
+        settings = {"padding_free": True, "max_tokens_per_microbatch": BUDGET, **dual_clip}
+        trainer = trainer_for(out, model_dir, loss_type=loss_type, **settings, **LOSS_SETTINGS.get(loss_type, {}))
+        inputs, old = process_inputs(trainer, batch, 1.0)
         (planned,) = trainer._planner.plan([inputs])
         assert planned["backward_passes"] > 1, planned["backward_passes"]  # the budget really splits
-        inputs["num_items_in_batch"] = batch["completion_mask"].sum()
         planned["num_items_in_batch"] = inputs["num_items_in_batch"]
         losses[budget_case(loss_type)] = trainer.compute_loss(trainer.model, planned).item()
         torch.save(old, out / f"old_{budget_case(loss_type)}.pt")
