@@ -101,8 +101,10 @@ class DAPOTrainer(GRPOTrainer):
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
         self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
-        streaming = args.rollout_streaming
-        self._rollout = rollout_setup.build_streaming_rollout(self, args, self._sampler) if streaming else None
+        self._rollout = None
+        if args.rollout_streaming:
+            own_engine = type(self).build_rollout_engine is not DAPOTrainer.build_rollout_engine
+            self._rollout = rollout_setup.build_streaming_rollout(self, args, self._sampler, own_engine)
 
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):

@@ -615,6 +615,15 @@ def test_verls_gmpo_example_is_gmpo_with_its_overlong_penalty():
     assert override.status == UNSUPPORTED and not override.blocking
 
 
+def test_the_loss_modes_translated_are_the_loss_tables_verl_names():
+    from dapo_trl.algorithm.losses import POLICY_LOSSES
+    from dapo_trl.verl_import.losses import OWN_LOSS_MODES
+
+    for mode, (loss_type, _) in OWN_LOSS_MODES.items():
+        assert POLICY_LOSSES[loss_type].verl_name == mode
+    assert {row.verl_name for row in POLICY_LOSSES.values()} - {None} == {"vanilla", *OWN_LOSS_MODES}
+
+
 def test_verls_qwen3_grpo_example_translates_as_it_is():
     t = translated(QWEN3_SCRIPT)
     r = t.recipe

@@ -171,10 +171,11 @@ def clipped_surrogate(inputs: LossInputs, settings: LossSettings) -> LossTerms:
     return LossTerms(per_token, {name: value.float() for name, value in diagnostics.items()})
 
 
-@register_policy_loss("cispo", Aggregation.STEP_TOKENS, metrics=("cispo_clip_ratio",), verl_name="cispo")
+@register_policy_loss("cispo", Aggregation.STEP_TOKENS, metrics=("cispo_clip_ratio",))
 def cispo(inputs: LossInputs, settings: LossSettings) -> LossTerms:
-    """CISPO (MiniMax-M1): -sg[min(r, eps_high)] A log pi, the ratio clipped only as a detached weight, so every
-    token keeps a gradient. `epsilon_high` is the weight's upper bound here (e.g. 5), not 1 + epsilon."""
+    """CISPO (MiniMax-M1), as TRL defines it: -sg[min(r, eps_high)] A log pi, the ratio clipped only as a detached
+    weight, so every token keeps a gradient. `epsilon_high` is the weight's upper bound here (e.g. 5), not
+    1 + epsilon. (verl's `cispo` clips the weight on both sides: another loss.)"""
     ratio = torch.exp(inputs.log_ratio)
     weight = torch.clamp(ratio, max=settings.epsilon_high).detach()
     per_token = -weight * inputs.advantages * inputs.logps
@@ -182,7 +183,7 @@ def cispo(inputs: LossInputs, settings: LossSettings) -> LossTerms:
     return LossTerms(per_token, {"cispo_clip_ratio": clipped.float()})
 
 
-@register_policy_loss("sapo", Aggregation.SEQUENCE_MEAN)
+@register_policy_loss("sapo", Aggregation.SEQUENCE_MEAN, verl_name="sapo")
 def sapo(inputs: LossInputs, settings: LossSettings) -> LossTerms:
     """SAPO (Gao et al. 2025): a soft gate instead of the clip, -sigmoid(tau (r - 1)) 4 / tau A, with tau
     `sapo_temperature_pos` for A > 0 and `sapo_temperature_neg` otherwise."""

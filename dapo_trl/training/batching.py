@@ -277,8 +277,9 @@ class StepPlanner:
     def __init__(self, args: DAPOConfig, accelerator: Any, loss_type: str, group_passes: GroupPasses | None = None):
         self.args = args
         self.accelerator = accelerator
-        self.split_weight = policy_loss(loss_type).aggregation.split_weight
-        self.exact_denominator = policy_loss(loss_type).aggregation is Aggregation.STEP_TOKENS
+        aggregation = policy_loss(loss_type).aggregation
+        self.split_weight = aggregation.split_weight
+        self.exact_denominator = aggregation is Aggregation.STEP_TOKENS  # normalised by the step's own token count
         self.group_passes = group_passes  # with sequence parallelism: passes planned over the group's rows
 
     def plan(self, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:

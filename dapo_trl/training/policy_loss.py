@@ -117,12 +117,13 @@ class PolicyLossStep:
         uses the coefficient of the step before and moves it by entropy_coef_delta toward entropy_target once per
         optimizer step, from the step's exact mean entropy (all micro-batches, all processes)."""
         trainer, args = self.trainer, self.trainer.args
-        mean_entropy = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
+        entropy_sum, tokens = (entropies * mask).sum(), mask.sum()
+        mean_entropy = entropy_sum / tokens.clamp(min=1.0) / accumulation
         coef = trainer.entropy_coef
         if args.use_adaptive_entropy:
             coef = coef if trl_seam.last_world_entropy(trainer) <= args.entropy_target else 0.0
             if training:
-                stats = torch.stack([(entropies * mask).sum(), mask.sum()]).detach()
+                stats = torch.stack([entropy_sum, tokens]).detach()
                 self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
                 if trainer.accelerator.sync_gradients:
                     total = trainer.accelerator.reduce(self._entropy_window, reduction="sum")
@@ -150,10 +151,15 @@ class PolicyLossStep:
             metrics[name].append(total / max(count, 1.0))
 
     def _log_extremes(self, diagnostics: dict[str, torch.Tensor], mask: torch.Tensor, metrics) -> None:
-        """The table's per-sequence extremes (e.g. the lowest share of low-clipped tokens of any row)."""
-        for name, (source, kind) in self.loss.extremes.items():
+        """The table's per-sequence extremes (e.g. the lowest share of low-clipped tokens of any row), every
+        process's rows in one gather."""
+        if not self.loss.extremes:
+            return
+        per_row = []
+        for source, _ in self.loss.extremes.values():
             value = diagnostics[source]
-            per_row = value.squeeze(1) if value.size(1) == 1 else (value * mask).sum(-1) / mask.sum(-1)
-            gathered = self.trainer.accelerator.gather(per_row.detach())
-            gathered = gathered[~torch.isnan(gathered)]
-            metrics[name].append(float("nan") if gathered.numel() == 0 else getattr(gathered, kind)().item())
+            per_row.append(value.squeeze(1) if value.size(1) == 1 else (value * mask).sum(-1) / mask.sum(-1))
+        gathered = self.trainer.accelerator.gather(torch.stack(per_row, dim=1).detach())  # (rows, extremes)
+        for column, (name, (_, kind)) in zip(gathered.unbind(1), self.loss.extremes.items(), strict=True):
+            column = column[~torch.isnan(column)]
+            metrics[name].append(float("nan") if column.numel() == 0 else getattr(column, kind)().item())

@@ -25,14 +25,16 @@ if TYPE_CHECKING:
     from ..config import DAPOConfig
 
 
-def build_streaming_rollout(trainer: Any, args: DAPOConfig, sampler: DynamicSampler) -> StreamingRollout:
+def build_streaming_rollout(
+    trainer: Any, args: DAPOConfig, sampler: DynamicSampler, own_engine: bool
+) -> StreamingRollout:
     """The streaming rollout of a DAPOTrainer (`rollout_streaming`), on every process.
 
     With a server only the main process builds a driver (its engine is `trainer.build_rollout_engine`); with
     colocated engines (`trainer.colocated_rollout_engines`) every process does. A failure to build one is raised on
-    every process, so that none waits for the others in a collective.
+    every process, so that none waits for the others in a collective. `own_engine`: the trainer overrides
+    `build_rollout_engine` (an engine of the user's, which need not be vLLM).
     """
-    own_engine = type(trainer).build_rollout_engine.__qualname__ != "DAPOTrainer.build_rollout_engine"
     if not own_engine and not args.use_vllm:
         raise ValueError(
             "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "

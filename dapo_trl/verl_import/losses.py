@@ -10,6 +10,8 @@ KL_IN_REWARD_ESTIMATORS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
 # verl loss modes that fix their own aggregation (verl ignores loss_agg_mode for them): dapo-trl's loss_type, and why.
+# The loss types are the rows of dapo_trl.algorithm.losses whose verl_name is the mode (checked in test_from_verl.py;
+# not imported here, so that translating a script needs no torch).
 OWN_LOSS_MODES = {
     "geo_mean": ("gmpo", "verl's geo_mean averages its per-sequence losses over the sequences, whatever loss_agg_mode"),
     "sapo": ("sapo", "verl's SAPO always aggregates seq-mean-token-mean, as dapo-trl's sapo does"),
@@ -31,7 +33,8 @@ def map_loss(t: Translation) -> None:
     low = ratio if low_value is None else float(low_value)
     high = ratio if high_value is None else float(high_value)
     t.set(epsilon=low, epsilon_high=high)
-    log_space = str(t.value(actor + "policy_loss.loss_mode")) == "geo_mean"  # GMPO clips log-ratios
+    loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
+    log_space = loss_mode == "geo_mean"  # GMPO clips log-ratios
     t.record(
         actor + "clip_ratio_low",
         MAPPED,
@@ -55,7 +58,6 @@ def map_loss(t: Translation) -> None:
         if used
         else "verl reads clip_ratio only when clip_ratio_low or clip_ratio_high is null (their defaults are 0.2)",
     )
-    loss_mode = str(t.value(actor + "policy_loss.loss_mode"))
     c = float(t.value(actor + "clip_ratio_c"))
     if loss_mode in OWN_LOSS_MODES or loss_mode == "gspo":  # verl's dual-clip belongs to its vanilla loss only
         t.set(clip_ratio_c=None)
