@@ -320,6 +320,18 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # Mixture-of-experts policies.
+    routing_replay: bool = field(
+        default=False,
+        metadata={
+            "help": "Routing replay (R3, verl's enable_rollout_routing_replay): a mixture-of-experts policy's training "
+            "forwards (old and policy log-probs) route each sampled token to the experts the inference engine chose "
+            "for it, with the trainer router's gate weights over them, instead of re-routing. Removes the routing "
+            "part of the training-inference mismatch. Needs rollout_streaming (the engine returns the routing: "
+            "vLLM with --enable-return-routed-experts) and padding_free; docs/moe.md."
+        },
+    )
+
     preemption_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={

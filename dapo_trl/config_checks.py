@@ -23,6 +23,7 @@ def check_all(config: DAPOConfig) -> None:
     check_validation(config)
     check_vllm(config)
     check_rollout(config)
+    check_routing_replay(config)
     check_preemption(config)
     check_recovery(config)
 
@@ -228,6 +229,24 @@ def check_rollout(config: DAPOConfig) -> None:
                 f"steps_per_generation={config.steps_per_generation}, gradient_accumulation_steps="
                 f"{config.gradient_accumulation_steps}, num_iterations={config.num_iterations}."
             )
+
+
+def check_routing_replay(config: DAPOConfig) -> None:
+    """Routing replay needs each sampled token's routing from the engine, and forwards that can carry it."""
+    if not config.routing_replay:
+        return
+    if not config.rollout_streaming:
+        raise ValueError(
+            "routing_replay=true needs rollout_streaming=true: the streaming rollout's engine returns each token's "
+            "routed experts (vLLM: serve with --enable-return-routed-experts), TRL's generation does not."
+        )
+    if not config.padding_free:
+        raise ValueError("routing_replay=true needs padding_free=true: the replayed routing rides the packed forwards.")
+    if config.sequence_parallel_size > 1:
+        raise ValueError(
+            "routing_replay=true does not run with sequence_parallel_size > 1 yet: set sequence_parallel_size=1, or "
+            "routing_replay=false (the router's auxiliary loss does run sharded)."
+        )
 
 
 def check_recovery(config: DAPOConfig) -> None:

@@ -23,7 +23,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         prog="python -m dapo_trl.evaluate", description=__doc__.splitlines()[0], allow_abbrev=False
     )
     parser.add_argument(
-        "--model", required=True, help="checkpoint folder or hub id ('builtin:tiny' for the tiny model)"
+        "--model", required=True, help="checkpoint folder or hub id ('builtin:tiny' or 'builtin:tiny-moe')"
     )
     parser.add_argument(
         "--dataset",
@@ -61,10 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model_path = args.model
-    if model_path == "builtin:tiny":
-        from .tiny_model import build_tiny_model
+    from .tiny_model import resolve_builtin_model
 
-        model_path = str(build_tiny_model(warm_start=True))
+    model_path = resolve_builtin_model(model_path)
     datasets = []
     for name in args.dataset:
         dataset = load_prompt_dataset(name, template=args.prompt_template, seed=args.seed)

@@ -8,6 +8,7 @@ sampling, streaming, micro-batches, forwards, reward columns, exact denominators
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from functools import partial
 from typing import Any
@@ -17,6 +18,7 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOTrainer
 
 from .config import DAPOConfig
+from .moe.architecture import set_zero3_leaf_modules
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
@@ -32,6 +34,7 @@ from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, che
 from .training.forwards import TokenForwards
 from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
+from .training.replayed_routing import replay_metrics, replayed_routing_for
 from .training.rollout_engine import GroupEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
@@ -88,7 +91,9 @@ class DAPOTrainer(GRPOTrainer):
         self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
         self._round: RoundScoring | None = None  # the round TRL is scoring for dynamic sampling (`_score_round`)
         pad_token_id, router_aux_loss = trl_seam.tokenizer(self).pad_token_id, self.aux_loss_enabled
+        set_zero3_leaf_modules(self.model, self.accelerator)  # MoE blocks gathered whole: no hang when routes differ
         self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
+        self._replayed_routing = replayed_routing_for(self, self._forwards.router_hooks)
         self._token_metrics = TokenWeightedMetrics()
         self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, self._forwards.group_passes)
@@ -185,8 +190,11 @@ class DAPOTrainer(GRPOTrainer):
         """Every training-phase forward goes through here (`training.forwards`: padding-free, sequence-parallel)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
         trl_forward = partial(super()._get_per_token_logps_and_entropies, model)
+        routing = None  # routing replay: the policy's forwards route as the engine did
+        if self._replayed_routing is not None and self.accelerator.unwrap_model(model) is self.model:
+            routing = self._replayed_routing.for_forward(input_ids, attention_mask)
         logps, *rest = self._forwards.per_token(
-            model, trl_forward, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal
+            model, trl_forward, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, routing
         )
         if not torch.is_grad_enabled():  # TRL's old and reference log-probs: KL in the reward reuses them
             self._generation.record_forward(self, model, input_ids, attention_mask, logps)
@@ -235,11 +243,30 @@ class DAPOTrainer(GRPOTrainer):
         carried surplus on, behaviour-policy log-probs are stored too: a carried group trains one step later, so its
         ratio must be against the policy that sampled it."""
         self._round = scoring = scoring or RoundScoring()
-        try:
-            output = super()._generate_and_score_completions(round_inputs)
-            rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
-        finally:
-            self._round = None
+        replaying = contextlib.nullcontext()
+        if self._replayed_routing is not None and self.model.training:  # forwards replay the engine's routing
+            replaying = self._replayed_routing.wave(scoring.routed_experts)
+        with replaying:
+            try:
+                output = super()._generate_and_score_completions(round_inputs)
+                rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
+            finally:
+                self._round = None
+            self._score_round_rows(output, scoring)
+        return ScoredRound(
+            gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
+            rewards_per_func[:, self.accuracy_reward_index],
+            (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
+            scoring.row_stats,
+        )
+
+    def _score_round_rows(self, output: dict[str, Any], scoring: RoundScoring) -> None:
+        """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
+        may train them a step later, and with routing replay their routing and its metrics."""
+        if self._replayed_routing is not None and self.model.training:
+            output.update(self._replayed_routing.row_tensors(output))
+            for name, value in replay_metrics(self, output, scoring.engine_logprobs).items():
+                trl_seam.metrics(self, "train")[name].append(value)
         check_regroupable(output)  # before any forward of the rows
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -249,12 +276,6 @@ class DAPOTrainer(GRPOTrainer):
                 output["old_per_token_logps"] = trl_seam.per_token_log_probs(
                     self, self.model, input_ids, attention_mask, keep
                 )
-        return ScoredRound(
-            gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
-            rewards_per_func[:, self.accuracy_reward_index],
-            (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
-            scoring.row_stats,
-        )
 
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
@@ -262,6 +283,7 @@ class DAPOTrainer(GRPOTrainer):
         engine = rollout_setup.colocated_engine(self._rollout)
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
         scoring = RoundScoring(prepared, None if engine is None else engine.generate_turns, streamed=True)
+        scoring.routed_experts, scoring.engine_logprobs = prepared.pop("routed_experts", None), prepared["logprobs"]
         pending = trl_seam.metrics(self, "train")
         before = {name: len(values) for name, values in pending.items() if batch_metrics.replaced(name)}
         scored = self._score_round(rows, scoring)

@@ -68,9 +68,7 @@ def test_hybrid_and_sliding_window_models_are_refused():
     assert check_sequence_parallel(2, config, 2, "DEEPSPEED") == "flash_attention_2"
 
 
-def test_router_aux_loss_and_flash_attention():
-    with pytest.raises(ValueError, match="router_aux_loss_coef=0"):
-        check_sequence_parallel(2, qwen_config(), 2, "DEEPSPEED", router_aux_loss=True)
+def test_flash_attention_is_accepted():
     assert check_sequence_parallel(2, qwen_config(attention="flash_attention_2"), 4, "DEEPSPEED") == "flash_attention_2"
 
 
@@ -168,8 +166,14 @@ def test_attention_runs_unchanged_outside_a_sharded_forward():
 
 @pytest.mark.e2e
 def test_two_processes_equal_one_without_sequence_parallelism(tmp_path):
-    """KV heads divisible by 2, and a single KV head (replicated), in one launch."""
-    run_command(python_command(str(SCRIPTS / "sequence_parallel_run.py"), str(tmp_path), "2,1", num_processes=2))
+    """KV heads divisible by 2, and a single KV head (replicated), in one launch; then a mixture-of-experts model's
+    router auxiliary loss over the sharded sequence equals the model's own over the unsharded rows, gradients too."""
+    command = python_command(str(SCRIPTS / "sequence_parallel_run.py"), str(tmp_path), "2,1,moe", num_processes=2)
+    run_command(command)
+    for rank in range(2):
+        moe = json.loads((tmp_path / f"result_moe_rank{rank}.json").read_text())
+        assert moe["aux_loss"] > 1.0 and moe["aux_loss_error"] < 1e-5
+        assert moe["router_gradient_error"] < 1e-5 < moe["router_gradient_scale"]
     for kv_heads, rank in [(2, 0), (2, 1), (1, 0), (1, 1)]:
         result = json.loads((tmp_path / f"result_kv{kv_heads}_rank{rank}.json").read_text())
         assert result["logps_error"] < 1e-5 and result["loss_error"] < 1e-5

@@ -44,7 +44,7 @@ def group_keep_mask(accuracy: torch.Tensor, num_generations: int, atol: float = 
 
 
 def concat_padded(tensors: list[torch.Tensor], pad_value: float, pad_left: bool) -> torch.Tensor:
-    """Concatenate (rows, width_k) tensors along rows, padding each to the widest on the left or the right."""
+    """Concatenate (rows, width_k, ...) tensors along rows, padding each to the widest on the left or the right."""
     if tensors[0].dim() == 1:
         return torch.cat(tensors)
     width = max(t.size(1) for t in tensors)
@@ -52,7 +52,7 @@ def concat_padded(tensors: list[torch.Tensor], pad_value: float, pad_left: bool)
     for tensor in tensors:
         missing = width - tensor.size(1)
         if missing:
-            filler = tensor.new_full((tensor.size(0), missing), pad_value)
+            filler = tensor.new_full((tensor.size(0), missing, *tensor.shape[2:]), pad_value)
             tensor = torch.cat([filler, tensor] if pad_left else [tensor, filler], dim=1)
         padded.append(tensor)
     return torch.cat(padded)

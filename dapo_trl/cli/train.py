@@ -46,12 +46,12 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     """Load the policy and tokenizer; an unreachable hub becomes one actionable message, not a traceback."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
-    if name == BUILTIN_TINY_MODEL:
-        from ..tiny_model import build_tiny_model
+    from ..tiny_model import BUILTIN_MODELS, resolve_builtin_model
 
-        name = str(build_tiny_model(warm_start=True))
-        logger.info("using the built-in tiny model at %s", name)
+    name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
+    if name in BUILTIN_MODELS:
+        name = resolve_builtin_model(name)
+        logger.info("using the built-in %s model at %s", model_args.model_name_or_path or BUILTIN_TINY_MODEL, name)
     model_kwargs: dict[str, Any] = {
         "revision": model_args.model_revision,
         "trust_remote_code": training_args.trust_remote_code,

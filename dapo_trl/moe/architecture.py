@@ -51,9 +51,7 @@ class Routing:
 def unwrapped(model: Any) -> torch.nn.Module:
     """The transformers model under a PEFT or DeepSpeed wrapper."""
     while True:
-        inner = getattr(model, "module", None) or (
-            model.get_base_model() if hasattr(model, "get_base_model") else None
-        )
+        inner = getattr(model, "module", None) or (model.get_base_model() if hasattr(model, "get_base_model") else None)
         if inner is None or inner is model:
             return model
         model = inner
@@ -75,7 +73,7 @@ def routers(model: Any) -> list[Router]:
         return []
     found, parents = [], {}
     for name, module in unwrapped(model).named_modules():
-        for child_name, child in module.named_children():
+        for child in module.children():
             parents[id(child)] = module
         if isinstance(module, cls):
             match = LAYER_INDEX.search(name)
@@ -105,15 +103,19 @@ def routing_geometry(model: Any) -> Routing:
     return Routing(config.num_hidden_layers, int(top_k), int(num_experts))
 
 
-def set_zero3_leaf_modules(model: Any, deepspeed_plugin: Any) -> list[str]:
-    """Make every MoE block one ZeRO-3 unit: ZeRO-3 gathers parameters module by module as they run, and ranks that
-    route tokens to different experts would gather different modules and wait for each other forever. Set through
-    Accelerate's own `transformer_moe_cls_names` (it calls DeepSpeed's `set_z3_leaf_modules` when it prepares the
-    model), keeping any class names the user gave. Returns the class names set."""
-    names = [cls.__name__ for cls in moe_block_classes(model)]
-    if not names or deepspeed_plugin is None or deepspeed_plugin.zero_stage != 3:
+def set_zero3_leaf_modules(model: Any, accelerator: Any) -> list[str]:
+    """Under ZeRO-3, make every MoE block of `model` one unit (a DeepSpeed leaf module): ZeRO-3 gathers parameters
+    module by module as they run, and processes that route their tokens to different experts would gather different
+    modules and wait for each other forever. Set on the module instances before DeepSpeed wraps the model (Accelerate
+    does the same for the class names in its `transformer_moe_cls_names`, which users rarely know to set). Returns
+    the block classes' names (empty when not ZeRO-3 or not a mixture of experts)."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    classes = moe_block_classes(model)
+    if plugin is None or plugin.zero_stage != 3 or not classes:
         return []
-    given = [name for name in (deepspeed_plugin.transformer_moe_cls_names or "").split(",") if name]
-    deepspeed_plugin.transformer_moe_cls_names = ",".join(dict.fromkeys([*given, *names]))
+    from deepspeed.utils import set_z3_leaf_modules
+
+    set_z3_leaf_modules(unwrapped(model), classes)
+    names = [cls.__name__ for cls in classes]
     logger.info("ZeRO-3: mixture-of-experts blocks %s are gathered as one unit (leaf modules)", ", ".join(names))
     return names

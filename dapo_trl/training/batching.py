@@ -85,9 +85,9 @@ def trim_micro_batch(batch: dict[str, object]) -> dict[str, object]:
     last = int(completion_used[-1]) + 1 if completion_used.numel() else 1
     trimmed = {}
     for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.dim() == 2 and key.startswith("prompt_"):
+        if isinstance(value, torch.Tensor) and value.dim() >= 2 and key.startswith("prompt_"):
             value = value[:, first:] if value.size(1) == prompt_width else value
-        elif isinstance(value, torch.Tensor) and value.dim() == 2 and value.size(1) == completion_width:
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.size(1) == completion_width:
             value = value[:, :last]
         trimmed[key] = value
     return trimmed

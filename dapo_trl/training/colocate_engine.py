@@ -190,6 +190,7 @@ class VLLMColocateEngine:
                         completion_ids=[list(completion.token_ids) for completion in completions],
                         logprobs=[_sampled_token_logprobs(completion) for completion in completions],
                         seconds=time.monotonic() - started,
+                        routed_experts=_routed_experts(completions),
                     )
                 except Exception as exc:  # noqa: BLE001 - handed to the waiting caller
                     result = RuntimeError(f"the colocated vLLM engine's answer to {request.key}: {exc}")
@@ -215,3 +216,9 @@ def _sampled_token_logprobs(completion: Any) -> list[float]:
         logprob = position[token_id].logprob
         values.append(float("-inf") if logprob is None or math.isnan(logprob) else float(logprob))
     return values
+
+
+def _routed_experts(completions: list[Any]) -> list[Any] | None:
+    """Each completion's routed experts when the engine records them (`enable_return_routed_experts`); else None."""
+    routings = [getattr(completion, "routed_experts", None) for completion in completions]
+    return None if any(routing is None for routing in routings) else routings

@@ -18,6 +18,7 @@ import torch
 
 from ..algorithm import assemble_batch, group_keep_mask
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
+from .replayed_routing import ROUTING_ROW_TENSORS
 from .streams import IterablePromptStream, PromptStream
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ ROW_TENSORS = {
     "sampling_per_token_logps": (0.0, False),
     "importance_sampling_ratio": (1.0, False),
     "tool_mask": (1, False),
+    **ROUTING_ROW_TENSORS,  # routing replay's (rows, width, layers, top-k) routings, 0 = not recorded
 }
 STAT_NAMES = (
     "rounds",
@@ -329,7 +331,7 @@ def gather_rows(accelerator: Any, local: dict[str, Any], pad_token_id: int) -> d
     for key, value in local.items():
         if key == "num_items_in_batch" or value is None:
             continue
-        if value.dim() == 2:
+        if value.dim() >= 2:
             pad_value, pad_left = padding[key]
             value = accelerator.pad_across_processes(value, dim=1, pad_index=pad_value, pad_first=pad_left)
         rows[key] = accelerator.gather(value)

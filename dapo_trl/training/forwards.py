@@ -1,14 +1,23 @@
 """Every training-phase forward of DAPOTrainer (old, reference and policy log-probs): TRL's padded forward, or,
 with `padding_free`, real tokens only (rows packed into sequences, `training.packing`), sharded across a
-sequence-parallel group when there is one (`training.sequence_parallel`), under the token budget."""
+sequence-parallel group when there is one (`training.sequence_parallel`), under the token budget.
+
+For a mixture-of-experts policy, packed forwards collect the router logits through hooks (`moe.routing_replay.
+RouterHooks`) and compute the router's auxiliary loss from additive router loads over real tokens only
+(`algorithm.router_aux`): the same loss however the rows are chunked or sharded. With routing replay, a forward's
+routing rides with its rows into the packs."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..algorithm.router_aux import RouterLoad, router_load
+from ..moe.architecture import is_moe
+from ..moe.routing_replay import ROUTING_KWARG, RouterHooks
 from .packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .sequence_parallel import SequenceParallel, check_sequence_parallel
 
@@ -28,12 +37,38 @@ class TokenForwards:
         self.packing = packing_mode(model) if args.padding_free else None  # said once in the log
         self.agree_count = forward_count_agreement(accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
         self.one_forward = one_forward_per_backward(accelerator, args)  # ZeRO-3 + reentrant checkpointing
+        moe = is_moe(model) and args.padding_free and (router_aux_loss or args.routing_replay)
+        self.router_hooks = RouterHooks(model) if moe else None
         self.sequence_parallel = None
         if args.sequence_parallel_size > 1:
             size, config = args.sequence_parallel_size, model.config
             processes, distributed = accelerator.num_processes, str(accelerator.distributed_type)
-            attention = check_sequence_parallel(size, config, processes, distributed, router_aux_loss)
+            attention = check_sequence_parallel(size, config, processes, distributed)
+            if router_aux_loss and self.router_hooks is None:
+                raise ValueError(
+                    f"sequence_parallel_size > 1 computes a router's auxiliary loss only for the mixture-of-experts "
+                    f"models transformers marks (router logits recorded): {type(model).__name__} is not one; set "
+                    "router_aux_loss_coef=0 (or output_router_logits=false)."
+                )
             self.sequence_parallel = SequenceParallel(size, config, attention)
+
+    @contextlib.contextmanager
+    def _router_logits(self, collect: bool) -> Iterator[list[torch.Tensor]]:
+        """Within the block, the router logits of the policy's forward are collected (a MoE policy's aux loss)."""
+        if not collect:
+            yield []
+            return
+        hooks = self.router_hooks
+        hooks.collect, hooks.collected = True, []
+        try:
+            yield hooks.collected
+        finally:
+            hooks.collect = False
+
+    def _router_load(self, logits: list[torch.Tensor], real_tokens: torch.Tensor) -> RouterLoad | None:
+        if not logits:  # not the policy (a reference model without hooks): no auxiliary loss asked of it
+            return None
+        return router_load(logits, self.router_hooks.routing.top_k, real_tokens)
 
     @property
     def group_passes(self) -> Any:
@@ -50,9 +85,11 @@ class TokenForwards:
         batch_size: int | None,
         flags: dict[str, bool],
         multimodal: dict[str, Any],
+        routing: torch.Tensor | None = None,
     ) -> tuple:
         """TRL's forward, fed real tokens only when `padding_free` is on (sharded across the sequence-parallel group
-        when there is one). `flags` are TRL's compute_entropy / compute_aux_loss."""
+        when there is one). `flags` are TRL's compute_entropy / compute_aux_loss; `routing` a replayed routing
+        (rows, width, layers, top-k) aligned with `input_ids`."""
 
         def padded_forward(ids: torch.Tensor, mask: torch.Tensor, keep: int):
             return trl_forward(ids, mask, keep, **flags)
@@ -65,8 +102,11 @@ class TokenForwards:
 
         def packed_forward(packed):
             entropy, aux = flags["compute_entropy"], flags["compute_aux_loss"]
-            extra = {"output_router_logits": True} if aux else {}
-            with self.accelerator.autocast():
+            hooked = aux and self.router_hooks is not None  # the aux loss from router loads (exact, real tokens)
+            extra = {"output_router_logits": True} if aux and not hooked else {}
+            if packed.routing is not None:
+                extra[ROUTING_KWARG] = packed.routing
+            with self.accelerator.autocast(), self._router_logits(hooked) as router_logits:
                 out = model(
                     input_ids=packed.input_ids,
                     position_ids=packed.position_ids,
@@ -74,7 +114,10 @@ class TokenForwards:
                     fused_lm_head=True,
                     **extra,
                 )
-            return out.log_probs, out.entropy if entropy else None, out.aux_loss if aux else None
+            entropies = out.entropy if entropy else None
+            if hooked:
+                return out.log_probs, entropies, self._router_load(router_logits, packed.real_tokens())
+            return out.log_probs, entropies, out.aux_loss if aux else None
 
         return padding_free_per_token(
             input_ids,
@@ -88,6 +131,7 @@ class TokenForwards:
             pad_token_id=self.pad_token_id,
             agree_count=self.agree_count,
             one_forward=self.one_forward and torch.is_grad_enabled(),
+            routing=routing,
         )
 
     def _sharded(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward):
@@ -101,10 +145,13 @@ class TokenForwards:
                 f"runs a model with {attention!r}: load the reference model with the policy's attn_implementation."
             )
 
-        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict):
-            with self.accelerator.autocast():
+        aux = flags["compute_aux_loss"]
+
+        def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict, real):
+            with self.accelerator.autocast(), self._router_logits(aux) as router_logits:
                 out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
-            return out.log_probs, out.entropy if flags["compute_entropy"] else None
+            load = self._router_load(router_logits, real) if aux else None
+            return out.log_probs, out.entropy if flags["compute_entropy"] else None, load
 
         return self.sequence_parallel.per_token(
             input_ids,

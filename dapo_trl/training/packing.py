@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..algorithm.router_aux import RouterLoad, load_balancing_loss
 from .batching import balanced_partition, token_budget_chunks
 
 if TYPE_CHECKING:
@@ -49,6 +50,13 @@ class PackedRows:
     labels: torch.Tensor  # (bins, capacity) token ids at attended completion positions, IGNORE_INDEX elsewhere
     token_mask: torch.Tensor  # (rows, width) bool: the padded layout's real tokens, row-major
     gather_index: torch.Tensor  # (real tokens,) for each of them in that order, its flat place in the bins
+    routing: torch.Tensor | None = None  # (bins, capacity, layers, top-k) a replayed routing, 0 where none
+
+    def real_tokens(self) -> torch.Tensor:
+        """(bins, capacity) bool: where the bins hold a row's token (not a bin's tail of padding)."""
+        flat = torch.zeros(self.input_ids.numel(), dtype=torch.bool, device=self.input_ids.device)
+        flat[self.gather_index] = True
+        return flat.view_as(self.input_ids)
 
 
 def pack_rows(
@@ -58,6 +66,7 @@ def pack_rows(
     capacity: int | None = None,
     pad_token_id: int = 0,
     alignment: int = 1,
+    routing: torch.Tensor | None = None,
 ) -> PackedRows:
     """Pack padded rows padding-free into bins of `capacity` tokens (None: one bin holding every row).
 
@@ -66,7 +75,8 @@ def pack_rows(
     attention cost when the mask is dense (SDPA, eager): a bin of C tokens costs C^2, not (all tokens)^2. Labels
     follow TRL's padded forward exactly: only attended completion tokens (the last `logits_to_keep` columns) are
     scored; a row's first token (a prompt token) never is, so no log-prob crosses rows. Bins are as wide as
-    `capacity` rounded up to a multiple of `alignment`.
+    `capacity` rounded up to a multiple of `alignment`. A `routing` (rows, width, layers, top-k) aligned with the rows
+    is packed the same way (`moe.routing_replay`).
     """
     token_mask = attention_mask.bool()
     lengths = token_mask.sum(dim=1).tolist()
@@ -94,7 +104,12 @@ def pack_rows(
     gather_index = torch.cat(
         [torch.arange(starts[row], starts[row] + lengths[row], device=device) for row in range(len(lengths))]
     )
-    return PackedRows(packed_ids, positions, packed_labels, token_mask, gather_index)
+    packed_routing = None
+    if routing is not None:
+        packed_routing = routing.new_zeros(len(bins) * capacity, *routing.shape[2:])
+        packed_routing[gather_index] = routing[token_mask]
+        packed_routing = packed_routing.view(len(bins), capacity, *routing.shape[2:])
+    return PackedRows(packed_ids, positions, packed_labels, token_mask, gather_index, packed_routing)
 
 
 def unpack_per_token(packed: PackedRows, values: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
@@ -162,6 +177,7 @@ def padding_free_per_token(
     pad_token_id: int = 0,
     agree_count: Callable[[int], int] | None = None,
     one_forward: bool = False,
+    routing: torch.Tensor | None = None,
 ) -> PerTokenOutput:
     """Per-token log-probs (and entropies) of padded rows, computed by forwards that feed real tokens only.
 
@@ -179,7 +195,13 @@ def padding_free_per_token(
 
     `one_forward` runs every row in a single forward (bins as wide as the longest row): where one backward pass may
     not see a module run twice (`one_forward_per_backward`), whatever the budget.
+
+    A `routing` (rows, width, layers, top-k) rides with the rows into the packs (routing replay: packed forwards
+    only). A packed forward's auxiliary value may be a `RouterLoad`: the chunks' loads are then summed into one
+    load-balancing loss of all the rows (`algorithm.router_aux`), else TRL's per-chunk losses are averaged.
     """
+    if routing is not None and packed_forward is None:
+        raise ValueError("a replayed routing needs packed forwards (padding_free with sdpa, eager or flash attention)")
     if input_ids.size(0) == 0:
         for _ in range(agree_count(1) - 1 if agree_count else 0):
             padded_forward(input_ids, attention_mask, logits_to_keep)
@@ -206,7 +228,8 @@ def padding_free_per_token(
             # On CUDA, dense masks reach SDPA's fast kernels only with an aligned last dimension (measured: 64-aligned
             # bins ran 1.75x faster than unaligned ones at L_max 4096); CPU kernels need no alignment.
             alignment = BIN_ALIGNMENT if ids.is_cuda and not one_sequence else 1
-            packed = pack_rows(ids, mask, logits_to_keep, capacity, pad_token_id, alignment)
+            rows_routing = None if routing is None else routing.index_select(0, index)
+            packed = pack_rows(ids, mask, logits_to_keep, capacity, pad_token_id, alignment, rows_routing)
             chunk_logps, chunk_entropies, aux = packed_forward(packed)
             chunk_logps = unpack_per_token(packed, chunk_logps, logits_to_keep)
             if chunk_entropies is not None:
@@ -231,8 +254,16 @@ def padding_free_per_token(
         len(lengths), device=input_ids.device
     )
     entropy = None if entropies[0] is None else torch.cat(entropies)[inverse]
-    aux_loss = None if aux_losses[0] is None else torch.stack(aux_losses).mean()
-    return torch.cat(logps)[inverse], entropy, aux_loss
+    return torch.cat(logps)[inverse], entropy, combined_aux_loss(aux_losses)
+
+
+def combined_aux_loss(parts: list[Any]) -> torch.Tensor | None:
+    """One auxiliary loss from the forwards' parts: summed router loads (exact), or the mean of TRL's losses."""
+    if parts[0] is None:
+        return None
+    if isinstance(parts[0], RouterLoad):
+        return load_balancing_loss(sum(parts[1:], parts[0]))
+    return torch.stack(parts).mean()
 
 
 def one_forward_per_backward(accelerator: Any, args: DAPOConfig) -> bool:

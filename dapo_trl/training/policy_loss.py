@@ -9,6 +9,7 @@ in one collective.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -110,7 +111,9 @@ class PolicyLossStep:
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         multimodal = {name: inputs.get(name) for name in trl_seam.MULTIMODAL_INPUTS}
         flags = {"compute_entropy": True, "compute_aux_loss": self.trainer.aux_loss_enabled}
-        return self.forward(model, input_ids, attention_mask, completion_ids.size(1), **flags, **multimodal)
+        replayed = self.trainer._replayed_routing  # routing replay: the rows carry the engine's routing
+        with contextlib.nullcontext() if replayed is None or not model.training else replayed.batch(inputs):
+            return self.forward(model, input_ids, attention_mask, completion_ids.size(1), **flags, **multimodal)
 
     def _entropy_term(self, entropies, mask, accumulation: int, training: bool, metrics) -> torch.Tensor:
         """coef x the mean entropy of the loss tokens (the bonus subtracted from the loss). TRL's adaptive controller

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from ..moe.architecture import set_zero3_leaf_modules
 from .trl_seam import trl_function
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def build_reference_model(trainer: Any, quantization_config: Any = None) -> Any:
         reference, temperature=trainer.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32
     )
     if trainer.is_deepspeed_enabled:
+        set_zero3_leaf_modules(reference, accelerator)
         return trl_function("prepare_deepspeed")(reference, accelerator)
     if trainer.is_fsdp_enabled:
         return trl_function("prepare_fsdp")(reference, accelerator)

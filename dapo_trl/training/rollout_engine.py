@@ -32,9 +32,12 @@ class GroupResult:
 
     Held as flat arrays (int32 token ids, float32 log-probs, one length per completion): at 16 x 20k tokens a group
     costs 8 bytes a token here, against ~70 as Python lists. `completion_ids` / `logprobs` give the lists TRL takes.
+    A mixture-of-experts engine may add each completion's `routed_experts` (vLLM's array per sequence: prompt and
+    completion tokens but the last, x decoder layers x top-k expert indices, in the engine's small integer type),
+    which routing replay needs.
     """
 
-    __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds")
+    __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds", "routed_experts")
 
     def __init__(
         self,
@@ -43,8 +46,12 @@ class GroupResult:
         completion_ids: list[list[int]],
         logprobs: list[list[float]],
         seconds: float = 0.0,
+        routed_experts: list[np.ndarray] | None = None,
     ):
         self.key, self.version, self.seconds = key, version, seconds
+        self.routed_experts = routed_experts
+        if routed_experts is not None and len(routed_experts) != len(completion_ids):
+            raise ValueError(f"group {key}: {len(routed_experts)} routings for {len(completion_ids)} completions")
         self.lengths = np.array([len(ids) for ids in completion_ids], dtype=np.int64)
         if [len(values) for values in logprobs] != self.lengths.tolist():
             raise ValueError(f"group {key}: {len(logprobs)} log-prob lists do not match its completions' lengths")
@@ -64,6 +71,7 @@ class GroupResult:
         """A result from flat arrays already (an engine that decodes into arrays: no per-token Python objects)."""
         result = cls.__new__(cls)
         result.key, result.version, result.seconds = key, version, seconds
+        result.routed_experts = None
         result.lengths = np.asarray(lengths, dtype=np.int64)
         result.token_ids = np.asarray(token_ids, dtype=np.int32)
         result.token_logprobs = np.asarray(token_logprobs, dtype=np.float32)
@@ -88,7 +96,8 @@ class GroupResult:
 
     @property
     def nbytes(self) -> int:
-        return self.token_ids.nbytes + self.token_logprobs.nbytes + self.lengths.nbytes
+        routed = sum(routing.nbytes for routing in self.routed_experts or ())
+        return self.token_ids.nbytes + self.token_logprobs.nbytes + self.lengths.nbytes + routed
 
 
 Callback = Callable[[GroupRequest, "GroupResult | BaseException"], None]

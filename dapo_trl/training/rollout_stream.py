@@ -340,7 +340,7 @@ class StreamingRollout:
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""
-        rows, completions, logprobs = [], [], []
+        rows, completions, logprobs, routings = [], [], [], []
         for (key, row), result in zip(groups, results, strict=True):
             if result.key != key or len(result.completion_ids) != self.group_size:
                 raise RuntimeError(
@@ -350,9 +350,11 @@ class StreamingRollout:
             rows.extend(dict(row) for _ in range(self.group_size))
             completions.extend(result.completion_ids)
             logprobs.extend(result.logprobs)
+            routings.extend(result.routed_experts or [None] * self.group_size)
         share = len(rows) // self.process.count
         local = slice(self.process.index * share, (self.process.index + 1) * share)
         prepared = {"completion_ids": completions[local], "logprobs": logprobs[local]}
+        prepared["routed_experts"] = routings[local]
         return rows[local], prepared
 
     # ------------------------------------------------------------------------------------------- checkpoints

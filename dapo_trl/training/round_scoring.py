@@ -23,6 +23,8 @@ class RoundScoring:
     streamed: bool = False  # a streamed wave: its rows' statistics are kept for the trained-batch metrics
     rewards_per_func: torch.Tensor | None = None  # TRL's gathered rewards, (rows, funcs), shaping columns included
     row_stats: dict[str, Any] | None = None  # `batch_metrics.row_statistics` of a streamed wave
+    routed_experts: list[Any] | None = None  # a streamed wave's engine routings, per local row (routing replay)
+    engine_logprobs: list[list[float]] | None = None  # a streamed wave's sampled tokens' engine log-probs
 
     def sampled_turn(self, prompt_ids: list[list[int]]) -> tuple[list, list] | None:
         """A turn TRL's generation need not sample: a streamed wave's first turn (the engine sampled it), or with

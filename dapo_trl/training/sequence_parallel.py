@@ -17,6 +17,9 @@ How a forward runs on a group of N processes (`SequenceParallel.per_token`):
    the group, and each process keeps its own rows. The gather's backward sums every process's gradient and keeps the
    local shard, so each process's parameter gradient is its shard's share of the group's loss: summed by the usual
    data-parallel average (DDP, ZeRO), the update equals the one without sequence parallelism.
+6. A mixture-of-experts router's auxiliary loss is a function of per-expert sums over the whole sequence, so each
+   shard's router load (`algorithm.router_aux`) is summed over the group first (its backward summed the same way):
+   every process of the group gets the loss of the unsharded sequence.
 
 Generation, rewards, dynamic sampling, token counts and the loss stay per process as without sequence parallelism:
 only the forwards are shared, so every decision and metric keeps its meaning.
@@ -33,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
+from ..algorithm.router_aux import RouterLoad
 from .batching import token_budget_chunks
 from .packing import IGNORE_INDEX, PackedRows, PerTokenOutput, padding_free_per_token
 
@@ -57,9 +61,10 @@ _ACTIVE: set[str] = set()
 _INSTALLED: set[str] = set()
 
 # (one shard's input ids, position ids, pre-shifted labels, keyword arguments for the model) -> (its per-token
-# log-probs, entropies or None)
+# log-probs, entropies or None, its router load or None); the last argument is (1, shard) bool, the shard's real tokens
 ShardForward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any]], tuple[torch.Tensor, torch.Tensor | None]
+    [torch.Tensor, torch.Tensor, torch.Tensor, dict[str, Any], torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor | None, RouterLoad | None],
 ]
 
 
@@ -73,9 +78,7 @@ def valid_sizes(query_heads: int, kv_heads: int, world_size: int) -> list[int]:
     ]
 
 
-def check_sequence_parallel(
-    size: int, model_config: Any, world_size: int, distributed_type: str, router_aux_loss: bool = False
-) -> str:
+def check_sequence_parallel(size: int, model_config: Any, world_size: int, distributed_type: str) -> str:
     """Refuse a layout Ulysses cannot run, naming the fix; return the model's attention implementation."""
     text_config = model_config.get_text_config()
     query_heads, kv_heads = text_config.num_attention_heads, text_config.num_key_value_heads
@@ -116,11 +119,6 @@ def check_sequence_parallel(
         raise ValueError(
             "sequence_parallel_size > 1 with sliding-window attention layers needs "
             "attn_implementation='flash_attention_2' (the row-by-row SDPA core is full causal attention)."
-        )
-    if router_aux_loss:
-        raise ValueError(
-            "sequence_parallel_size > 1 does not compute a mixture-of-experts router's auxiliary loss (each process "
-            "sees 1/N of a sequence's tokens): set router_aux_loss_coef=0."
         )
     return attention
 
@@ -206,6 +204,24 @@ def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tenso
     return parts
 
 
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) over a group; the backward sums every process's gradient too (each process's loss reads the
+    group's sum), as `_GatherSequence` does for log-probs."""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        total = local.clone()
+        torch_dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        torch_dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather of equal-length shards along dim 1 over a group; the backward sums every process's gradient and
     keeps the local shard (each process's loss may read any shard)."""
@@ -240,13 +256,14 @@ def shard_bounds(length: int, size: int, rank: int) -> tuple[int, int]:
 
 
 def shard_packed(packed: PackedRows, size: int, rank: int, pad_token_id: int) -> tuple[torch.Tensor, ...]:
-    """Shard `rank` of a one-sequence pack: (input ids, position ids, next-token labels), each (1, ceil(L / size)).
+    """Shard `rank` of a one-sequence pack: (input ids, position ids, next-token labels, real-token mask), each
+    (1, ceil(L / size)).
 
     Labels are shifted before the cut (label j is token j + 1's, IGNORE_INDEX where unscored), so the last position
     of a shard scores the first token of the next; padding to a multiple of `size` is a block of its own (position
     ids from 0), never scored.
     """
-    ids, positions, labels = packed.input_ids, packed.position_ids, packed.labels
+    ids, positions, labels, real = packed.input_ids, packed.position_ids, packed.labels, packed.real_tokens()
     if ids.size(0) != 1:
         raise ValueError("sequence parallelism shards one packed sequence at a time (batch 1)")
     length = ids.size(1)
@@ -257,7 +274,8 @@ def shard_packed(packed: PackedRows, size: int, rank: int, pad_token_id: int) ->
         ids = torch.cat([ids, ids.new_full((1, padding), pad_token_id)], dim=1)
         positions = torch.cat([positions, torch.arange(padding, device=ids.device).unsqueeze(0)], dim=1)
         shifted = torch.cat([shifted, shifted.new_full((1, padding), IGNORE_INDEX)], dim=1)
-    return ids[:, start:end], positions[:, start:end], shifted[:, start:end]
+        real = torch.cat([real, real.new_zeros((1, padding))], dim=1)
+    return ids[:, start:end], positions[:, start:end], shifted[:, start:end], real[:, start:end]
 
 
 def group_pass_rows(members: list[list[int]], rank: int, max_tokens: int) -> list[list[int]]:
@@ -334,6 +352,13 @@ class SequenceParallel:
         """(1, L/N) per process -> (1, L) everywhere; differentiable (see `_GatherSequence`)."""
         return _GatherSequence.apply(local, self.group, self.rank, self.size)
 
+    def sum_router_load(self, load: RouterLoad) -> RouterLoad:
+        """The router load of the whole sequence from each shard's: the auxiliary loss of the unsharded sequence."""
+        counts = torch.stack([*load.assignments, load.rows]).detach().clone()
+        torch_dist.all_reduce(counts, group=self.group)
+        probabilities = _SumOverGroup.apply(load.probabilities, self.group)
+        return RouterLoad(counts[:-1], probabilities, counts[-1])
+
     def gather_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> GroupRows:
         """The group's rows, in rank order, prompts left-padded and completions right-padded to the group's widest."""
         rows, width = input_ids.shape
@@ -401,17 +426,17 @@ class SequenceParallel:
         def packed_forward(packed: PackedRows) -> PerTokenOutput:
             length = packed.input_ids.size(1)
             self.sharded_forwards += 1
-            ids, positions, labels = shard_packed(packed, self.size, self.rank, pad_token_id)
+            ids, positions, labels, real = shard_packed(packed, self.size, self.rank, pad_token_id)
             with self.sharded() as attention_kwargs:
-                logps, entropy = shard_forward(ids, positions, labels, attention_kwargs)
+                logps, entropy, load = shard_forward(ids, positions, labels, attention_kwargs, real)
             logps = self.gather_sequence(logps)[:, : length - 1]
             if entropy is not None:
                 entropy = self.gather_sequence(entropy)[:, : length - 1]
-            return logps, entropy, None
+            return logps, entropy, None if load is None else self.sum_router_load(load)
 
         if torch.is_grad_enabled():  # a training pass: `group_passes` already bounded it (its masked rows aside)
             max_tokens = max_rows = None
-        logps, entropy, _ = padding_free_per_token(
+        logps, entropy, aux_loss = padding_free_per_token(
             group_rows.input_ids,
             group_rows.attention_mask,
             group_rows.logits_to_keep,
@@ -425,4 +450,4 @@ class SequenceParallel:
             one_forward=one_forward,
         )
         own, keep = group_rows.own_rows, group_rows.own_keep
-        return logps[own, :keep], None if entropy is None else entropy[own, :keep], None
+        return logps[own, :keep], None if entropy is None else entropy[own, :keep], aux_loss

@@ -6,7 +6,9 @@ that cancelling a group closes it (vLLM then aborts the request).
 from __future__ import annotations
 
 import asyncio
+import base64
 import http.client
+import io
 import json
 import threading
 import time
@@ -14,6 +16,8 @@ import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
 
@@ -209,6 +213,7 @@ class VLLMServerEngine:
                 [list(choice["token_ids"]) for choice in choices],
                 [_sampled_logprobs(choice) for choice in choices],
                 seconds=time.monotonic() - started,
+                routed_experts=_routed_experts(choices),
             )
         except asyncio.CancelledError:
             return  # cancelled: the connection is closed, the driver expects no answer
@@ -274,3 +279,12 @@ def _sampled_logprobs(choice: dict[str, Any]) -> list[float]:
     if values is None:
         raise ValueError("the vLLM server returned no token log-probs (needs logprobs=0 support)")
     return [float("-inf") if value is None else float(value) for value in values]
+
+
+def _routed_experts(choices: list[dict[str, Any]]) -> list[np.ndarray] | None:
+    """Each choice's routed experts, when the server returns them (`vllm serve --enable-return-routed-experts`):
+    base64 of a .npy array (tokens of prompt and completion but the last, decoder layers, top-k); else None."""
+    encoded = [choice.get("routed_experts") for choice in choices]
+    if any(value is None for value in encoded):
+        return None
+    return [np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False) for value in encoded]

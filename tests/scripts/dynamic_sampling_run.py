@@ -85,6 +85,9 @@ class RecordingTrainer(DAPOTrainer):
                 "active_tokens": inputs["completion_mask"].sum(dim=1).tolist(),
                 "num_items": float(inputs["num_items_in_batch"]),
             }
+            if "completion_routed_experts" in inputs:  # routing replay: each row's replayed completion routing
+                routings = inputs["completion_routed_experts"]
+                record["routings"] = [routing[mask].tolist() for routing, mask in zip(routings, masks, strict=True)]
             f.write(json.dumps(record) + "\n")
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 

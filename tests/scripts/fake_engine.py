@@ -16,6 +16,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
 
 COMPLETION_TOKENS = range(10, 60)
@@ -44,6 +46,17 @@ def fake_completion(
     return ids, logprobs
 
 
+def fake_routing(prompt_ids: list[int], completion_ids: list[int], seed, version: int, index: int, routing):
+    """What a mixture-of-experts engine returns for a completion (vLLM's shape): for every token but the last,
+    `routing.top_k` distinct experts per decoder layer, a hash of the same key as the completion's."""
+    digest = hashlib.sha256(repr((seed, list(prompt_ids), version, index, "routing")).encode()).digest()
+    rng = random.Random(digest)
+    tokens = len(prompt_ids) + len(completion_ids) - 1
+    experts = range(routing.num_experts)
+    choices = [rng.sample(experts, routing.top_k) for _ in range(tokens * routing.layers)]
+    return np.array(choices, dtype=np.uint8).reshape(tokens, routing.layers, routing.top_k)
+
+
 class FakeEngine:
     """`GroupEngine` protocol; `loads` records every weights version loaded, `max_seen_in_flight` the concurrency."""
 
@@ -55,8 +68,10 @@ class FakeEngine:
         timing_seed: int,
         max_delay: float = 0.03,
         tool_call_ids: list[int] | None = None,
+        routing=None,
     ):
         self.group_size, self.eos_id, self.max_tokens = group_size, eos_id, max_tokens
+        self.routing = routing  # a `moe.architecture.Routing`: answers carry routed experts, as vLLM's can
         self.tool_call_ids = tool_call_ids
         self.version: int | None = None
         self.loads: list[int] = []
@@ -84,9 +99,14 @@ class FakeEngine:
             )
             for i in range(self.group_size)
         ]
+        routings = None
+        if self.routing is not None:
+            key = (request.prompt_ids, request.seed, request.version)
+            routings = [fake_routing(key[0], ids, *key[1:], i, self.routing) for i, (ids, _) in enumerate(pairs)]
         with self.lock:
             self.in_flight -= 1
-        done(request, GroupResult(request.key, request.version, [ids for ids, _ in pairs], [lp for _, lp in pairs]))
+        completions, logprobs = [ids for ids, _ in pairs], [lp for _, lp in pairs]
+        done(request, GroupResult(request.key, request.version, completions, logprobs, routed_experts=routings))
 
     def cancel(self, request: GroupRequest) -> None:
         pass  # the driver ignores its answer

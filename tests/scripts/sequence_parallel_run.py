@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism against a plain forward, on two real processes (gloo, fp32).
 
 Run under `accelerate launch --multi_gpu --num_processes 2`:
-  python sequence_parallel_run.py OUT KV_HEADS[,KV_HEADS...]
+  python sequence_parallel_run.py OUT CASE[,CASE...]     (CASE: a KV head count, or moe)
 Each process holds its own rows (TRL's layout: prompts left-padded, completions right-padded; odd lengths; one row
 longer than half the group's tokens, so it straddles the shard boundary, and a long prompt first, so shard 0 holds
 no loss token). The group's per-token log-probs come from `SequenceParallel.per_token` (DeepSpeed's Ulysses
@@ -9,7 +9,9 @@ attention, the model wrapped in DDP, with activation checkpointing), the loss is
 process's rows divided by the tokens of all processes (times the process count, as TRL's normaliser), and DDP
 averages the gradients. The reference is an independent padded forward of every process's rows on one process,
 without sequence parallelism. Writes OUT/result_kv{k}_rank{r}.json: the largest log-prob, loss and gradient differences,
-and which cases the batch covered.
+and which cases the batch covered. Case moe: a tiny Qwen3-MoE's router auxiliary loss over the group's sharded
+sequence against the model's own (transformers' load_balancing_loss_func) over the group's rows in one padded
+forward, and the router weights' gradients of the two; writes OUT/result_moe_rank{r}.json.
 """
 
 import json
@@ -19,9 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from trl.trainer.utils import add_fused_lm_head
 
+from dapo_trl.algorithm.router_aux import router_load
+from dapo_trl.moe.routing_replay import RouterHooks
 from dapo_trl.training.packing import pack_rows
 from dapo_trl.training.sequence_parallel import SequenceParallel, shard_packed
 
@@ -73,8 +77,8 @@ def reference_logps(model, ids: torch.Tensor, mask: torch.Tensor, keep: int) -> 
 def main() -> None:
     out = Path(sys.argv[1])
     dist.init_process_group("gloo")
-    for kv_heads in map(int, sys.argv[2].split(",")):
-        compare(out, kv_heads)
+    for case in sys.argv[2].split(","):
+        compare_router_aux_loss(out) if case == "moe" else compare(out, int(case))
     dist.barrier()  # leave together (see script_args.leave_together): a lone exit can abort the peer's gloo
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -94,9 +98,9 @@ def compare(out: Path, kv_heads: int) -> None:
     everyone = [rows_of(r) for r in range(world)]
     total_tokens = sum(float(rows["completion_mask"].sum()) for rows in everyone)
 
-    def shard_forward(ids, positions, labels, attention):
+    def shard_forward(ids, positions, labels, attention, real):
         out = ddp(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
-        return out.log_probs, None
+        return out.log_probs, None, None
 
     def unused_padded_forward(*args):
         raise AssertionError("every group here has rows")
@@ -156,6 +160,78 @@ def compare(out: Path, kv_heads: int) -> None:
         ),
     }
     (out / f"result_kv{kv_heads}_rank{rank}.json").write_text(json.dumps(result))
+
+
+def build_moe_model() -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        output_router_logits=True,
+        attn_implementation="sdpa",
+    )
+    return Qwen3MoeForCausalLM(config).float()
+
+
+def compare_router_aux_loss(out: Path) -> None:
+    rank = dist.get_rank()
+    model, reference = build_moe_model(), build_moe_model()
+    model.train()
+    add_fused_lm_head(model)
+    hooks = RouterHooks(model)
+    sp = SequenceParallel(2, model.config, "sdpa")
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    mine = rows_of(rank)
+
+    def shard_forward(ids, positions, labels, attention, real):
+        hooks.collect, hooks.collected = True, []
+        try:
+            out = ddp(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
+        finally:
+            hooks.collect = False
+        return out.log_probs, None, router_load(hooks.collected, 2, real)
+
+    def unused_padded_forward(*args):
+        raise AssertionError("every group here has rows")
+
+    logps, _, aux_loss = sp.per_token(
+        mine["ids"],
+        mine["mask"],
+        mine["keep"],
+        shard_forward=shard_forward,
+        padded_forward=unused_padded_forward,
+        max_tokens=None,
+        max_rows=None,
+        pad_token_id=PAD,
+        agree_count=None,
+        one_forward=False,
+    )
+    (aux_loss + 0.0 * logps.sum()).backward()  # DDP averages the two processes' router gradients
+
+    group = sp.gather_rows(mine["ids"], mine["mask"], mine["keep"])
+    positions = (group.attention_mask.cumsum(1) - 1).clamp(min=0)
+    expected = reference(input_ids=group.input_ids, attention_mask=group.attention_mask, position_ids=positions)
+    expected = expected.aux_loss
+    expected.backward()
+    routers = [(name, p) for name, p in model.named_parameters() if ".mlp.gate." in name]
+    reference_routers = dict(reference.named_parameters())
+    result = {
+        "aux_loss": aux_loss.item(),
+        "aux_loss_error": abs(aux_loss.item() - expected.item()),
+        "router_gradient_error": max(float((p.grad - reference_routers[n].grad).abs().max()) for n, p in routers),
+        "router_gradient_scale": max(float(reference_routers[n].grad.abs().max()) for n, _ in routers),
+    }
+    (out / f"result_moe_rank{rank}.json").write_text(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@ streamed (`rollout_streaming=true`, the fake engine in place of the vLLM server)
 completions returned where TRL would generate). Same usage and outputs as dynamic_sampling_run.py, plus the script
 options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), engine_per_process=true
 (a fake engine on every process, each generating the groups it owns, as with colocated vLLM), resume,
-crash_after_save (the process dies right after writing that step's checkpoint) and tools=true (chat prompts, a Hermes
+crash_after_save (the process dies right after writing that step's checkpoint), tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
-the same fake generation answers). A failure on one process (`training.fail_together`): fail_in=reward (the
+the same fake generation answers) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
+engine returns routed experts). A failure on one process (`training.fail_together`): fail_in=reward (the
 accuracy reward raises), decode (the tokenizer's batch_decode raises), evaluation (the reward raises while evaluating;
 evaluates every step) or engine (the fake engine's start raises a timeout: the main process's driver), on process
 fail_rank (default 1; the engine's is the main process) from optimizer step fail_from_step (default 1);
@@ -98,7 +99,8 @@ class FakeGenerationTrainer(RecordingTrainer):
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
         timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
-        self.fake_engine = FailingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids)
+        routing = self._replayed_routing.routing if self._replayed_routing is not None else None
+        self.fake_engine = FailingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids, routing)
         return self.fake_engine
 
     def _generate_and_score_completions(self, inputs):
@@ -177,6 +179,7 @@ def main() -> None:
     for option in ENGINE:
         ENGINE[option] = overrides.pop(option, ENGINE[option])
     with_tools = overrides.pop("tools", False)
+    architecture = "moe" if overrides.pop("moe", False) else "dense"
     for option in FAILURE:
         FAILURE[option] = overrides.pop(option, FAILURE[option])
     SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
@@ -197,7 +200,8 @@ def main() -> None:
         disable_tqdm=True,
         seed=0,
     )
-    dataset, tokenizer, tools, model = difficulty_dataset(0.5), None, None, build_tiny_model(out.parent / "tiny")
+    model = build_tiny_model(out.parent / f"tiny-{architecture}", architecture=architecture)
+    dataset, tokenizer, tools = difficulty_dataset(0.5), None, None
     if with_tools:  # the first turn's tool call and its reply fit; at most two tool rounds
         settings.update(max_completion_length=96, max_tool_calling_iterations=2)
         dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})

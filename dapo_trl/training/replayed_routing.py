@@ -1,0 +1,158 @@
+"""Routing replay in DAPOTrainer (`routing_replay`): which routing each training forward replays, and how the rows
+carry it.
+
+A streamed wave arrives with the engine's routing of every completion (prompt and completion tokens, `moe.
+routing_replay`). While TRL scores the wave, its forwards (old log-probs, carried groups' log-probs) replay those
+routings row by row; the scored rows then carry them as two row tensors aligned with TRL's layout,
+`prompt_routed_experts` (left-padded like prompt_ids) and `completion_routed_experts` (right-padded like
+completion_ids), so that they travel wherever rows travel: across processes, into carried surplus, into checkpoints,
+into micro-batches. The policy's forward in the loss replays them from there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from ..moe.routing_replay import RouterHooks, encode_routing, routing_from_rows
+
+PROMPT_ROUTING = "prompt_routed_experts"
+COMPLETION_ROUTING = "completion_routed_experts"
+ROUTING_ROW_TENSORS = {PROMPT_ROUTING: (0, True), COMPLETION_ROUTING: (0, False)}  # 0: not recorded
+
+
+class ReplayedRouting:
+    """The routing the next training forwards replay: a wave's engine routings while TRL scores it, or a micro-batch's
+    row tensors while the loss runs."""
+
+    def __init__(self, hooks: RouterHooks):
+        self.hooks = hooks
+        self.routing = hooks.routing
+        self._rows: list[torch.Tensor] | None = None
+        self._batch: torch.Tensor | None = None
+        self._suspended = False
+
+    @contextlib.contextmanager
+    def wave(self, routings: list[Any] | None) -> Iterator[None]:
+        """Within the block, forwards of the wave's rows (in their order) replay each row's engine routing."""
+        if routings is None or any(routing is None for routing in routings):
+            raise RuntimeError(
+                "routing_replay=true, but the engine returned no routed experts: serve the model with "
+                "`vllm serve ... --enable-return-routed-experts` (vLLM >= 0.31, with VLLM_USE_V2_MODEL_RUNNER=1 on "
+                "GPUs), or have your engine fill GroupResult.routed_experts."
+            )
+        self._rows = [encode_routing(routing, self.routing) for routing in routings]
+        try:
+            yield
+        finally:
+            self._rows = None
+
+    @contextlib.contextmanager
+    def batch(self, inputs: dict[str, Any]) -> Iterator[None]:
+        """Within the block, the forward of these rows (`inputs`, TRL's layout) replays the routing they carry."""
+        if PROMPT_ROUTING not in inputs:
+            raise RuntimeError("routing_replay=true, but the training rows carry no routing (a batch from elsewhere?)")
+        self._batch = torch.cat([inputs[PROMPT_ROUTING], inputs[COMPLETION_ROUTING]], dim=1)
+        try:
+            yield
+        finally:
+            self._batch = None
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Within the block, forwards route themselves (the mismatch-without-replay metric)."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._suspended = False
+
+    def for_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """The routing of a forward of these rows, (rows, width, layers, top-k), or None (route themselves)."""
+        if self._suspended:
+            return None
+        if self._batch is not None:
+            if tuple(self._batch.shape[:2]) != tuple(input_ids.shape):
+                raise RuntimeError(f"a routing of {tuple(self._batch.shape[:2])} for rows of {tuple(input_ids.shape)}")
+            return self._batch.to(input_ids.device)
+        if self._rows is not None:
+            if len(self._rows) != input_ids.size(0):
+                raise RuntimeError(f"{len(self._rows)} routings for a forward of {input_ids.size(0)} rows")
+            return routing_from_rows(self._rows, attention_mask, self.routing)
+        return None
+
+    def row_tensors(self, output: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The wave's routings as row tensors aligned with TRL's scored rows (`output`)."""
+        prompt_mask, completion_mask = output["prompt_mask"], output["completion_mask"]
+        full = routing_from_rows(self._rows, torch.cat([prompt_mask, completion_mask], dim=1), self.routing)
+        width = prompt_mask.size(1)
+        return {PROMPT_ROUTING: full[:, :width].contiguous(), COMPLETION_ROUTING: full[:, width:].contiguous()}
+
+
+def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRouting | None:
+    """The trainer's `ReplayedRouting` when `routing_replay` is on (None otherwise), refusing what cannot replay."""
+    if not trainer.args.routing_replay:
+        return None
+    if hooks is None:
+        raise ValueError(
+            f"routing_replay=true needs a mixture-of-experts policy whose routers transformers marks (it records their "
+            f"logits): {type(trainer.model).__name__} has none. Set routing_replay=false for a dense model."
+        )
+    if trainer.tools:
+        raise ValueError(
+            "routing_replay=true does not run with tools: the engine routes the first turn only, tool replies and "
+            "later turns would be re-routed. Set routing_replay=false for tool use."
+        )
+    if trainer.args.use_vllm and trainer.args.vllm_mode == "colocate":
+        raise ValueError(
+            "routing_replay=true needs a vLLM server (vllm_mode='server', `vllm serve --enable-return-routed-experts`):"
+            " TRL builds the colocated engine without returning routed experts."
+        )
+    return ReplayedRouting(hooks)
+
+
+def replay_metrics(trainer: Any, output: dict[str, Any], engine_logprobs: list[list[float]]) -> dict[str, float]:
+    """Router agreement (the share of the engine's expert choices the trainer's router also makes) and the mean
+    |log-prob - engine log-prob| over the wave's completion tokens, with replay and without it (one extra forward
+    without gradient), over every process's rows."""
+    from . import trl_seam
+
+    replayed: ReplayedRouting = trainer._replayed_routing
+    input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+    attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+    keep = output["completion_ids"].size(1)
+    replayed.hooks.take_agreement()  # what earlier forwards replayed is not this wave's
+
+    def log_probs() -> torch.Tensor:
+        with torch.no_grad():
+            return trl_seam.per_token_log_probs(trainer, trainer.model, input_ids, attention_mask, keep)
+
+    with_replay = log_probs()
+    agreement = replayed.hooks.take_agreement()
+    with replayed.suspended():
+        without_replay = log_probs()
+    engine = torch.zeros_like(with_replay)
+    for row, values in enumerate(engine_logprobs):
+        engine[row, : min(len(values), keep)] = torch.tensor(values[:keep], dtype=engine.dtype)
+    mask = output["completion_mask"].to(engine.dtype)
+    sums = torch.stack(
+        [
+            ((with_replay - engine).abs() * mask).sum(),
+            ((without_replay - engine).abs() * mask).sum(),
+            mask.sum(),
+            torch.tensor(0.0 if agreement is None else agreement, device=mask.device),
+            torch.tensor(float(agreement is not None), device=mask.device),
+        ]
+    )
+    total = trainer.accelerator.reduce(sums, reduction="sum").tolist()
+    tokens = max(total[2], 1.0)
+    metrics = {
+        "routing_replay/logprob_mismatch": total[0] / tokens,
+        "routing_replay/logprob_mismatch_without_replay": total[1] / tokens,
+    }
+    if total[4]:
+        metrics["routing_replay/router_agreement"] = total[3] / total[4]
+    return metrics
