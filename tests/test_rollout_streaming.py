@@ -12,6 +12,7 @@ import math
 import random
 import threading
 import time
+from collections import Counter
 from types import SimpleNamespace
 from typing import NamedTuple
 
@@ -52,13 +53,24 @@ def train(out, steps: int, *overrides: str, processes: int = 1, per_device: int 
 
 
 def batches(out, processes: int = 1) -> dict[int, list]:
-    """Every trained row (prompt, completion ids, advantage) per optimizer step, over all processes, sorted."""
+    """Every trained row (prompt, completion ids, advantage[, replayed routing]) per optimizer step, over all
+    processes, sorted."""
     steps: dict[int, list] = {}
     for rank in range(processes):
         for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
-            rows = zip(record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], strict=True)
-            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5)) for p, ids, a in rows)
+            routings = [repr(routing) for routing in record.get("routings", [None] * len(record["prompts"]))]
+            columns = record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], routings
+            rows = zip(*columns, strict=True)
+            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5), r) for p, ids, a, r in rows)
     return {step: sorted(rows) for step, rows in steps.items()}
+
+
+def replayed_experts(out, rank: int) -> list[Counter]:
+    """How many tokens each expert took in each of a process's training passes (the replayed routing), pass by pass."""
+    return [
+        Counter(expert for routing in record["routings"] for token in routing for layer in token for expert in layer)
+        for record in read_jsonl(out / f"trained_rank{rank}.jsonl")
+    ]
 
 
 def rollout_metrics(out) -> list[dict]:
@@ -106,11 +118,16 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
 
 @pytest.mark.e2e
 def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
-    """k = 1 with carried surplus: the batches of an uninterrupted run on one process equal those of a ZeRO-3 run on
-    two processes that dies right after its step-2 checkpoint and resumes from it (other engine timings in each leg;
-    carried groups keep the weights version that sampled them across the checkpoint). Under ZeRO-3 each scoring
-    forward gathers every parameter: one per scoring pass, a few per step."""
+    """k = 1 with carried surplus, on the tiny mixture-of-experts model with routing replay (the fake engine returns
+    each completion's routed experts): the batches of an uninterrupted run on one process, routings included, equal
+    those of a ZeRO-3 run on two processes that dies right after its step-2 checkpoint and resumes from it (other
+    engine timings in each leg; carried groups keep the weights version that sampled them, and their routing, across
+    the checkpoint). The two processes replay different routings (their experts differ pass by pass) and ZeRO-3, its
+    MoE blocks leaf modules, does not hang. Under ZeRO-3 each scoring forward gathers every parameter: one per
+    scoring pass, a few per step."""
     settings = (
+        "moe=true",
+        "routing_replay=true",
         "rollout_streaming=true",
         "rollout_max_staleness=1",
         "save_strategy=steps",
@@ -127,9 +144,12 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     checkpoint = crashed / "run" / "checkpoint-2"
     train(crashed, 4, *settings, "timing_seed=3", f"resume={checkpoint}", processes=2, per_device=4, deepspeed=zero3)
     whole = batches(tmp_path / "whole")
-    assert sorted(whole) == [0, 1, 2, 3]
+    assert sorted(whole) == [0, 1, 2, 3] and all(row[3] != "None" for rows in whole.values() for row in rows)
     assert batches(crashed, processes=2) == whole
+    passes = zip(replayed_experts(crashed, 0), replayed_experts(crashed, 1), strict=True)
+    assert any(ours != theirs for ours, theirs in passes)
     metrics = rollout_metrics(tmp_path / "whole")
+    assert all(0 <= entry["routing_replay/router_agreement"] <= 1 for entry in metrics)
     # Step 0 has no older weights; a carried group is one step older than the batch's own rows.
     carried = [entry["dynamic_sampling/carried_in_groups"] > 0 for entry in metrics]
     assert any(carried) and [entry["rollout/staleness_max"] for entry in metrics] == [

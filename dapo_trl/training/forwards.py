@@ -36,7 +36,8 @@ class TokenForwards:
         self.args, self.accelerator, self.pad_token_id = args, accelerator, pad_token_id
         self.packing = packing_mode(model) if args.padding_free else None  # said once in the log
         self.agree_count = forward_count_agreement(accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
-        self.one_forward = one_forward_per_backward(accelerator, args)  # ZeRO-3 + reentrant checkpointing
+        # ZeRO-3 with reentrant checkpointing or MoE blocks as leaf modules: one forward per backward
+        self.one_forward = one_forward_per_backward(accelerator, args, leaf_modules=is_moe(model))
         moe = is_moe(model) and args.padding_free and (router_aux_loss or args.routing_replay)
         self.router_hooks = RouterHooks(model) if moe else None
         self.sequence_parallel = None

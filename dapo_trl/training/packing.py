@@ -266,23 +266,27 @@ def combined_aux_loss(parts: list[Any]) -> torch.Tensor | None:
     return torch.stack(parts).mean()
 
 
-def one_forward_per_backward(accelerator: Any, args: DAPOConfig) -> bool:
-    """DeepSpeed ZeRO-3 with reentrant activation checkpointing (what TRL forces for a PEFT model under ZeRO-3) fails
-    when a backward pass meets a module that ran more than once ("assert len(set(p.ds_id for p in params_in_bucket))
-    == len(params_in_bucket)"): each reentrant segment reports its parameters' gradients again. Training forwards
-    then run all their rows at once."""
+def one_forward_per_backward(accelerator: Any, args: DAPOConfig, leaf_modules: bool = False) -> bool:
+    """DeepSpeed ZeRO-3 fails when a backward pass meets a module that ran more than once ("assert len(set(p.ds_id
+    for p in params_in_bucket)) == len(params_in_bucket)") in two cases: with reentrant activation checkpointing
+    (what TRL forces for a PEFT model under ZeRO-3), each reentrant segment reports its parameters' gradients again;
+    with ZeRO-3 leaf modules (a mixture of experts' blocks, `leaf_modules`), each call's backward hook reports the
+    block's gradients again. Training forwards then run all their rows at once."""
     plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    if plugin is None or plugin.zero_stage != 3 or not args.gradient_checkpointing:
+    if plugin is None or plugin.zero_stage != 3:
         return False
-    reentrant = bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant", False))
-    if reentrant and args.max_tokens_per_microbatch:
+    reentrant = args.gradient_checkpointing and bool((args.gradient_checkpointing_kwargs or {}).get("use_reentrant"))
+    if (reentrant or leaf_modules) and args.max_tokens_per_microbatch:
         logger.warning(
-            "max_tokens_per_microbatch=%s is not applied to training forwards: under ZeRO-3 with reentrant "
-            "activation checkpointing (TRL's choice for PEFT models) each micro-batch runs as one forward, as "
-            "GRPOTrainer's does; lower per_device_train_batch_size to bound its memory",
+            "max_tokens_per_microbatch=%s is not applied to training forwards: under ZeRO-3 with %s each "
+            "micro-batch runs as one forward, as GRPOTrainer's does; lower per_device_train_batch_size to bound its "
+            "memory",
             args.max_tokens_per_microbatch,
+            "mixture-of-experts leaf modules"
+            if leaf_modules
+            else "reentrant activation checkpointing (TRL's choice for PEFT models)",
         )
-    return reentrant
+    return reentrant or leaf_modules
 
 
 def packing_mode(model: torch.nn.Module) -> str | None:
