@@ -94,6 +94,7 @@ class DAPOTrainer(GRPOTrainer):
         set_zero3_leaf_modules(self.model, self.accelerator)  # MoE blocks gathered whole: no hang when routes differ
         self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
         self._replayed_routing = replayed_routing_for(self, self._forwards.router_hooks)
+        self._replay_probed = -1  # the last step whose mismatch without replay was measured
         self._token_metrics = TokenWeightedMetrics()
         self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, self._forwards.group_passes)
@@ -246,6 +247,7 @@ class DAPOTrainer(GRPOTrainer):
         replaying = contextlib.nullcontext()
         if self._replayed_routing is not None and self.model.training:  # forwards replay the engine's routing
             replaying = self._replayed_routing.wave(scoring.routed_experts)
+            self._replayed_routing.hooks.take_agreement()  # router agreement: this round's scoring forwards
         with replaying:
             try:
                 output = super()._generate_and_score_completions(round_inputs)
@@ -263,10 +265,9 @@ class DAPOTrainer(GRPOTrainer):
     def _score_round_rows(self, output: dict[str, Any], scoring: RoundScoring) -> None:
         """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
         may train them a step later, and with routing replay their routing and its metrics."""
-        if self._replayed_routing is not None and self.model.training:
+        replaying = self._replayed_routing is not None and self.model.training
+        if replaying:
             output.update(self._replayed_routing.row_tensors(output))
-            for name, value in replay_metrics(self, output, scoring.engine_logprobs).items():
-                trl_seam.metrics(self, "train")[name].append(value)
         check_regroupable(output)  # before any forward of the rows
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -276,6 +277,10 @@ class DAPOTrainer(GRPOTrainer):
                 output["old_per_token_logps"] = trl_seam.per_token_log_probs(
                     self, self.model, input_ids, attention_mask, keep
                 )
+        if replaying:  # the mismatch without replay costs a forward: measured on a step's first wave only
+            once, self._replay_probed = self._replay_probed != self.state.global_step, self.state.global_step
+            for name, value in replay_metrics(self, output, scoring.engine_logprobs, once).items():
+                trl_seam.metrics(self, "train")[name].append(value)
 
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:

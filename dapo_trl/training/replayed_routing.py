@@ -114,45 +114,42 @@ def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRou
     return ReplayedRouting(hooks)
 
 
-def replay_metrics(trainer: Any, output: dict[str, Any], engine_logprobs: list[list[float]]) -> dict[str, float]:
-    """Router agreement (the share of the engine's expert choices the trainer's router also makes) and the mean
-    |log-prob - engine log-prob| over the wave's completion tokens, with replay and without it (one extra forward
-    without gradient), over every process's rows."""
+def replay_metrics(
+    trainer: Any, output: dict[str, Any], engine_logprobs: list[list[float]], without_replay: bool
+) -> dict[str, float]:
+    """Router agreement (the share of the engine's expert choices the trainer's router also made, in the scoring
+    forwards since the last call) and the mean |log-prob - engine log-prob| over the wave's completion tokens with
+    replay (the old log-probs the rows carry) and, when `without_replay`, without it (one more forward without
+    gradient: the trainer measures it once per optimizer step), over every process's rows."""
     from . import trl_seam
 
     replayed: ReplayedRouting = trainer._replayed_routing
     input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
     attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
     keep = output["completion_ids"].size(1)
-    replayed.hooks.take_agreement()  # what earlier forwards replayed is not this wave's
 
     def log_probs() -> torch.Tensor:
         with torch.no_grad():
             return trl_seam.per_token_log_probs(trainer, trainer.model, input_ids, attention_mask, keep)
 
-    with_replay = log_probs()
+    with_replay = output.get("old_per_token_logps")
+    with_replay = log_probs() if with_replay is None else with_replay
     agreement = replayed.hooks.take_agreement()
-    with replayed.suspended():
-        without_replay = log_probs()
     engine = torch.zeros_like(with_replay)
     for row, values in enumerate(engine_logprobs):
         engine[row, : min(len(values), keep)] = torch.tensor(values[:keep], dtype=engine.dtype)
     mask = output["completion_mask"].to(engine.dtype)
-    sums = torch.stack(
-        [
-            ((with_replay - engine).abs() * mask).sum(),
-            ((without_replay - engine).abs() * mask).sum(),
-            mask.sum(),
-            torch.tensor(0.0 if agreement is None else agreement, device=mask.device),
-            torch.tensor(float(agreement is not None), device=mask.device),
-        ]
-    )
-    total = trainer.accelerator.reduce(sums, reduction="sum").tolist()
-    tokens = max(total[2], 1.0)
-    metrics = {
-        "routing_replay/logprob_mismatch": total[0] / tokens,
-        "routing_replay/logprob_mismatch_without_replay": total[1] / tokens,
-    }
-    if total[4]:
-        metrics["routing_replay/router_agreement"] = total[3] / total[4]
+    sums = [((with_replay - engine).abs() * mask).sum(), mask.sum()]
+    sums += [torch.tensor(0.0 if agreement is None else agreement, device=mask.device)]
+    sums += [torch.tensor(float(agreement is not None), device=mask.device)]
+    if without_replay:
+        with replayed.suspended():
+            sums.append(((log_probs() - engine).abs() * mask).sum())
+    total = trainer.accelerator.reduce(torch.stack(sums), reduction="sum").tolist()
+    tokens = max(total[1], 1.0)
+    metrics = {"routing_replay/logprob_mismatch": total[0] / tokens}
+    if total[3]:
+        metrics["routing_replay/router_agreement"] = total[2] / total[3]
+    if without_replay:
+        metrics["routing_replay/logprob_mismatch_without_replay"] = total[4] / tokens
     return metrics
