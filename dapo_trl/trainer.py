@@ -18,7 +18,7 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOTrainer
 
 from .config import DAPOConfig
-from .moe.architecture import set_zero3_leaf_modules
+from .moe.architecture import is_moe_checkpoint, set_zero3_leaf_modules
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
@@ -42,6 +42,7 @@ from .training.run_guard import RunGuard
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import (
     backend_for,
+    check_moe_weight_sync,
     restore_rollout_versions,
     save_rollout_versions,
 )
@@ -68,6 +69,8 @@ class DAPOTrainer(GRPOTrainer):
     ):
         args = DAPOConfig.for_trainer(args, model)
         trl_seam.check_trl_classes(trl_seam.CLASS_NAMES + (trl_seam.WITH_VLLM if args.use_vllm else ()))
+        if args.use_vllm:  # before TRL builds a vLLM engine
+            check_moe_weight_sync(args, is_moe_checkpoint(model, args))
         env_factory = kwargs.get("environment_factory")
         with backend_for(args):
             super().__init__(

@@ -30,6 +30,7 @@ LORA_SCRIPT = DATA / "grpo_lora.sh"  # verl's examples/grpo_trainer/run_qwen2_5-
 GSPO_SCRIPT = DATA / "gspo_3b_math.sh"  # verl's examples/gspo_trainer/test_gspo_3b_math.sh, unchanged
 GMPO_SCRIPT = DATA / "gmpo_7b_math.sh"  # verl's examples/gmpo_trainer/test_dapo_7b_math.sh, unchanged
 QWEN3_SCRIPT = DATA / "grpo_qwen3_8b.sh"  # verl's examples/grpo_trainer/run_qwen3-8b.sh, unchanged
+MOE_SCRIPT = DATA / "moe_r3_qwen3_30b.sh"  # Qwen3-30B-A3B DAPO with R3 routing replay on verl's Megatron backend
 # What the GSPO script leaves to its surroundings: SLURM's node count, and a name made by $(basename ...).
 GSPO_INPUTS = ("--env", "SLURM_JOB_NUM_NODES=1", "trainer.experiment_name=gspo-3b", "trainer.default_local_dir=/ckpt")
 TOOL_CONFIG = DATA / "recipe" / "retool" / "sandbox_fusion_tool_config.yaml"
@@ -487,7 +488,9 @@ def test_lora_exclude_modules_reaches_the_peft_config(tmp_path):
         config("--lora_exclude_modules", "up_proj")
 
 
-@pytest.mark.parametrize("script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT], ids=lambda p: p.stem)
+@pytest.mark.parametrize(
+    "script", [DAPO_SCRIPT, RETOOL_SCRIPT, GRPO_SCRIPT, LORA_SCRIPT, MOE_SCRIPT], ids=lambda p: p.stem
+)
 def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     result = run_translator(script, tmp_path, "--allow-unsupported")
     assert result.returncode == 0, result.stderr
@@ -511,8 +514,9 @@ def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     assert accelerate.num_processes == t.batch.world_size
     deepspeed = (accelerate.deepspeed_config or {}).get("deepspeed_config_file")
     # verl's FSDP runs with parameter offload (DAPO, ReTool) become ZeRO-3 with offload; the GRPO script is plain DDP.
-    # The LoRA example (Qwen2.5-3B, no offload) becomes ZeRO-3 without offload.
-    expected = {GRPO_SCRIPT: None, LORA_SCRIPT: "configs/deepspeed/zero3.json"}.get(
+    # The LoRA example (Qwen2.5-3B, no offload) and the MoE run (Qwen3-30B-A3B) become ZeRO-3 without offload.
+    zero3 = "configs/deepspeed/zero3.json"
+    expected = {GRPO_SCRIPT: None, LORA_SCRIPT: zero3, MOE_SCRIPT: zero3}.get(
         script, "configs/deepspeed/zero3_offload.json"
     )
     assert deepspeed == expected and (deepspeed is None or (REPO / deepspeed).is_file())
@@ -905,3 +909,102 @@ def test_allow_unsupported_says_at_the_top_of_the_recipe_what_the_run_does_inste
     assert "NOT TRANSLATED (written with --allow-unsupported)" in head
     assert "actor_rollout_ref.actor.policy_loss.loss_mode = clip_cov" in head
     assert "Instead: loss_type grpo with a token-level clipped ratio and the same epsilons" in head
+
+
+# ------------------------------------------------------------------------------------------------ mixture of experts
+ROUTER_REPLAY_MODE = "actor_rollout_ref.actor.router_replay.mode"
+ENGINE_ROUTING = "actor_rollout_ref.rollout.enable_rollout_routing_replay"
+
+
+def test_r3_router_replay_becomes_routing_replay_with_the_streaming_rollout(tmp_path):
+    """verl's R3 (router_replay.mode=R3 with the rollout's enable_rollout_routing_replay) is routing_replay, on the
+    streaming rollout, whose vLLM server returns the routed experts; the recipe passes DAPOConfig's checks."""
+    t = translated(MOE_SCRIPT)
+    r = t.recipe
+    assert not t.blocking
+    assert (r["routing_replay"], r["rollout_streaming"], r["filter_groups_enable"]) == (True, True, True)
+    assert (r["use_vllm"], r["vllm_mode"]) == (True, "server")
+    assert t.vllm.extra_args[-1] == "--enable-return-routed-experts"
+    mode, engine = t.entries[ROUTER_REPLAY_MODE], t.entries[ENGINE_ROUTING]
+    assert (mode.status, mode.target) == (MAPPED, "routing_replay: true, rollout_streaming: true")
+    assert (engine.status, engine.target) == (MAPPED, "vllm_server.sh --enable-return-routed-experts")
+    assert any("not --vllm_mode colocate" in note for note in t.notes)
+    result = run_translator(MOE_SCRIPT, tmp_path)
+    assert result.returncode == 0, result.stderr
+    _, config, _ = parse_recipe(tmp_path / "recipe.yaml")  # DAPOConfig's checks: streaming, padding-free, ...
+    assert (config.routing_replay, config.rollout_streaming, config.router_aux_loss_coef) == (True, True, 0.001)
+    assert "--enable-return-routed-experts" in (tmp_path / "vllm_server.sh").read_text()
+    report = (tmp_path / "report.md").read_text()
+    assert "Routing replay needs vllm_server.sh's server" in report and "`--vllm_mode colocate --vllm" not in report
+
+
+def test_r3_with_the_rollout_flag_off_still_replays_and_the_flag_alone_does_not():
+    t = translated(MOE_SCRIPT, f"{ENGINE_ROUTING}=False")
+    assert t.recipe["routing_replay"] is True and not t.blocking
+    entry = t.entries[ENGINE_ROUTING]
+    assert entry.status == APPROXIMATED and "its actor asserts the engine's routing is there" in entry.how
+    # The engine's routing without mode=R3: verl's actor replays nothing, and neither does the recipe.
+    t = translated(MOE_SCRIPT, f"{ROUTER_REPLAY_MODE}=disabled")
+    assert t.recipe["routing_replay"] is False and "rollout_streaming" not in t.recipe and not t.blocking
+    assert t.entries[ENGINE_ROUTING].status == NOT_NEEDED and "mode=R3" in t.entries[ENGINE_ROUTING].how
+    assert "--enable-return-routed-experts" not in t.vllm.extra_args
+
+
+def test_r2_router_replay_is_unsupported_and_names_r3(tmp_path):
+    t = translated(MOE_SCRIPT, env={**ENVIRONMENT, "ROUTING_REPLAY_MODE": "R2"})
+    assert [entry.key for entry in t.blocking] == [ROUTER_REPLAY_MODE]
+    why = t.blocking[0].how
+    assert "R2" in why and "not supported" in why and "R3" in why and "routing_replay: true" in why
+    assert t.recipe["routing_replay"] is False and "rollout_streaming" not in t.recipe
+    result = run_translator(MOE_SCRIPT, tmp_path, f"{ROUTER_REPLAY_MODE}=R2", "--allow-unsupported")
+    assert result.returncode == 0, result.stderr
+    head = (tmp_path / "recipe.yaml").read_text().split("\n\n")[0]
+    assert "actor_rollout_ref.actor.router_replay.mode = R2" in head
+    assert "Instead: routing_replay false: the training forwards route the tokens themselves" in head
+
+
+@pytest.mark.parametrize(
+    "override, fix",
+    [
+        ("algorithm.filter_groups.enable=False", "set algorithm.filter_groups.enable=True"),
+        ("actor_rollout_ref.rollout.name=hf", "this rollout generates with transformers"),
+        ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=1"),
+        ("actor_rollout_ref.model.use_remove_padding=False", "set actor_rollout_ref.model.use_remove_padding=True"),
+    ],
+)
+def test_r3_that_the_trainer_would_refuse_blocks_with_the_fix(override, fix):
+    """What DAPOConfig or DAPOTrainer refuses with routing_replay (no dynamic sampling to stream, no vLLM server,
+    sequence parallelism, padded forwards) blocks the translation, saying what to change."""
+    t = translated(MOE_SCRIPT, override)
+    assert ROUTER_REPLAY_MODE in {entry.key for entry in t.blocking}
+    assert fix in t.entries[ROUTER_REPLAY_MODE].how and t.recipe["routing_replay"] is False
+
+
+def test_router_aux_loss_coefficient_maps_and_defaults_to_verls_none():
+    """model.override_config.router_aux_loss_coef (verl writes it into the model config) is TRL's
+    router_aux_loss_coef; without it the recipe says 0.0, as verl's FSDP actor adds no router loss (TRL's default
+    would add the model config's)."""
+    t = translated(MOE_SCRIPT)
+    key = "actor_rollout_ref.model.override_config.router_aux_loss_coef"
+    assert t.recipe["router_aux_loss_coef"] == 0.001
+    assert (t.entries[key].status, t.entries[key].target) == (APPROXIMATED, "router_aux_loss_coef: 0.001")
+    assert not any("verl overrides the model config at load" in note for note in t.notes)  # not a folder to prepare
+    t = translated(DAPO_SCRIPT)
+    defaults = {entry.key: entry for entry in t.defaults}
+    assert t.recipe["router_aux_loss_coef"] == 0.0 and defaults[key].target == "router_aux_loss_coef: 0.0"
+    assert "verl's FSDP actor adds no router load-balancing loss" in defaults[key].how
+
+
+def test_megatron_moe_keys_are_reported_as_megatron_only():
+    t = translated(MOE_SCRIPT)
+    megatron = "actor_rollout_ref.actor.megatron."
+    coefficient = t.entries[megatron + "override_transformer_config.moe_aux_loss_coeff"]
+    assert coefficient.status == UNSUPPORTED and not coefficient.blocking
+    assert coefficient.how.startswith("Megatron-only: ") and "pass --router_aux_loss_coef 0.001" in coefficient.how
+    balancing = t.entries[megatron + "override_transformer_config.moe_router_load_balancing_type"]
+    assert balancing.status == UNSUPPORTED and "--router_aux_loss_coef 0 (none)" in balancing.how
+    for name in ("expert_model_parallel_size", "override_transformer_config.moe_token_dispatcher_type"):
+        assert t.entries[megatron + name].status == NOT_NEEDED
+    for key in [key for key in t.found.values if ".megatron." in key]:
+        assert t.entries[key].how.startswith("Megatron-only: "), key
+    assert t.entries["actor_rollout_ref.ref.megatron.expert_model_parallel_size"].status == NOT_NEEDED

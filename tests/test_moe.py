@@ -325,3 +325,23 @@ def test_routing_replay_on_a_dense_model_is_refused(tmp_path):
     dataset = Dataset.from_list([{"prompt": "What is 1 + 1?", "solution": "2"}] * 8)
     with pytest.raises(ValueError, match="needs a mixture-of-experts policy"):
         Trainer(model=str(build_tiny_model(tmp_path / "dense")), args=args, train_dataset=dataset)
+
+
+def test_weight_syncs_that_would_leave_stale_experts_are_refused(moe_dir, tmp_path, monkeypatch):
+    """vLLM 0.31's layer-wise reload skips the fused experts: shared-storage server sync and colocated vLLM-CPU are
+    refused for a mixture-of-experts policy; NCCL sync and dense policies pass."""
+    from dapo_trl.moe.architecture import is_moe_checkpoint
+    from dapo_trl.training import vllm_backends
+
+    assert is_moe_checkpoint(str(moe_dir), None) and not is_moe_checkpoint(str(build_tiny_model(tmp_path / "d")), None)
+    server = tiny_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_weight_sync="shared_storage")
+    with pytest.raises(ValueError, match="vllm_weight_sync='shared_storage' cannot sync a mixture-of-experts"):
+        vllm_backends.check_moe_weight_sync(server, moe=True)
+    vllm_backends.check_moe_weight_sync(server, moe=False)
+    vllm_backends.check_moe_weight_sync(tiny_config(tmp_path, use_vllm=True, vllm_weight_sync="nccl"), moe=True)
+    colocate = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    monkeypatch.setattr(vllm_backends, "vllm_runs_on_cpu", lambda: True)
+    with pytest.raises(ValueError, match="colocated vLLM-CPU cannot sync a mixture-of-experts"):
+        vllm_backends.check_moe_weight_sync(colocate, moe=True)
+    monkeypatch.setattr(vllm_backends, "vllm_runs_on_cpu", lambda: False)
+    vllm_backends.check_moe_weight_sync(colocate, moe=True)  # GPUs: TRL's own load_weights

@@ -87,6 +87,22 @@ def is_moe(model: Any) -> bool:
     return bool(routers(model))
 
 
+def is_moe_checkpoint(model: Any, args: Any) -> bool:
+    """Whether `model` (a model, or a checkpoint path / hub id as trainers take it) is a mixture of experts, read
+    from its class's marks without loading weights."""
+    if not isinstance(model, str):
+        return is_moe(model)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model, trust_remote_code=getattr(args, "trust_remote_code", False))
+        cls = AutoModelForCausalLM._model_mapping[type(config)]
+    except (OSError, KeyError, ValueError):
+        return False  # loading it will say what is wrong
+    recorded = getattr(cls, "_can_record_outputs", None) or {}
+    return "router_logits" in recorded
+
+
 def moe_block_classes(model: Any) -> list[type]:
     """The classes of the blocks that hold a router and its experts (what ZeRO-3 must gather as one unit)."""
     return sorted({type(router.block) for router in routers(model)}, key=lambda cls: cls.__name__)

@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .moe import ROUTER_AUX_LOSS_KEYS
 from .translation import (
     APPROXIMATED,
     MAPPED,
@@ -70,7 +71,11 @@ def map_config_overrides(t: Translation, model: str) -> None:
     """verl's `model.override_config.X=V` changes the model config at load (GMPO's script calls its
     max_position_embeddings "very important"): here the model folder must already say so, a step the user takes."""
     prefix = "actor_rollout_ref.model.override_config."
-    overrides = {key[len(prefix) :]: value for key, value in t.found.values.items() if key.startswith(prefix)}
+    overrides = {
+        key[len(prefix) :]: value
+        for key, value in t.found.values.items()
+        if key.startswith(prefix) and key not in ROUTER_AUX_LOSS_KEYS  # the router's loss weight: `moe`
+    }
     if not overrides:
         return
     changes = json.dumps(overrides)

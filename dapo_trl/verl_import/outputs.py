@@ -64,6 +64,7 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "beta",
             "entropy_coeff",
             "scale_rewards",
+            "router_aux_loss_coef",
         ),
     ),
     (
@@ -98,6 +99,8 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "use_vllm",
             "vllm_mode",
             "vllm_importance_sampling_correction",
+            "rollout_streaming",
+            "routing_replay",
             "temperature",
             "top_p",
             "top_k",
@@ -139,6 +142,8 @@ def instead(t: Translation, key: str) -> str:
     if key.endswith("policy_loss.loss_mode"):
         level = t.recipe.get("importance_sampling_level", "token")
         return f"loss_type {t.recipe.get('loss_type')} with a {level}-level clipped ratio and the same epsilons"
+    if key.endswith("router_replay.mode"):
+        return "routing_replay false: the training forwards route the tokens themselves"
     if key in t.found.unresolved:
         return "the key is left out, as if the script did not set it"
     return "dapo-trl's setting for it (see the recipe below), not verl's"
@@ -217,13 +222,19 @@ def report_markdown(t: Translation, out_dir: Path | None) -> str:
         "",
     ]
     if t.vllm and t.recipe.get("use_vllm"):
+        colocate = (
+            "Routing replay needs vllm_server.sh's server (--enable-return-routed-experts): the colocated engine "
+            "(--vllm_mode colocate) returns no routed experts."
+            if t.recipe.get("routing_replay")
+            else "To generate on the training GPUs instead, as verl does: "
+            f"`--vllm_mode colocate --vllm_tensor_parallel_size {t.vllm.tensor_parallel_size} "
+            f"--vllm_gpu_memory_utilization {t.vllm.gpu_memory_utilization:g}`."
+        )
         lines += [
             f"vLLM: the same server with TRL's launcher: `{t.vllm.trl_command()}` (without the extra engine flags). "
             "verl generates on the training GPUs (one engine per tensor-parallel group, "
             f"{t.batch.world_size // max(1, t.vllm.tensor_parallel_size)} here); a server needs GPUs of its own, "
-            "and DP replicas give it that throughput. To generate on the training GPUs instead, as verl does: "
-            f"`--vllm_mode colocate --vllm_tensor_parallel_size {t.vllm.tensor_parallel_size} "
-            f"--vllm_gpu_memory_utilization {t.vllm.gpu_memory_utilization:g}`.",
+            f"and DP replicas give it that throughput. {colocate}",
             "",
         ]
     lines += [

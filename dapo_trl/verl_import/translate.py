@@ -14,6 +14,7 @@ from .batches import map_batches
 from .hydra import VerlInput, resolve_interpolations
 from .losses import map_kl_in_reward, map_loss
 from .model_data import map_data, map_model
+from .moe import map_moe
 from .reward import map_dynamic_sampling, map_reward
 from .rollout import map_rollout
 from .schedule import map_schedule
@@ -89,7 +90,8 @@ NOT_NEEDED_KEYS: list[tuple[str, str]] = [
     ("*.rollout_n", "copy of actor_rollout_ref.rollout.n"),
     ("actor_rollout_ref.actor.use_remove_padding", "copy of actor_rollout_ref.model.use_remove_padding"),
     ("*.data_loader_seed", "seed of verl's mini-batch shuffling"),
-    ("*.router_replay.*", "MoE router replay, off"),
+    ("*.router_replay.record_file", "declared by verl's router replay config, read nowhere in verl"),
+    ("*.router_replay.replay_file", "declared by verl's router replay config, read nowhere in verl"),
     ("*.freeze_vision_tower", "vision models only"),
     ("*.use_prefix_grouper", "verl's prefix sharing: speed only"),
     ("*.calculate_sum_pi_squared", "verl diagnostic"),
@@ -138,7 +140,6 @@ NOT_NEEDED_KEYS: list[tuple[str, str]] = [
     ("actor_rollout_ref.rollout.engine_kwargs.trtllm*", "TensorRT-LLM engine arguments (the rollout is vLLM here)"),
     ("actor_rollout_ref.rollout.expert_parallel_size", "MoE expert parallelism of the rollout engine"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "pipeline parallelism of the rollout engine"),
-    ("actor_rollout_ref.rollout.enable_rollout_routing_replay", "MoE routing replay, off"),
     ("actor_rollout_ref.rollout.quantization*", "rollout quantization, off"),
     ("actor_rollout_ref.rollout.over_sample_rate", "verl's early stop of slow rollouts, off"),
     ("actor_rollout_ref.rollout.prompt_length", "follows data.max_prompt_length"),
@@ -241,6 +242,7 @@ def translate(found: VerlInput) -> Translation:
     map_reward(t)
     map_schedule(t)
     map_rollout(t)
+    map_moe(t)
     map_trainer(t)
     plan_accelerate(t)
     mark_remaining(t)

@@ -10,7 +10,9 @@ After every weight sync the engine's log-probabilities of a fixed token sequence
 model's; the gaps go to OUT/sync_checks.json with the log history. Exit 1 if a gap after a sync exceeds 1e-5, or a
 gap before a later sync does not (the weights did not move). `check_syncs=false` just trains (and writes
 OUT/log_history.json). `lora=R` trains a LoRA adapter of rank R (alpha 2R, every linear layer): what reaches the
-engine is the base with the adapter merged, and the trainer side of each check is the PEFT model with its adapter on.
+engine is the base with the adapter merged, and the trainer side of each check is the PEFT model with its adapter on;
+with `lora_experts=true` (a mixture-of-experts model) the adapter also targets the experts' weights (PEFT's
+`target_parameters`: they are 3-D parameters, not linear layers).
 Server streaming (`rollout_streaming=true`) records every trained row in OUT/trained.jsonl; `check_versions=true` also
 writes, per step, the largest gap between the engine's sampling log-probs and the trainer's re-scoring under the
 weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
@@ -215,6 +217,7 @@ def main() -> None:
     overrides = parse_overrides(rest)
     check_syncs = overrides.pop("check_syncs", True)
     lora = overrides.pop("lora", None)
+    lora_experts = overrides.pop("lora_experts", False)
     with_tools = overrides.pop("tools", False)
     RecordedStreaming.check_versions = overrides.pop("check_versions", False)
     resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
@@ -254,7 +257,10 @@ def main() -> None:
     if lora is not None:
         from peft import LoraConfig
 
-        peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM")
+        experts = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if lora_experts else {}
+        peft_config = LoraConfig(
+            r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM", **experts
+        )
     trainer = trainer_class(
         model=model_dir,
         reward_funcs=parity_reward,
