@@ -130,9 +130,8 @@ def main() -> None:
     if args.worker:
         print(json.dumps(worker(args.worker, args.rows, args.tokens, args.repeats, args.cache)))
         return
-    print(
-        f"torch {package_version('torch')}, transformers {package_version('transformers')}, trl {package_version('trl')}"
-    )
+    versions = {name: package_version(name) for name in ("torch", "transformers", "trl")}
+    print(", ".join(f"{name} {value}" for name, value in versions.items()))
     print(
         f"training pass: {args.rows} rows x {args.tokens} real tokens, packed, forward + backward, median of "
         f"{args.repeats}\n"
