@@ -345,3 +345,33 @@ def test_weight_syncs_that_would_leave_stale_experts_are_refused(moe_dir, tmp_pa
         vllm_backends.check_moe_weight_sync(colocate, moe=True)
     monkeypatch.setattr(vllm_backends, "vllm_runs_on_cpu", lambda: False)
     vllm_backends.check_moe_weight_sync(colocate, moe=True)  # GPUs: TRL's own load_weights
+
+
+def test_lora_trains_attention_and_the_experts_of_a_moe_policy(moe_dir, tmp_path):
+    """PEFT's `target_parameters` puts LoRA on the experts' 3-D weights beside attention's linear layers: one DAPO
+    step moves the adapters on both and nothing else."""
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    from dapo_trl import DAPOTrainer
+
+    lora = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        task_type="CAUSAL_LM",
+    )
+    rows = [{"prompt": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(8)]
+    trainer = DAPOTrainer(
+        model=str(moe_dir),
+        reward_funcs=lambda completions, **kwargs: [float(len(c) % 2) for c in completions],
+        args=tiny_config(tmp_path, learning_rate=1e-2, filter_groups_enable=False, num_generations=4),
+        train_dataset=Dataset.from_list(rows),
+        peft_config=lora,
+    )
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    trainer.train()
+    moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
+    assert moved and all("lora_" in name for name in moved)
+    assert any(".experts." in name for name in moved) and any("self_attn" in name for name in moved)
