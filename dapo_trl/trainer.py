@@ -8,7 +8,6 @@ sampling, streaming, micro-batches, forwards, reward columns, exact denominators
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from functools import partial
 from typing import Any
@@ -34,7 +33,7 @@ from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, che
 from .training.forwards import TokenForwards
 from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
-from .training.replayed_routing import replay_metrics, replayed_routing_for
+from .training.replayed_routing import record_replay_metrics, replayed_routing_for, replaying_round
 from .training.rollout_engine import GroupEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
@@ -97,7 +96,6 @@ class DAPOTrainer(GRPOTrainer):
         set_zero3_leaf_modules(self.model, self.accelerator)  # MoE blocks gathered whole: no hang when routes differ
         self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
         self._replayed_routing = replayed_routing_for(self, self._forwards.router_hooks)
-        self._replay_probed = -1  # the last step whose mismatch without replay was measured
         self._token_metrics = TokenWeightedMetrics()
         self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, self._forwards.group_passes)
@@ -247,17 +245,13 @@ class DAPOTrainer(GRPOTrainer):
         carried surplus on, behaviour-policy log-probs are stored too: a carried group trains one step later, so its
         ratio must be against the policy that sampled it."""
         self._round = scoring = scoring or RoundScoring()
-        replaying = contextlib.nullcontext()
-        if self._replayed_routing is not None and self.model.training:  # forwards replay the engine's routing
-            replaying = self._replayed_routing.wave(scoring.routed_experts)
-            self._replayed_routing.hooks.take_agreement()  # router agreement: this round's scoring forwards
-        with replaying:
+        with replaying_round(self, scoring) as replayed:  # routing replay: forwards route as the engine did
             try:
                 output = super()._generate_and_score_completions(round_inputs)
                 rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
             finally:
                 self._round = None
-            self._score_round_rows(output, scoring)
+            self._score_round_rows(output, scoring, replayed)
         return ScoredRound(
             gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
@@ -265,12 +259,11 @@ class DAPOTrainer(GRPOTrainer):
             scoring.row_stats,
         )
 
-    def _score_round_rows(self, output: dict[str, Any], scoring: RoundScoring) -> None:
+    def _score_round_rows(self, output: dict[str, Any], scoring: RoundScoring, replayed: Any) -> None:
         """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
         may train them a step later, and with routing replay their routing and its metrics."""
-        replaying = self._replayed_routing is not None and self.model.training
-        if replaying:
-            output.update(self._replayed_routing.row_tensors(output))
+        if replayed is not None:
+            output.update(replayed.row_tensors(output))
         check_regroupable(output)  # before any forward of the rows
         if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
             input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
@@ -280,10 +273,8 @@ class DAPOTrainer(GRPOTrainer):
                 output["old_per_token_logps"] = trl_seam.per_token_log_probs(
                     self, self.model, input_ids, attention_mask, keep
                 )
-        if replaying:  # the mismatch without replay costs a forward: measured on a step's first wave only
-            once, self._replay_probed = self._replay_probed != self.state.global_step, self.state.global_step
-            for name, value in replay_metrics(self, output, scoring.engine_logprobs, once).items():
-                trl_seam.metrics(self, "train")[name].append(value)
+        if replayed is not None:
+            record_replay_metrics(self, output, scoring)
 
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:

@@ -15,17 +15,15 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dapo_trl.tiny_model import (
-    CHAT_TEMPLATE,
     MARKER_FILE,
-    QWEN2_PRETOKENIZE_REGEX,
     TINY_MODEL_VERSION,
     WARM_START,
     _is_complete,
     build_tiny_model,
     default_tiny_model_dir,
-    tiny_tokenizer_corpus,
     warm_start_examples,
 )
+from dapo_trl.tiny_tokenizer import CHAT_TEMPLATE, QWEN2_PRETOKENIZE_REGEX, tiny_tokenizer_corpus
 
 CORPUS_SHA256 = "6d432d3ae3b2e08dee723e423a754857c05a16b7274bc7ee73b41f0acdbaa80c"
 ROUND_TRIP_STRINGS = [

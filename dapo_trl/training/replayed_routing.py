@@ -34,6 +34,7 @@ class ReplayedRouting:
         self._rows: list[torch.Tensor] | None = None
         self._batch: torch.Tensor | None = None
         self._suspended = False
+        self.probed_step = -1  # the last optimizer step whose mismatch without replay was measured
 
     @contextlib.contextmanager
     def wave(self, routings: list[Any] | None) -> Iterator[None]:
@@ -112,6 +113,30 @@ def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRou
             " TRL builds the colocated engine without returning routed experts."
         )
     return ReplayedRouting(hooks)
+
+
+@contextlib.contextmanager
+def replaying_round(trainer: Any, scoring: Any) -> Iterator[ReplayedRouting | None]:
+    """Within the block, a training round's forwards replay its engine routings (`scoring.routed_experts`); yields
+    the trainer's `ReplayedRouting`, or None when nothing is replayed."""
+    replayed = trainer._replayed_routing
+    if replayed is None or not trainer.model.training:
+        yield None
+        return
+    replayed.hooks.take_agreement()  # router agreement: this round's scoring forwards only
+    with replayed.wave(scoring.routed_experts):
+        yield replayed
+
+
+def record_replay_metrics(trainer: Any, output: dict[str, Any], scoring: Any) -> None:
+    """The round's `replay_metrics` into the step's metrics; the mismatch without replay costs a forward, so only
+    a step's first round (or wave) measures it."""
+    from . import trl_seam
+
+    replayed, step = trainer._replayed_routing, trainer.state.global_step
+    without_replay, replayed.probed_step = replayed.probed_step != step, step
+    for name, value in replay_metrics(trainer, output, scoring.engine_logprobs, without_replay).items():
+        trl_seam.metrics(trainer, "train")[name].append(value)
 
 
 def replay_metrics(
