@@ -85,6 +85,26 @@ def main() -> None:
     os._exit(0)
 
 
+def sharded_per_token(sp: SequenceParallel, mine: dict, shard_forward) -> tuple:
+    """The group's sharded forward of this process's rows (no budget: one pass), as the trainer runs it."""
+
+    def unused_padded_forward(*args):
+        raise AssertionError("every group here has rows")
+
+    return sp.per_token(
+        mine["ids"],
+        mine["mask"],
+        mine["keep"],
+        shard_forward=shard_forward,
+        padded_forward=unused_padded_forward,
+        max_tokens=None,
+        max_rows=None,
+        pad_token_id=PAD,
+        agree_count=None,
+        one_forward=False,
+    )
+
+
 def compare(out: Path, kv_heads: int) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model(kv_heads)
@@ -102,21 +122,7 @@ def compare(out: Path, kv_heads: int) -> None:
         out = ddp(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
         return out.log_probs, None, None
 
-    def unused_padded_forward(*args):
-        raise AssertionError("every group here has rows")
-
-    logps, _, _ = sp.per_token(
-        mine["ids"],
-        mine["mask"],
-        mine["keep"],
-        shard_forward=shard_forward,
-        padded_forward=unused_padded_forward,
-        max_tokens=None,
-        max_rows=None,
-        pad_token_id=PAD,
-        agree_count=None,
-        one_forward=False,
-    )
+    logps, _, _ = sharded_per_token(sp, mine, shard_forward)
     loss = -(logps * mine["advantages"][:, None] * mine["completion_mask"]).sum() / total_tokens * world
     loss.backward()
 
@@ -201,21 +207,7 @@ def compare_router_aux_loss(out: Path) -> None:
             hooks.collect = False
         return out.log_probs, None, router_load(hooks.collected, 2, real)
 
-    def unused_padded_forward(*args):
-        raise AssertionError("every group here has rows")
-
-    logps, _, aux_loss = sp.per_token(
-        mine["ids"],
-        mine["mask"],
-        mine["keep"],
-        shard_forward=shard_forward,
-        padded_forward=unused_padded_forward,
-        max_tokens=None,
-        max_rows=None,
-        pad_token_id=PAD,
-        agree_count=None,
-        one_forward=False,
-    )
+    logps, _, aux_loss = sharded_per_token(sp, mine, shard_forward)
     (aux_loss + 0.0 * logps.sum()).backward()  # DDP averages the two processes' router gradients
 
     group = sp.gather_rows(mine["ids"], mine["mask"], mine["keep"])
