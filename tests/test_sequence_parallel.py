@@ -103,6 +103,8 @@ def test_shards_keep_each_boundary_tokens_next_label():
         expected = torch.cat([packed.labels[:, 1:], torch.full((1, 1), IGNORE_INDEX)], dim=1)
         assert torch.equal(joined[2][:, :length], expected)
         assert (joined[2][:, length:] == IGNORE_INDEX).all()  # padding never scored
+        real = torch.cat([shard[3] for shard in shards], dim=1)  # the real-token mask (router loads count these)
+        assert torch.equal(real[:, :length], packed.real_tokens()) and not real[:, length:].any()
         assert torch.equal(joined[1][:, length:], torch.arange(joined[1].size(1) - length)[None])  # its own block
     # A score at position j of the shifted labels is token j + 1's: what unpack_per_token expects.
     scores = torch.arange(length - 1, dtype=torch.float)[None] + 1.0
