@@ -349,7 +349,7 @@ def test_weight_syncs_that_would_leave_stale_experts_are_refused(moe_dir, tmp_pa
 
 def test_lora_trains_attention_and_the_experts_of_a_moe_policy(moe_dir, tmp_path):
     """PEFT's `target_parameters` puts LoRA on the experts' 3-D weights beside attention's linear layers: one DAPO
-    step moves the adapters on both and nothing else."""
+    step moves the adapters on both and nothing else; the MoE blocks found under PEFT's wrappers are the model's."""
     from datasets import Dataset
     from peft import LoraConfig
 
@@ -358,7 +358,7 @@ def test_lora_trains_attention_and_the_experts_of_a_moe_policy(moe_dir, tmp_path
     lora = LoraConfig(
         r=4,
         lora_alpha=8,
-        target_modules=["q_proj", "v_proj"],
+        target_modules="all-linear",  # attention, and the routers (PEFT wraps them as parameters)
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
         task_type="CAUSAL_LM",
     )
@@ -370,6 +370,7 @@ def test_lora_trains_attention_and_the_experts_of_a_moe_policy(moe_dir, tmp_path
         train_dataset=Dataset.from_list(rows),
         peft_config=lora,
     )
+    assert [cls.__name__ for cls in moe_block_classes(trainer.model)] == ["Qwen3MoeSparseMoeBlock"]  # not PEFT's
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}

@@ -79,7 +79,10 @@ def routers(model: Any) -> list[Router]:
             match = LAYER_INDEX.search(name)
             if match is None:
                 raise ValueError(f"router {name!r} ({cls.__name__}) is not under a 'layers.N.' module")
-            found.append(Router(module, int(match.group(1)), parents[id(module)]))
+            block = parents[id(module)]
+            while type(block).__module__.startswith("peft.") and id(block) in parents:  # a LoRA layer wrapping it
+                block = parents[id(block)]
+            found.append(Router(module, int(match.group(1)), block))
     return sorted(found, key=lambda router: router.layer)
 
 
