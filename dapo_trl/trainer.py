@@ -17,7 +17,7 @@ from accelerate.utils import gather, gather_object
 from trl import GRPOTrainer
 
 from .config import DAPOConfig
-from .moe.architecture import is_moe_checkpoint, set_zero3_leaf_modules
+from .moe.architecture import set_zero3_leaf_modules
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tools.runtime import ToolRuntime
@@ -39,7 +39,7 @@ from .training.rollout_stream import ROLLOUT_STATE_FILE
 from .training.round_scoring import RoundScoring
 from .training.run_guard import RunGuard
 from .training.shaping import GenerationRecord, ShapingColumns
-from .training.vllm_backends import backend_for, check_moe_weight_sync
+from .training.vllm_backends import backend_for
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,8 @@ class DAPOTrainer(GRPOTrainer):
     ):
         args = DAPOConfig.for_trainer(args, model)
         trl_seam.check_trl_classes(trl_seam.CLASS_NAMES + (trl_seam.WITH_VLLM if args.use_vllm else ()))
-        if args.use_vllm:  # before TRL builds a vLLM engine
-            check_moe_weight_sync(args, is_moe_checkpoint(model, args))
         env_factory = kwargs.get("environment_factory")
-        with backend_for(args):
+        with backend_for(args, model):
             super().__init__(
                 model=model,
                 reward_funcs=[dapo_math_reward] if reward_funcs is None and not env_factory else reward_funcs,

@@ -16,7 +16,14 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from dapo_trl.algorithm.router_aux import RouterLoad, load_balancing_loss, router_load
-from dapo_trl.moe.architecture import Routing, is_moe, moe_block_classes, routing_geometry, set_zero3_leaf_modules
+from dapo_trl.moe.architecture import (
+    Routing,
+    is_moe,
+    moe_block_classes,
+    routers,
+    routing_geometry,
+    set_zero3_leaf_modules,
+)
 from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks, encode_routing, routing_from_rows, score_rule
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.packing import pack_rows, padding_free_per_token
@@ -52,19 +59,13 @@ def rows(seed: int = 0):
 def recorded_routing(model, call) -> list[torch.Tensor]:
     """The top-k indices each router chose during `call()` (an independent recorder, not `RouterHooks`)."""
     chosen = []
-    handles = [router.module.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for router in routers_of(model)]
+    handles = [router.module.register_forward_hook(lambda m, a, o: chosen.append(o[2])) for router in routers(model)]
     try:
         call()
     finally:
         for handle in handles:
             handle.remove()
     return chosen
-
-
-def routers_of(model):
-    from dapo_trl.moe.architecture import routers
-
-    return routers(model)
 
 
 def packed_log_probs(model, ids, mask, keep, routing=None):

@@ -57,13 +57,16 @@ def unwrapped(model: Any) -> torch.nn.Module:
         model = inner
 
 
+def recorded_class(model_class: type, output: str) -> type | None:
+    """The module class a transformers model class records `output` from (`_can_record_outputs`: "router_logits",
+    "attentions", ...), or None."""
+    recorder = (getattr(model_class, "_can_record_outputs", None) or {}).get(output)
+    return recorder if recorder is None or isinstance(recorder, type) else getattr(recorder, "target_class", None)
+
+
 def router_class(model: Any) -> type | None:
     """The router module class transformers records router logits from, or None for a dense model."""
-    recorded = getattr(type(unwrapped(model)), "_can_record_outputs", None) or {}
-    recorder = recorded.get("router_logits")
-    if recorder is None:
-        return None
-    return recorder if isinstance(recorder, type) else getattr(recorder, "target_class", None)
+    return recorded_class(type(unwrapped(model)), "router_logits")
 
 
 def routers(model: Any) -> list[Router]:
@@ -102,8 +105,7 @@ def is_moe_checkpoint(model: Any, args: Any) -> bool:
         cls = AutoModelForCausalLM._model_mapping[type(config)]
     except (OSError, KeyError, ValueError):
         return False  # loading it will say what is wrong
-    recorded = getattr(cls, "_can_record_outputs", None) or {}
-    return "router_logits" in recorded
+    return recorded_class(cls, "router_logits") is not None
 
 
 def moe_block_classes(model: Any) -> list[type]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from .architecture import LAYER_INDEX, Routing, routers, routing_geometry, unwrapped
+from .architecture import LAYER_INDEX, Routing, recorded_class, routers, routing_geometry, unwrapped
 
 ROUTING_KWARG = "dapo_routed_experts"
 
@@ -148,9 +148,7 @@ class RouterHooks:
 
 def _attention_modules(model: Any, layers: set[int]) -> dict[int, torch.nn.Module]:
     """The attention module (what transformers records `attentions` from) of each decoder layer in `layers`."""
-    recorded = getattr(type(unwrapped(model)), "_can_record_outputs", None) or {}
-    recorder = recorded.get("attentions")
-    cls = recorder if isinstance(recorder, type) else getattr(recorder, "target_class", None)
+    cls = recorded_class(type(unwrapped(model)), "attentions")
     found = {}
     for name, module in unwrapped(model).named_modules():
         match = LAYER_INDEX.search(name)

@@ -36,10 +36,11 @@ class TokenForwards:
         self.args, self.accelerator, self.pad_token_id = args, accelerator, pad_token_id
         self.packing = packing_mode(model) if args.padding_free else None  # said once in the log
         self.agree_count = forward_count_agreement(accelerator)  # ZeRO-3 / FSDP forwards run in lockstep
+        moe = is_moe(model)
         # ZeRO-3 with reentrant checkpointing or MoE blocks as leaf modules: one forward per backward
-        self.one_forward = one_forward_per_backward(accelerator, args, leaf_modules=is_moe(model))
-        moe = is_moe(model) and args.padding_free and (router_aux_loss or args.routing_replay)
-        self.router_hooks = RouterHooks(model) if moe else None
+        self.one_forward = one_forward_per_backward(accelerator, args, leaf_modules=moe)
+        hooked = moe and args.padding_free and (router_aux_loss or args.routing_replay)
+        self.router_hooks = RouterHooks(model) if hooked else None
         self.sequence_parallel = None
         if args.sequence_parallel_size > 1:
             size, config = args.sequence_parallel_size, model.config

