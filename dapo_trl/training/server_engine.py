@@ -1,6 +1,10 @@
 """The streaming rollout's engine for a `vllm serve` server: one OpenAI `/v1/completions` request per group (prompt
 token ids, `n`, `seed`, `max_tokens`, sampled-token log-probs), all on one event loop, each on its own connection so
 that cancelling a group closes it (vLLM then aborts the request).
+
+The server's URL is honoured as TRL's client honours it for rounds: `https://` speaks TLS (port 443 by default,
+certificates checked against `REQUESTS_CA_BUNDLE` / `CURL_CA_BUNDLE` when set, as `requests` does, else the system's
+store), and a path (a proxy's `/proxy/vllm`) prefixes every endpoint.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import base64
 import http.client
 import io
 import json
+import os
+import ssl
 import threading
 import time
 import urllib.parse
@@ -19,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..utils.http import checked_service_path
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
 
 
@@ -44,9 +51,9 @@ class VLLMServerEngine:
         reload: Callable[[str, str, float], None] | None = None,
         weights_local_root: str | Path | None = None,
     ):
-        self.base_url = base_url.rstrip("/")
-        parsed = urllib.parse.urlparse(self.base_url)
-        self._host, self._port = parsed.hostname or "localhost", parsed.port or 80
+        self.base_url = base_url.strip().rstrip("/")
+        self._host, self._port, self._path, self._ssl = _server_address(self.base_url)
+        self._host_header = urllib.parse.urlsplit(self.base_url).netloc
         self.sampling = sampling
         self.timeout = timeout
         self.weights_server_root = None if weights_server_root is None else str(weights_server_root)
@@ -69,11 +76,16 @@ class VLLMServerEngine:
         return json.loads(body)["data"][0]["id"]
 
     def _get(self, path: str) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        if self._ssl is None:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        else:
+            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=self._ssl)
         try:
-            connection.request("GET", path)
+            connection.request("GET", self._path + path)
             answer = connection.getresponse()
             return answer.status, answer.read()
+        except ssl.SSLCertVerificationError as exc:  # not a server gone: waiting for it would not help
+            raise RuntimeError(_untrusted(f"GET {self.base_url}{path}", exc)) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise EngineUnavailable(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
         finally:
@@ -167,7 +179,7 @@ class VLLMServerEngine:
                 pass
             if time.monotonic() > deadline:
                 raise EngineUnavailable(
-                    f"the vLLM server at {self._host}:{self._port} did not come back within "
+                    f"the vLLM server at {self.base_url} did not come back within "
                     f"vllm_server_recovery_timeout={timeout:g} s"
                 )
             time.sleep(poll)
@@ -221,6 +233,8 @@ class VLLMServerEngine:
             result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
         except RuntimeError as exc:
             result = exc
+        except ssl.SSLCertVerificationError as exc:
+            result = RuntimeError(_untrusted(f"POST {self.base_url}/v1/completions", exc))
         except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, closed mid-answer: the server went away
             result = EngineUnavailable(
                 f"POST {self.base_url}/v1/completions: the vLLM server went away ({type(exc).__name__}: {exc})"
@@ -231,11 +245,11 @@ class VLLMServerEngine:
 
     async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
         """One HTTP/1.1 POST on a connection of its own (closed after the answer, or when the task is cancelled)."""
-        reader, writer = await asyncio.open_connection(self._host, self._port)
+        reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
         try:
             body = json.dumps(payload).encode()
             head = (
-                f"POST {path} HTTP/1.1\r\nHost: {self._host}:{self._port}\r\nContent-Type: application/json\r\n"
+                f"POST {self._path}{path} HTTP/1.1\r\nHost: {self._host_header}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
             )
             writer.write(head.encode() + body)
@@ -243,6 +257,37 @@ class VLLMServerEngine:
             return await _read_response(reader)
         finally:
             writer.close()
+
+
+def _server_address(base_url: str) -> tuple[str, int, str, ssl.SSLContext | None]:
+    """(host, port, path prefix, TLS context or None) of a vLLM server URL; what cannot be honoured is refused."""
+
+    def bad(problem: str) -> ValueError:
+        return ValueError(
+            f"vllm_server_base_url={base_url!r} {problem}; give the server's root URL, e.g. 'http://127.0.0.1:8000' "
+            "or 'https://proxy.example/vllm'"
+        )
+
+    scheme, _, path = checked_service_path(base_url, bad)
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.username is not None or parts.password is not None:
+        raise bad(
+            "has credentials (user:password@), which the streaming rollout does not send: drop them, or use a URL "
+            "that needs none"
+        )
+    if scheme == "http":
+        return parts.hostname or "localhost", parts.port or 80, path, None
+    # Trust what `requests` (TRL's client, rounds) trusts: its CA-bundle variables, else the system's store.
+    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or None
+    return parts.hostname or "localhost", parts.port or 443, path, ssl.create_default_context(cafile=bundle)
+
+
+def _untrusted(call: str, exc: ssl.SSLCertVerificationError) -> str:
+    """An untrusted certificate is a setting to fix, not a server to wait for: the message says which setting."""
+    return (
+        f"{call}: the vLLM server's certificate is not trusted ({exc.verify_message or exc}); set "
+        "REQUESTS_CA_BUNDLE to the CA bundle that signed it (requests, for rounds, reads it too)"
+    )
 
 
 async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
