@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from dapo_trl.training.rollout_driver import RolloutDriver
+from dapo_trl.training.rollout_driver import MAX_ENGINE_LOSSES, RolloutDriver
 from dapo_trl.training.rollout_engine import EngineUnavailable, GroupRequest, RequestSampling
 from dapo_trl.training.server_engine import VLLMServerEngine
 
@@ -43,6 +43,62 @@ class RestartingEngine(FakeEngine):
         if not self.restarted.wait(timeout):
             raise EngineUnavailable(f"the vLLM server at 127.0.0.1:8000 did not come back within {timeout:g} s")
         self.down, self.version = False, None  # a restarted server holds its own weights
+
+
+class CrashingEngine(FakeEngine):
+    """A server that crashes on what it is sent, under a supervisor that restarts it at once: when `poison` (a key)
+    is sent, or when weights version `poison_version` loads, every request in flight is lost (EngineUnavailable) and
+    `wait_available` brings the server back after `restart_s` (with its base weights). It crashes at most
+    `crash_limit` times and then behaves, so an unbounded driver ends instead of looping (and the test fails)."""
+
+    base_url = "http://127.0.0.1:8000"
+
+    def __init__(self, poison=None, poison_version=None, restart_s=0.0, crash_limit=10, **kwargs):
+        super().__init__(GROUP, EOS, MAX_TOKENS, 0, **kwargs)
+        self.poison, self.poison_version, self.restart_s, self.crash_limit = (
+            poison,
+            poison_version,
+            restart_s,
+            crash_limit,
+        )
+        self.crashes, self.epoch, self.given_timeouts = 0, 0, []
+        self.sent_in: dict[int, int] = {}  # id(request) -> epoch when it was sent
+
+    def _crash(self) -> bool:
+        if self.crashes >= self.crash_limit:
+            return False
+        with self.lock:
+            self.crashes, self.epoch = self.crashes + 1, self.epoch + 1
+        return True
+
+    def _gone(self, what: str) -> EngineUnavailable:
+        return EngineUnavailable(f"{what} {self.base_url}/v1/completions: the vLLM server went away")
+
+    def start(self, request, done) -> None:
+        if request.key == self.poison and self._crash():
+            done(request, self._gone("POST"))
+            return
+        self.sent_in[id(request)] = self.epoch
+        super().start(request, done)
+
+    def _run(self, request, done, delay: float) -> None:
+        def finish(request, result) -> None:  # lost if the server crashed since it was sent
+            done(request, result if self.sent_in[id(request)] == self.epoch else self._gone("POST"))
+
+        super()._run(request, finish, delay)
+
+    def load_weights(self, version: int) -> None:
+        if version == self.poison_version and self._crash():
+            raise EngineUnavailable(f"POST {self.base_url}/collective_rpc: cannot reach the vLLM server")
+        super().load_weights(version)
+
+    def wait_available(self, timeout: float) -> None:
+        self.given_timeouts.append(timeout)
+        if timeout < self.restart_s:
+            time.sleep(timeout)
+            raise EngineUnavailable(f"the vLLM server at {self.base_url} did not come back within {timeout:g} s")
+        time.sleep(self.restart_s)
+        self.version = None  # a restarted server holds its own weights
 
 
 def requests_of(count: int, versions: int = 2) -> list[GroupRequest]:
@@ -104,6 +160,70 @@ def test_without_a_recovery_timeout_the_engine_going_away_fails_at_once():
     with pytest.raises(RuntimeError, match="the vLLM server went away"):
         driver.ready_prefix([("stream", 0), ("stream", 1)], 2, timeout=30)
     assert time.monotonic() - started < 5 and not engine.waiting.is_set()
+    driver.close()
+
+
+def test_a_request_that_crashes_the_server_each_time_fails_the_run_naming_it_and_the_url():
+    """A poison request under a supervisor that restarts the server: sent again after each restart, it crashes it
+    again. The run stops at the MAX_ENGINE_LOSSES-th loss, naming it (with the groups in flight beside it each
+    time) and the URL, instead of looping."""
+    engine = CrashingEngine(poison=("stream", 5), max_delay=0.02)
+    driver = RolloutDriver(engine, max_in_flight=4, recovery_timeout=30)
+    requests = requests_of(8, versions=1)
+    driver.plan(requests)
+    driver.publish(0)
+    with pytest.raises(
+        RuntimeError, match="the vLLM server at http://127.0.0.1:8000 went away 3 times with group"
+    ) as raised:
+        driver.ready_prefix([request.key for request in requests], 8, timeout=30)
+    assert "('stream', 5)" in str(raised.value) and "crashes the server" in str(raised.value)
+    assert engine.crashes == MAX_ENGINE_LOSSES == 3
+    driver.close()
+
+
+def test_a_poison_request_alone_in_flight_is_named_alone():
+    engine = CrashingEngine(poison=("stream", 2), max_delay=0.01)
+    driver = RolloutDriver(engine, max_in_flight=1, recovery_timeout=30)
+    requests = requests_of(4, versions=1)
+    driver.plan(requests)
+    driver.publish(0)
+    with pytest.raises(
+        RuntimeError, match=r"at http://127.0.0.1:8000 went away 3 times with group \('stream', 2\) in flight"
+    ):
+        driver.ready_prefix([request.key for request in requests], 4, timeout=30)
+    assert engine.crashes == 3 and driver.take([("stream", 0), ("stream", 1)])  # what came before it finished
+    driver.close()
+
+
+def test_a_reload_that_crashes_the_server_each_time_fails_the_run_after_bounded_attempts():
+    """No group in flight to blame: the engine lost MAX_ENGINE_LOSSES times in a row without a group finishing."""
+    engine = CrashingEngine(poison_version=1, max_delay=0.01)
+    driver = RolloutDriver(engine, max_in_flight=2, recovery_timeout=30)
+    requests = requests_of(4)  # versions 0, 0, 1, 1
+    driver.plan(requests)
+    driver.publish(1)
+    with pytest.raises(
+        RuntimeError,
+        match="at http://127.0.0.1:8000 went away 3 times with no group finishing .* loading weights version 1",
+    ):
+        driver.ready_prefix([request.key for request in requests], 4, timeout=30)
+    assert engine.crashes == 3
+    driver.close()
+
+
+def test_recoveries_without_a_group_finishing_share_one_recovery_timeout():
+    """Each restart takes 0.2 s of a 0.5 s budget: the third wait is given what is left, too little, and fails."""
+    engine = CrashingEngine(poison=("stream", 0), restart_s=0.2)
+    driver = RolloutDriver(engine, max_in_flight=2, recovery_timeout=0.5, max_engine_losses=100)
+    driver.plan(requests_of(1, versions=1))
+    driver.publish(0)
+    with pytest.raises(
+        RuntimeError, match=r"recoveries with no group finishing in between share vllm_server_recovery_timeout=0.5 s"
+    ):
+        driver.ready_prefix([("stream", 0)], 1, timeout=30)
+    timeouts = engine.given_timeouts
+    assert timeouts[0] == 0.5 and len(timeouts) <= 3 and timeouts[-1] < 0.2
+    assert all(later <= earlier - 0.2 for earlier, later in zip(timeouts, timeouts[1:], strict=False))
     driver.close()
 
 

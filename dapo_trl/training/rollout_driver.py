@@ -9,6 +9,11 @@ An engine that goes away (`EngineUnavailable`: a vLLM server killed or restartin
 `recovery_timeout` seconds: its requests go back to the plan in stream order, the weights version the first of them
 needs is loaded again once it answers (a restarted server holds the base weights), and each is sent again with its
 own key and seed, so a batch-invariant engine samples the same tokens.
+
+Recovery is bounded, so that a request that crashes the server (under a supervisor that restarts it) cannot loop:
+a group lost with the engine `max_engine_losses` times fails the run naming it (a poison request), and so does the
+engine going away that many times with no group finishing in between (a weights reload that crashes it); the waits
+for the engine since a group last finished share one `recovery_timeout`.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from dataclasses import dataclass, field
 from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
 
 logger = logging.getLogger(__name__)
+
+MAX_ENGINE_LOSSES = 3  # a group lost with the engine this often (or losses in a row without progress) fails the run
 
 
 def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
@@ -59,6 +66,7 @@ class RolloutDriver:
         max_held_tokens: int | None = None,
         recovery_timeout: float = 0,
         reload_external: Callable[[], None] | None = None,
+        max_engine_losses: int = MAX_ENGINE_LOSSES,
     ):
         self.engine = engine
         self.recovery_timeout = recovery_timeout if hasattr(engine, "wait_available") else 0.0
@@ -83,6 +91,11 @@ class RolloutDriver:
         self._recovering = False  # the engine went away: admission waits until it answers again
         self._external: int | None = None  # the version a sync outside the driver loaded, while it is the engine's
         self.recoveries = 0
+        self.max_engine_losses = max_engine_losses
+        self._lost: dict[tuple, int] = {}  # key -> times it was lost with the engine (until it finishes or is dropped)
+        self._sent_after: dict[tuple, int] = {}  # key -> recoveries before it was last sent
+        self._losses_in_a_row = 0  # engine losses since a group last finished
+        self._recovery_spent = 0.0  # seconds waited for the engine since a group last finished
         self._closed = False
         self._busy_since: float | None = None
         self.stats = DriverStats()
@@ -202,6 +215,8 @@ class RolloutDriver:
         for key in keys:
             self._known.discard(key)
             self._order.pop(key, None)
+            self._lost.pop(key, None)
+            self._sent_after.pop(key, None)
 
     def take_metrics(self) -> DriverStats:
         with self._cond:
@@ -241,6 +256,7 @@ class RolloutDriver:
                 else:
                     self._planned.popleft()
                     self._in_flight[request.key] = request
+                    self._sent_after[request.key] = self.recoveries
                     self._starting, self._cancel_after_start = request, False
                     self._update_busy()
             if load:
@@ -254,7 +270,7 @@ class RolloutDriver:
         try:
             self.engine.load_weights(version)
         except EngineUnavailable as exc:
-            self._went_away(exc)
+            self._went_away(exc, loading=version)
             return
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             self._fail(exc)
@@ -278,23 +294,81 @@ class RolloutDriver:
             self._starting, self._cancel_after_start = None, False
             self._cond.notify_all()
 
-    def _went_away(self, exc: EngineUnavailable, request: GroupRequest | None = None) -> None:
-        """The engine went away: wait for it (`_wait_for_engine`) and send `request` again, or fail with `exc`."""
+    def _went_away(
+        self, exc: EngineUnavailable, request: GroupRequest | None = None, loading: int | None = None
+    ) -> None:
+        """The engine went away: wait for it (`_wait_for_engine`) and send `request` again; or fail, with `exc`
+        when there is no recovery, or naming what was lost once a bound of `max_engine_losses` is reached."""
         if self.recovery_timeout <= 0:
             self._fail(exc)
             return
         with self._cond:
-            if not self._recovering:
-                logger.warning("%s; waiting up to %g s for it to come back", exc, self.recovery_timeout)
-            # A restarted server holds the base weights: the driver's version loads again; a sync's, `_wait_for_engine`.
-            self._recovering, self._loaded, self._loading = True, None, False
+            # A loss is new unless a recovery runs, or `request` was sent before the last one: then it was lost with
+            # the engine that recovery waited for (it reports late), and was counted with every request in flight.
+            if not self._recovering and (request is None or self._sent_after.get(request.key) == self.recoveries):
+                lost = ([] if request is None else [request]) + list(self._in_flight.values())
+                if self._count_loss(exc, [r.key for r in lost], loading):
+                    return
+                # A restarted server holds the base weights: the driver's version loads again; a sync's, in
+                # `_wait_for_engine`.
+                self._recovering, self._loaded, self._loading = True, None, False
             if request is not None:
                 self._planned = deque(sorted([*self._planned, request], key=lambda r: self._order[r.key]))
             self._cond.notify_all()
 
+    def _count_loss(self, exc: EngineUnavailable, lost: list[tuple], loading: int | None) -> bool:
+        """Count a new loss of the engine with the groups `lost` in flight; fail (and say so) once a group has been
+        lost `max_engine_losses` times (it may crash the server), or the engine that often with no group finishing
+        in between (a reload that crashes it). The lock is held."""
+        self._losses_in_a_row += 1
+        for key in lost:
+            self._lost[key] = self._lost.get(key, 0) + 1
+        limit, where = self.max_engine_losses, self._engine_name()
+        suspects = sorted((key for key in lost if self._lost[key] >= limit), key=self._order.__getitem__)
+        if suspects:
+            named = ", ".join(map(str, suspects[:4])) + (f" and {len(suspects) - 4} more" if len(suspects) > 4 else "")
+            which = ("group", "it") if len(suspects) == 1 else ("groups", "one of them")
+            error = EngineUnavailable(
+                f"{where} went away {limit} times with {which[0]} {named} in flight (sent again after each recovery; "
+                f"last: {exc}): {which[1]} likely crashes the server (see its log); the run stops instead of sending "
+                "it again"
+            )
+        elif self._losses_in_a_row >= limit:
+            during = (
+                f"while loading weights version {loading}" if loading is not None else f"with {len(lost)} in flight"
+            )
+            error = EngineUnavailable(
+                f"{where} went away {self._losses_in_a_row} times with no group finishing in between (the last "
+                f"{during}: {exc}): it crashes on what it is sent, not just restarts; see its log for the cause"
+            )
+        else:
+            logger.warning(
+                "%s; waiting up to %g s for it to come back", exc, self.recovery_timeout - self._recovery_spent
+            )
+            return False
+        self._fail(error)
+        return True
+
+    def _engine_name(self) -> str:
+        url = getattr(self.engine, "base_url", None)
+        return f"the vLLM server at {url}" if url else f"the engine ({type(self.engine).__name__})"
+
     def _wait_for_engine(self) -> None:
+        """Wait for the engine to answer, within what is left of `recovery_timeout` since a group last finished."""
+        started = time.monotonic()
         try:
-            self.engine.wait_available(self.recovery_timeout)
+            remaining = self.recovery_timeout - self._recovery_spent
+            try:
+                if remaining <= 0:
+                    raise EngineUnavailable(f"{self._engine_name()} is still away")
+                self.engine.wait_available(remaining)
+            except EngineUnavailable as exc:
+                if self._losses_in_a_row <= 1:
+                    raise
+                raise EngineUnavailable(
+                    f"{exc} ({self._losses_in_a_row} recoveries with no group finishing in between share "
+                    f"vllm_server_recovery_timeout={self.recovery_timeout:g} s, which they spent)"
+                ) from exc
             with self._cond:
                 external = self._external
                 self._loading = external is not None  # a sync from outside waits for this reload (`loaded_externally`)
@@ -306,6 +380,7 @@ class RolloutDriver:
             self._fail(exc)
             return
         with self._cond:
+            self._recovery_spent += time.monotonic() - started
             self._loaded, self._loading = external, False
             self._recovering = False
             self.recoveries += 1
@@ -345,6 +420,8 @@ class RolloutDriver:
             if isinstance(result, BaseException):
                 self._error = result
             else:
+                self._losses_in_a_row, self._recovery_spent = 0, 0.0  # progress: recovery starts afresh
+                self._lost.pop(request.key, None)
                 self._done[request.key] = result
                 self._held_tokens += result.tokens
                 self.stats.completed_groups += 1
