@@ -299,10 +299,13 @@ class DAPOConfig(GRPOConfig):
     rollout_max_staleness: int = field(
         default=0,
         metadata={
-            "help": "With rollout_streaming: generate the next k batches while the trainer trains, batch j sampled "
-            "by the weights of step j - k (exactly k optimizer steps old; carried surplus one more), corrected by "
-            "TRL's truncated importance weight (vllm_importance_sampling_*). 0 = synchronous. k >= 1 needs "
-            "vllm_weight_sync='shared_storage' (the server loads the k-step-old weights from disk)."
+            "help": "With rollout_streaming: generate the next batch while the trainer trains this one. Staleness "
+            "counts weight versions, one per generation batch (sent after the batch's last update, whatever "
+            "steps_per_generation, gradient_accumulation_steps and num_iterations are): generation batch j is "
+            "sampled by version max(0, j - k) (carried surplus one more), pi_old is the weights at the start of "
+            "its updates, and TRL's truncated importance weight (vllm_importance_sampling_*) corrects for the "
+            "engine's. 0 = synchronous. k >= 1 needs vllm_weight_sync='shared_storage' (the server loads the "
+            "older versions from disk)."
         },
     )
     rollout_max_in_flight_groups: int | None = field(

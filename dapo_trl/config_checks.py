@@ -213,21 +213,14 @@ def check_rollout(config: DAPOConfig) -> None:
         if config.use_vllm and config.vllm_weight_sync != "shared_storage":
             raise ValueError(
                 "rollout_max_staleness > 0 needs --vllm_weight_sync shared_storage: the server loads the weights "
-                "of k steps ago, which the trainer writes to vllm_weight_sync_dir/v<step> (NCCL only pushes the "
-                "current ones)."
+                "of k versions ago (one version per generation batch), which the trainer writes to "
+                "vllm_weight_sync_dir/v<version> (NCCL only pushes the current ones)."
             )
         if config.use_vllm and not config.vllm_importance_sampling_correction:
             raise ValueError(
-                "rollout_max_staleness > 0 trains rows sampled by k-step-old weights: it needs "
+                "rollout_max_staleness > 0 trains rows sampled by weights k versions old: it needs "
                 "--vllm_importance_sampling_correction true (the truncated weight pi_proximal / pi_behaviour; "
                 "--vllm_importance_sampling_mode token_truncate is AReaL's decoupled objective)."
-            )
-        if config.steps_per_generation != config.gradient_accumulation_steps or config.num_iterations != 1:
-            raise ValueError(
-                "rollout_max_staleness > 0 counts staleness in optimizer steps: it needs one optimizer step per "
-                "generation batch (steps_per_generation == gradient_accumulation_steps, num_iterations=1); got "
-                f"steps_per_generation={config.steps_per_generation}, gradient_accumulation_steps="
-                f"{config.gradient_accumulation_steps}, num_iterations={config.num_iterations}."
             )
 
 

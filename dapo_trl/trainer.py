@@ -345,7 +345,10 @@ class DAPOTrainer(GRPOTrainer):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
         are rotated away only once this one is complete (`training.checkpoints`)."""
         folder = trl_seam.checkpoint_folder(self, trial)
-        with checkpoints.complete_save(self, folder, self._checkpointed_state, self._save_rollout_versions):
+        own = {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}  # a generation batch still in training
+        with checkpoints.complete_save(
+            self, folder, self._checkpointed_state, self._save_rollout_versions, lambda: own
+        ):
             super()._save_checkpoint(model, trial)
 
     def _save_rollout_versions(self, folder: str) -> None:  # the older weights a resumed run samples from
@@ -357,5 +360,11 @@ class DAPOTrainer(GRPOTrainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             checkpoints.load_run_state(checkpoint, self._checkpointed_state(), self.accelerator.device)
+            own, accelerator = {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}, self.accelerator
+            checkpoints.load_process_state(
+                checkpoint, own, accelerator.process_index, accelerator.num_processes, accelerator.device
+            )
+            if self._optimizer_steps.resumed_micro_step is not None:
+                trl_seam.set_micro_step(self, self._optimizer_steps.resumed_micro_step)
             if self._rollout is not None and self.accelerator.is_main_process:
                 rollout_setup.restore_rollout_versions(self.args, checkpoint)

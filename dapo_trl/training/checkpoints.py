@@ -147,15 +147,31 @@ def cpu_loads_unindexed(device: torch.device) -> Iterator[None]:
         torch.load = load
 
 
+def process_file(stem: str, index: int) -> str:
+    """The file of process `index`'s own part of the run state (`stem`: its name without suffix)."""
+    return f"{stem}_rank{index}.pt"
+
+
 @contextlib.contextmanager
-def complete_save(trainer: Any, folder: str, run_state: Callable[[], dict[str, Any]], save_more: Callable[[str], None]):
+def complete_save(
+    trainer: Any,
+    folder: str,
+    run_state: Callable[[], dict[str, Any]],
+    save_more: Callable[[str], None],
+    process_state: Callable[[], dict[str, Any]] = dict,
+):
     """Around Trainer's `_save_checkpoint`: then the run state beyond it (`run_state()`: {file: part with a
-    state_dict}) and `save_more(folder)` on the main process; once every process is done, the completion record, and
-    only then the rotation of older checkpoints (Trainer's own rotation is held off while this is open)."""
+    state_dict}) and `save_more(folder)` on the main process, and every process's own state (`process_state()`:
+    {stem: part}, one file per process); once every process is done, the completion record, and only then the
+    rotation of older checkpoints (Trainer's own rotation is held off while this is open)."""
     args = trainer.args
     limit, args.save_total_limit = args.save_total_limit, None  # Trainer would rotate before the record is written
+    accelerator = trainer.accelerator
     try:
         yield
+        for stem, part in process_state().items():
+            state = {"processes": accelerator.num_processes, "state": part.state_dict()}
+            torch.save(state, os.path.join(folder, process_file(stem, accelerator.process_index)))
         if args.should_save:
             for file, part in run_state().items():
                 torch.save(part.state_dict(), os.path.join(folder, file))
@@ -180,3 +196,23 @@ def load_run_state(checkpoint: str, run_state: dict[str, Any], device: Any) -> N
                 "it was saved with."
             )
         part.load_state_dict(torch.load(path, map_location="cpu"), device)
+
+
+def load_process_state(checkpoint: str, parts: dict[str, Any], index: int, processes: int, device: Any) -> None:
+    """Restore each of this process's parts ({stem: part}) from `checkpoint`'s file for process `index`. A part
+    saved by another number of processes is restored only where it holds nothing process-specific (its
+    `needs_same_processes(state)` is false); a checkpoint written before these files existed restores nothing."""
+    for stem, part in parts.items():
+        own, first = (os.path.join(checkpoint, process_file(stem, rank)) for rank in (index, 0))
+        path = own if os.path.exists(own) else first
+        if not os.path.exists(path):
+            continue
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        if saved["processes"] != processes and part.needs_same_processes(saved["state"]):
+            raise IncompleteCheckpointError(
+                f"{checkpoint} was saved by {saved['processes']} processes in the middle of a generation batch, "
+                f"whose rows are split between them; this run has {processes}: resume with "
+                f"{saved['processes']} processes, or from a checkpoint saved at a generation batch's end (save_steps "
+                "a multiple of the optimizer steps per generation batch)."
+            )
+        part.load_state_dict(saved["state"], device)

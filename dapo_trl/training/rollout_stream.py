@@ -11,12 +11,13 @@ for the same group whatever else it runs; docs/rollout.md says where that was me
 
 - a group's key is its place in the prompt stream (`("stream", n)`, the n-th prompt drawn) or in the step's
   dataloader batch (`("batch", generation, g)`); its seed is a hash of the run's seed and that key;
-- batch j is sampled by the weights of generation max(0, j - staleness) (`rollout_max_staleness`): 0 is today's
+- batch j is sampled by weights version max(0, j - staleness) (`rollout_max_staleness`), a version being the
+  weights after a whole generation batch's updates (however many optimizer steps it trains): 0 is today's
   synchronous step; with staleness >= 1 the next batch is generated while the trainer trains, its prompts all drawn from
   the seeded stream (the dataloader's next batch is not known yet);
 - groups generated for a batch but not consumed by it (admitted ahead, before the batch turned out full) are
   cancelled and regenerated with the same seed under the next batch's weights: every trained row is exactly `staleness`
-  steps old (carried surplus one more, as in rounds), and a resumed run regenerates them identically.
+  versions old (carried surplus one more, as in rounds), and a resumed run regenerates them identically.
 
 With a vLLM server only the main process talks to the engine (`RolloutDriver`, a background thread); it broadcasts
 each scored part's completions. With colocated vLLM every process drives its own engine with the groups it owns
@@ -132,6 +133,8 @@ class StreamingRollout:
         self.wave_timeout = wave_timeout
         self.cursor = StreamCursor(sampler.stream)
         self.generation = 0  # batches sampled so far
+        # k >= 1: the next dataloader batch is not known a batch early, so every prompt comes from the seeded stream.
+        self.first_round_from_loader = staleness == 0
         self.process = sampler.process
         self.group_size = sampler.group_size
         self.unit = self.process.count // math.gcd(self.group_size, self.process.count)  # groups per equal split
@@ -238,7 +241,7 @@ class StreamingRollout:
         return plan_horizon(max(0, target_rows - kept_rows) / self.group_size, self.keep_rate)
 
     def _first_round(self, inputs: list[dict[str, Any]], round_groups: int) -> list[tuple[tuple, dict[str, Any]]]:
-        if self.staleness > 0:  # every prompt from the seeded stream: the next dataloader batch is unknown a step early
+        if not self.first_round_from_loader:
             return self._keyed(self._take(round_groups))
         loader_rows = self.process.gather_objects(inputs)
         groups = [

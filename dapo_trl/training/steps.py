@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Per process, checkpoint-N/<this>_rank<r>.pt: `OptimizerSteps.state_dict()`.
+OPTIMIZER_STEPS_FILE = "dapo_generation_batch"
+
 # A generation batch's prompts -> its planned micro-batches (each with "loss_tokens": its loss tokens, all processes).
 Generate = Callable[[int, Any], list[dict[str, Any]]]
 
@@ -50,6 +53,7 @@ class OptimizerSteps:
         self.buffer: list[dict[str, Any]] | None = None  # the micro-batches of the generation batch in use
         self.ahead: dict[int, list[dict[str, Any]]] = {}  # generation batches made early, by their first micro-step
         self.tokens: float | None = None
+        self.resumed_micro_step: int | None = None  # set by `load_state_dict`: where TRL's counter continues
 
     def begin(self, step: int, batches: list[Any]) -> None:
         self.start, self.batches = step, list(batches)
@@ -80,6 +84,37 @@ class OptimizerSteps:
                 buffer = self.ahead[step] = generate(step, prompts)
             tokens += buffer[step % self.steps_per_generation]["loss_tokens"]
         self.tokens = tokens
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Where the run stands in its generation batches at the end of an optimizer step (a checkpoint): the next
+        micro-step, and this process's micro-batches of the generation batch still being trained, if the step
+        ended inside one. With several optimizer steps per generation batch (DAPO's 16 updates per rollout) a
+        checkpoint usually falls inside one: a resume then trains its remaining micro-batches, exactly as the
+        uninterrupted run does, instead of generating a new batch from other weights."""
+        next_step = 0 if self.start is None else self.start + len(self.batches)
+        inside = self.buffer is not None and next_step % self.generate_every != 0
+        return {"micro_step": next_step, "micro_batches": self.buffer if inside else None}
+
+    def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
+        self.resumed_micro_step = state["micro_step"]
+        batches = state["micro_batches"]
+        self.buffer = None if batches is None else [_to_device(batch, device) for batch in batches]
+
+    @staticmethod
+    def needs_same_processes(state: dict[str, Any]) -> bool:
+        """A checkpoint inside a generation batch holds each process's own rows: only as many processes resume it."""
+        return state["micro_batches"] is not None
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device) if device is not None else value
+    if isinstance(value, dict):
+        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_to_device(item, device) for item in value]
+    return value
 
 
 class SkipEmptySteps(TrainerCallback):

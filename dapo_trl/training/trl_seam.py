@@ -63,7 +63,7 @@ CALLED_METHODS = (
 INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "_metrics", "r/w: our per-step metrics join TRL's log; validation swaps the eval ones"),
     PrivateName(_GRPO, "_tokenizer", "r: pad token, decoding"),
-    PrivateName(_GRPO, "_step", "r: the micro-step counter TRL's training_step advances"),
+    PrivateName(_GRPO, "_step", "rw: the micro-step counter TRL's training_step advances (restored on resume)"),
     PrivateName(_GRPO, "_standalone_tools", "r: validation builds per-rollout tool tables from them"),
     PrivateName(_GRPO, "ref_model", "r/w: the reference of KL in the reward (built here when TRL builds none)"),
     PrivateName(_GRPO, "reward_weights", "w: the shaping columns' weights, while one batch is scored"),
@@ -273,6 +273,12 @@ MULTIMODAL_INPUTS = (
 def micro_step(trainer: Any) -> int:
     """TRL's micro-step counter (advanced by `training_step`, one per micro-batch)."""
     return trainer._step
+
+
+def set_micro_step(trainer: Any, step: int) -> None:
+    """Continue TRL's micro-step count where a checkpoint left it (TRL starts it at 0 on every run), so that a
+    resume in the middle of a generation batch keeps its generation boundaries."""
+    trainer._step = step
 
 
 def checkpoint_folder(trainer: Any, trial: Any) -> str:

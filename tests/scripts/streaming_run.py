@@ -2,7 +2,9 @@
 streamed (`rollout_streaming=true`, the fake engine in place of the vLLM server) or round by round (the same fake
 completions returned where TRL would generate). Same usage and outputs as dynamic_sampling_run.py, plus the script
 options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), engine_per_process=true
-(a fake engine on every process, each generating the groups it owns, as with colocated vLLM), resume,
+(a fake engine on every process, each generating the groups it owns, as with colocated vLLM), engine_lag=N (the
+engine samples weights version v - N when asked for v), stream_only=true (every round's prompts from the seeded
+stream, as at rollout_max_staleness >= 1), resume,
 crash_after_save (the process dies right after writing that step's checkpoint), tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
 the same fake generation answers) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
@@ -15,6 +17,7 @@ where gloo would see its socket close), until the launcher stops it. Each proces
 OUT/error_rank{r}.txt.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -41,7 +44,7 @@ from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.rollout_stream import group_seed
 
-ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False}
+ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False, "engine_lag": 0, "stream_only": False}
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
 TRAINER = []  # the trainer, for the injected failures
 
@@ -82,6 +85,20 @@ class FailingEngine(FakeEngine):
         super().start(request, done)
 
 
+class LaggingEngine(FailingEngine):
+    """engine_lag=N: asked for weights version v, samples what version max(0, v - N) samples (and labels it v), so a
+    synchronous run (rollout_max_staleness 0) with it samples as a run N versions stale does."""
+
+    def _run(self, request, done, delay) -> None:
+        lagged = dataclasses.replace(request, version=max(0, request.version - ENGINE["engine_lag"]))
+
+        def relabelled(_, result) -> None:
+            result.version = request.version
+            done(request, result)
+
+        super()._run(lagged, relabelled, delay)
+
+
 class FakeGenerationTrainer(RecordingTrainer):
     @property
     def colocated_rollout_engines(self) -> bool:  # engine_per_process=true: one fake engine per process, as colocated
@@ -100,7 +117,7 @@ class FakeGenerationTrainer(RecordingTrainer):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
         timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
         routing = self._replayed_routing.routing if self._replayed_routing is not None else None
-        self.fake_engine = FailingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids, routing)
+        self.fake_engine = LaggingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids, routing)
         return self.fake_engine
 
     def _generate_and_score_completions(self, inputs):
@@ -219,6 +236,8 @@ def main() -> None:
     )
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
+    if ENGINE["stream_only"]:  # as at k >= 1: every first round from the seeded stream, not the dataloader
+        trainer._rollout.first_round_from_loader = False
     if trainer._rollout is None:
         count_draws(trainer)
     trainer.add_callback(ScoringForwards(trainer, out))
