@@ -118,56 +118,66 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
 
 @pytest.mark.e2e
 def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
-    """k = 1 with carried surplus, on the tiny mixture-of-experts model with routing replay (the fake engine returns
-    each completion's routed experts): the batches of an uninterrupted run on one process, routings included, equal
-    those of a ZeRO-3 run on two processes that dies right after its step-2 checkpoint and resumes from it (other
-    engine timings in each leg; carried groups keep the weights version that sampled them, and their routing, across
-    the checkpoint). The two processes replay different routings (their experts differ pass by pass) and ZeRO-3, its
-    MoE blocks leaf modules, does not hang. Under ZeRO-3 each scoring forward gathers every parameter: one per
-    scoring pass, a few per step."""
+    """k = 1 with carried surplus and two optimizer updates per rollout, on the tiny mixture-of-experts model with
+    routing replay (the fake engine returns each completion's routed experts): the batches of an uninterrupted run on
+    one process, routings included, equal those of a ZeRO-3 run on two processes that dies right after its step-3
+    checkpoint, inside generation batch 1, and resumes from it (other engine timings in each leg; each process's
+    remaining micro-batches come from the checkpoint, not from a new generation; carried groups keep the weights
+    version that sampled them, and their routing, across the checkpoint). The two processes replay different
+    routings (their experts differ pass by pass) and ZeRO-3, its MoE blocks leaf modules, does not hang. Under
+    ZeRO-3 each scoring forward gathers every parameter: one per scoring pass, a few per generation batch."""
     settings = (
         "moe=true",
         "routing_replay=true",
         "rollout_streaming=true",
         "rollout_max_staleness=1",
+        "steps_per_generation=2",
+        "gradient_accumulation_steps=1",
         "save_strategy=steps",
-        "save_steps=2",
+        "save_steps=3",
         "filter_groups_carry_surplus=true",
         "filter_groups_oversample=2",
     )
-    train(tmp_path / "whole", 4, *settings, "timing_seed=1")
+    train(tmp_path / "whole", 6, *settings, "timing_seed=1")
     zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
     crashed = tmp_path / "crashed"
     with pytest.raises(AssertionError, match="exited"):
-        train(crashed, 4, *settings, "timing_seed=2", "crash_after_save=2", processes=2, per_device=4, deepspeed=zero3)
-    assert not (crashed / "run" / "checkpoint-4").exists()
-    checkpoint = crashed / "run" / "checkpoint-2"
-    train(crashed, 4, *settings, "timing_seed=3", f"resume={checkpoint}", processes=2, per_device=4, deepspeed=zero3)
+        train(crashed, 6, *settings, "timing_seed=2", "crash_after_save=3", processes=2, per_device=4, deepspeed=zero3)
+    assert not (crashed / "run" / "checkpoint-6").exists()
+    checkpoint = crashed / "run" / "checkpoint-3"
+    train(crashed, 6, *settings, "timing_seed=3", f"resume={checkpoint}", processes=2, per_device=4, deepspeed=zero3)
+
+    def by_generation(steps: dict[int, list]) -> dict[int, list]:  # 1 and 2 processes split a batch differently
+        grouped: dict[int, list] = {}
+        for step, rows in steps.items():
+            grouped.setdefault(step // 2, []).extend(rows)
+        return {batch: sorted(rows) for batch, rows in grouped.items()}
+
     whole = batches(tmp_path / "whole")
-    assert sorted(whole) == [0, 1, 2, 3] and all(row[3] != "None" for rows in whole.values() for row in rows)
-    assert batches(crashed, processes=2) == whole
+    assert sorted(whole) == list(range(6)) and all(row[3] != "None" for rows in whole.values() for row in rows)
+    assert by_generation(batches(crashed, processes=2)) == by_generation(whole)
     passes = zip(replayed_experts(crashed, 0), replayed_experts(crashed, 1), strict=True)
     assert any(ours != theirs for ours, theirs in passes)
-    metrics = rollout_metrics(tmp_path / "whole")
+    metrics = rollout_metrics(tmp_path / "whole")  # one entry per generation batch
     assert all(0 <= entry["routing_replay/router_agreement"] <= 1 for entry in metrics)
-    # Step 0 has no older weights; a carried group is one step older than the batch's own rows.
+    # Batch j samples version max(0, j - 1); a carried group was sampled for batch j - 1, by max(0, j - 2).
     carried = [entry["dynamic_sampling/carried_in_groups"] > 0 for entry in metrics]
     assert any(carried) and [entry["rollout/staleness_max"] for entry in metrics] == [
-        float(step > 0) + carried_in for step, carried_in in enumerate(carried)
+        batch - max(0, batch - 1 - carried_in) for batch, carried_in in enumerate(carried)
     ]
     assert json.loads((tmp_path / "whole" / "engine.json").read_text())["loads"][:3] == [0, 1, 2]
-    # Gathers: scoring forwards per step are a few per pass (a round's 8 local rows in chunks of at most 4 rows,
-    # token-balanced), and passes at most 4 per round: bounded by rounds, not by finished groups.
-    logged = rollout_metrics(crashed)
+    # Gathers: scoring forwards per generation batch are a few per pass (a round's 8 local rows in chunks of at most
+    # 4 rows, token-balanced), and passes at most 4 per round: bounded by rounds, not by finished groups. Step 3,
+    # resumed inside batch 1, scores nothing: its micro-batches were in the checkpoint.
+    logged = {entry["step"]: entry for entry in rollout_metrics(crashed)}  # logged at the step's end
     for rank in range(2):
         forwards = {record["step"]: record["forwards"] for record in read_jsonl(crashed / f"forwards_rank{rank}.jsonl")}
-        resumed = {step: count for step, count in forwards.items() if step >= 2}
-        assert sorted(resumed) == [2, 3]
-        for step, count in resumed.items():
-            passes, rounds = logged[step]["rollout/scoring_passes"], logged[step]["dynamic_sampling/rounds"]
-            assert passes <= MAX_WAVES_PER_ROUND * rounds + MAX_TAIL_WAVES
-            # passes + 1: routing replay's mismatch without replay scores a step's first wave once more
-            assert passes <= count <= 2 * 2 * (passes + 1), (step, count, passes)
+        resumed = {step: count for step, count in forwards.items() if step >= 3}
+        assert sorted(resumed) == [3, 4, 5] and resumed[3] == 0 and resumed[5] == 0
+        passes, rounds = logged[5]["rollout/scoring_passes"], logged[5]["dynamic_sampling/rounds"]
+        assert passes <= MAX_WAVES_PER_ROUND * rounds + MAX_TAIL_WAVES
+        # passes + 1: routing replay's mismatch without replay scores a batch's first wave once more
+        assert passes <= resumed[4] <= 2 * 2 * (passes + 1), (resumed[4], passes)
 
 
 @pytest.mark.e2e

@@ -38,7 +38,7 @@ def trl_like_client() -> SimpleNamespace:
         allowed_methods=["POST", "GET"],
     )
     session.mount("http://", HTTPAdapter(max_retries=retry))
-    return SimpleNamespace(session=session)
+    return SimpleNamespace(session=session, base_url="http://127.0.0.1:8000", generate=lambda *args, **kwargs: None)
 
 
 def test_hung_server_fails_within_the_timeout_naming_the_url(hanging_server):

@@ -153,7 +153,9 @@ class RolloutDriver:
                     return count
                 # A timeout means nothing finished for that long (a wave may rightly take several request times);
                 # a recovery is bounded by its own timeout.
-                remaining = max(started, self.last_done) + timeout - time.monotonic()
+                progress = getattr(self.engine, "last_progress", None)  # a server engine's own progress clock
+                last = max(started, self.last_done, progress() if progress is not None else 0.0)
+                remaining = last + timeout - time.monotonic()
                 if remaining <= 0 and not self._recovering:
                     raise TimeoutError(
                         f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "

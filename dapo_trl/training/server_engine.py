@@ -27,6 +27,7 @@ import numpy as np
 
 from ..utils.http import checked_service_path
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
+from .server_progress import ServerProgress
 
 
 class VLLMServerEngine:
@@ -38,7 +39,13 @@ class VLLMServerEngine:
     Weights: `load_weights(version)` waits until the server runs no request (it asks `/metrics`: an aborted request
     may still hold KV blocks for a moment), then asks the dev-mode server to reload `weights_root/v{version}` (as the
     server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
-    previous weights must not be reused). Every request and reload is bounded by `timeout`.
+    previous weights must not be reused).
+
+    Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
+    no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
+    so a 20k-token response that takes 900 s is no timeout; a frozen server fails every running request within
+    `timeout` plus one poll, naming its URL. A reload and every small request (models, metrics, health) must be
+    answered within `timeout`.
     """
 
     def __init__(
@@ -66,8 +73,29 @@ class VLLMServerEngine:
         self._queued, self._queued_lock = 0, threading.Lock()  # started, not yet on the loop
         self._loop = asyncio.new_event_loop()
         self._connections = asyncio.Semaphore(self._max_in_flight)
+        self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
+        self.progress = ServerProgress(self.base_url, timeout, self._metrics_text, self._fail_running)
+
+    def last_progress(self) -> float:
+        """`time.monotonic()` when the server last made progress (for waits above the engine, e.g. a wave's)."""
+        return self.progress.last_progress
+
+    def _metrics_text(self) -> str | None:
+        status, body = self._get("/metrics", timeout=min(self.timeout, 10.0))
+        return body.decode(errors="replace") if status == 200 else None
+
+    def _fail_running(self, message: str) -> None:
+        """The server stalled (`progress`): fail every request of ours that is running or waiting for a connection."""
+
+        def fail() -> None:
+            for request_id, task in list(self._tasks.items()):
+                self._stalled[request_id] = message
+                task.cancel()
+
+        if not self._closed:
+            self._loop.call_soon_threadsafe(fail)
 
     def _model_name(self) -> str:
         status, body = self._get("/v1/models")
@@ -75,11 +103,12 @@ class VLLMServerEngine:
             raise RuntimeError(f"GET {self.base_url}/v1/models: HTTP {status}: {body[:500]!r}")
         return json.loads(body)["data"][0]["id"]
 
-    def _get(self, path: str) -> tuple[int, bytes]:
+    def _get(self, path: str, timeout: float | None = None) -> tuple[int, bytes]:
+        timeout = self.timeout if timeout is None else timeout
         if self._ssl is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
         else:
-            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=self._ssl)
+            connection = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
         try:
             connection.request("GET", self._path + path)
             answer = connection.getresponse()
@@ -188,6 +217,7 @@ class VLLMServerEngine:
         if self._closed:
             return
         self._closed = True
+        self.progress.close()
 
         async def stop() -> None:
             for task in list(self._tasks.values()):
@@ -211,11 +241,12 @@ class VLLMServerEngine:
             task.cancel()
 
     async def _run(self, request: GroupRequest, done: Callback) -> None:
-        started = time.monotonic()
+        started, answered = time.monotonic(), False
+        self.progress.begin()
         try:
             async with self._connections:
-                post = self._post("/v1/completions", self.request_payload(request))
-                status, raw = await asyncio.wait_for(post, self.timeout)
+                status, raw = await self._post("/v1/completions", self.request_payload(request))
+            answered = True
             if status != 200:
                 raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
             choices = json.loads(raw)["choices"]
@@ -228,9 +259,10 @@ class VLLMServerEngine:
                 routed_experts=_routed_experts(choices),
             )
         except asyncio.CancelledError:
-            return  # cancelled: the connection is closed, the driver expects no answer
-        except asyncio.TimeoutError:  # TimeoutError's alias from Python 3.11
-            result = RuntimeError(f"POST {self.base_url}/v1/completions: no answer within {self.timeout:g} s")
+            stalled = self._stalled.pop(id(request), None)
+            if stalled is None:
+                return  # cancelled: the connection is closed, the driver expects no answer
+            result = RuntimeError(f"POST {self.base_url}/v1/completions: {stalled}")
         except RuntimeError as exc:
             result = exc
         except ssl.SSLCertVerificationError as exc:
@@ -241,6 +273,8 @@ class VLLMServerEngine:
             )
         except Exception as exc:  # noqa: BLE001 - a malformed answer: the run must stop now
             result = RuntimeError(f"POST {self.base_url}/v1/completions failed: {type(exc).__name__}: {exc}")
+        finally:
+            self.progress.end(answered)
         done(request, result)
 
     async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:

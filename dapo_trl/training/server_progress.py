@@ -1,0 +1,162 @@
+"""Whether a vLLM server is making progress, so that a request fails when the server has stalled, never because its
+response is long.
+
+At the paper's settings a sequence decodes at ~20-30 tokens/s under a full KV cache: a 20k-token response takes
+700-900 s, a batched round of them 1,400-3,000 s. A timeout on the whole HTTP request (or on a socket read, which for
+a non-streamed completion is the same thing) fails those, however healthy the server. What a stalled server lacks is
+progress: `ServerProgress` polls the server's `/metrics` while requests of ours are outstanding and records progress
+when its token counters move (`vllm:generation_tokens_total`, `vllm:prompt_tokens_total`: decoding or prefill, for
+anyone's request: vLLM schedules first come, first served) or when a request of ours is answered. After
+`stall_timeout` seconds without either, it calls `on_stall(message)`: the clients fail their outstanding requests
+with that message, naming the server's URL. A frozen server (its process stopped) answers no poll, which counts as
+no progress. A server without vLLM's counters (another engine, a proxy that hides /metrics) is judged by our answers
+alone: then a request must be answered within `stall_timeout`, as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
+MAX_POLL_SECONDS = 5.0  # how often the counters are read while requests are outstanding (less for short timeouts)
+
+
+def token_counters(metrics_text: str) -> float | None:
+    """The sum of the server's token counters (all label sets) in a Prometheus text answer, or None without them."""
+    total, seen = 0.0, False
+    for line in metrics_text.splitlines():
+        if line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in PROGRESS_COUNTERS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            seen = True
+    return total if seen else None
+
+
+class ServerProgress:
+    """A watchdog over one server's progress while `busy()` requests are outstanding (see the module docstring).
+
+    `read_metrics()` returns the `/metrics` text, None when the server has no such endpoint, and raises when the
+    server does not answer (each read bounded by its own timeout). `on_stall(message)` is called from the watchdog's
+    thread once per stall; the clock then restarts (a later request gets a full window).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        stall_timeout: float,
+        read_metrics: Callable[[], str | None],
+        on_stall: Callable[[str], None] | None = None,
+        poll_seconds: float | None = None,
+    ):
+        self.url = url
+        self.stall_timeout = stall_timeout
+        self.read_metrics = read_metrics
+        self.on_stall = on_stall
+        self.poll_seconds = poll_seconds or min(MAX_POLL_SECONDS, max(stall_timeout / 5, 0.05))
+        self.counters_available = True  # until the server shows it has none
+        self.stalls = 0
+        self._outstanding = 0
+        self._last_progress = time.monotonic()
+        self._last_total: float | None = None
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._closed = False
+        self._thread = threading.Thread(target=self._watch, name="dapo-server-progress", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------------------- callers
+    def begin(self) -> None:
+        """A request of ours is outstanding (from idle, the stall clock starts now)."""
+        with self._lock:
+            if self._outstanding == 0:
+                self._last_progress = time.monotonic()
+            self._outstanding += 1
+            self._wake.notify()
+
+    def end(self, answered: bool = True) -> None:
+        """A request of ours is over; an answer from the server is progress."""
+        with self._lock:
+            self._outstanding = max(0, self._outstanding - 1)
+            if answered:
+                self._last_progress = time.monotonic()
+
+    def progressed(self) -> None:
+        """Something the server sent counts as progress (e.g. an answer to a reload)."""
+        with self._lock:
+            self._last_progress = time.monotonic()
+
+    @property
+    def last_progress(self) -> float:
+        """`time.monotonic()` of the last progress (or of the start of the current busy period)."""
+        with self._lock:
+            return self._last_progress
+
+    def stalled_for(self) -> float:
+        with self._lock:
+            return time.monotonic() - self._last_progress if self._outstanding else 0.0
+
+    def stall_message(self, seconds: float) -> str:
+        measured = "its token counters (/metrics) did not move and " if self.counters_available else ""
+        return (
+            f"the vLLM server at {self.url} made no progress for {seconds:.0f} s ({measured}no request of ours was "
+            f"answered) with requests outstanding: it is frozen or overloaded. vllm_request_timeout="
+            f"{self.stall_timeout:g} s bounds a stall, not a response's length: raise it if the server is only slow."
+        )
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._wake.notify()
+
+    # ----------------------------------------------------------------------------------------- the watchdog
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                while not self._closed and self._outstanding == 0:
+                    self._last_total = None  # idle: the next busy period compares against a fresh reading
+                    self._wake.wait()
+                if self._closed:
+                    return
+            self._poll()
+            stalled = self.stalled_for()
+            if stalled > self.stall_timeout:
+                self.stalls += 1
+                message = self.stall_message(stalled)
+                logger.error("%s", message)
+                with self._lock:
+                    self._last_progress = time.monotonic()
+                if self.on_stall is not None:
+                    self.on_stall(message)
+            time.sleep(self.poll_seconds)
+
+    def _poll(self) -> None:
+        if not self.counters_available:
+            return
+        try:
+            text = self.read_metrics()
+        except Exception:  # noqa: BLE001 - no answer from the server: no progress
+            return
+        total = None if text is None else token_counters(text)
+        if total is None:
+            if self.counters_available:
+                logger.info(
+                    "%s exports no vLLM token counters: a request there must be answered within %g s",
+                    self.url,
+                    self.stall_timeout,
+                )
+            self.counters_available = False
+            return
+        with self._lock:
+            if self._last_total is not None and total != self._last_total:
+                self._last_progress = time.monotonic()
+            self._last_total = total

@@ -1,0 +1,200 @@
+"""Timeouts by progress (`training/server_progress.py`): a request to a vLLM server fails when the server has made no
+progress for `vllm_request_timeout`, never because its response is long; streaming (`VLLMServerEngine`) and rounds
+(TRL's client through `watch_generation`) alike.
+
+A local stand-in for `vllm serve` generates "tokens" on a clock: `/v1/completions` answers once `tokens` were
+generated, `/metrics` exports vLLM's token counter. `pause()` stops generation (the server slowed: paused and resumed
+in a cycle); `freeze()` also stops every answer, /metrics included (its process stopped, as SIGSTOP does).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import requests
+
+from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.server_engine import VLLMServerEngine
+from dapo_trl.training.server_progress import ServerProgress, token_counters
+from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts, watch_generation
+
+TOKENS_PER_SECOND = 40.0
+
+
+class ClockedServer:
+    """See the module docstring. `cycle(run, pause)` alternates generating for `run` s and pausing for `pause` s."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.generated = 0.0
+        self.running = threading.Event()
+        self.running.set()
+        self.frozen = threading.Event()
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                server.wait_thawed()
+                if self.path.endswith("/metrics"):
+                    with server.lock:
+                        counter = f'vllm:generation_tokens_total{{model_name="m"}} {server.generated}'
+                    text = f"# TYPE vllm:generation_tokens_total counter\n{counter}\n"
+                    self.reply(200, text.encode(), "text/plain")
+                elif self.path.endswith("/v1/models"):
+                    self.reply(200, json.dumps({"data": [{"id": "m"}]}).encode())
+                else:
+                    self.reply(200, b"{}")
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                left = server.tokens
+                while left > 0 and not server.stopped.is_set():
+                    server.wait_thawed()
+                    if server.running.is_set():
+                        left -= TOKENS_PER_SECOND * 0.02
+                        with server.lock:
+                            server.generated += TOKENS_PER_SECOND * 0.02
+                    time.sleep(0.02)
+                server.wait_thawed()
+                ids = list(range(5, 5 + server.tokens))
+                choice = {"token_ids": ids, "logprobs": {"token_logprobs": [-0.5] * len(ids)}, "text": ""}
+                self.reply(200, json.dumps({"choices": [choice] * body.get("n", 1)}).encode())
+
+            def reply(self, status, payload, kind="application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.base_url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+
+    def wait_thawed(self) -> None:
+        while self.frozen.is_set() and not self.stopped.is_set():
+            time.sleep(0.02)
+
+    def cycle(self, run: float, pause: float) -> None:
+        def alternate():
+            while not self.stopped.is_set():
+                self.running.set()
+                time.sleep(run)
+                self.running.clear()
+                time.sleep(pause)
+            self.running.set()
+
+        threading.Thread(target=alternate, daemon=True).start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def clocked():
+    servers = []
+
+    def make(tokens: int) -> ClockedServer:
+        servers.append(ClockedServer(tokens))
+        return servers[-1]
+
+    yield make
+    for server in servers:
+        server.close()
+
+
+def stream_one_group(base_url: str, timeout: float) -> tuple[object, float]:
+    """One group request through the streaming client: (its result or error, seconds it took)."""
+    sampling = RequestSampling(
+        n=2, max_tokens=512, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0, extra={}
+    )
+    engine = VLLMServerEngine(base_url, sampling, max_in_flight=2, timeout=timeout)
+    finished, answers = threading.Event(), []
+    start = time.monotonic()
+    engine.start(
+        GroupRequest(("stream", 0), [1, 2, 3], 7, 0), lambda _, result: (answers.append(result), finished.set())
+    )
+    assert finished.wait(60), "no answer"
+    engine.close()
+    return answers[0], time.monotonic() - start
+
+
+def rounds_client(base_url: str, timeout: float) -> SimpleNamespace:
+    """TRL's VLLMClient as far as the timeouts see it: its session, base_url and a blocking `generate`."""
+    session = requests.Session()
+    client = SimpleNamespace(session=session, base_url=base_url)
+    client.generate = lambda: session.post(f"{base_url}/v1/completions", json={"n": 2}).json()
+    add_timeouts(client, timeout)
+    watch_generation(client, timeout)
+    return client
+
+
+def test_a_long_response_from_a_slowed_server_is_no_timeout(clocked):
+    """A response that takes ~4x the timeout, from a server paused 80% of the time in cycles shorter than the
+    timeout (~5x slower), completes: streaming and rounds."""
+    server = clocked(tokens=48)  # ~1.2 s of generation at full speed, ~6 s at 20% duty
+    server.cycle(run=0.15, pause=0.6)
+    result, seconds = stream_one_group(server.base_url, timeout=1.5)
+    assert not isinstance(result, BaseException), result
+    assert result.completion_ids == [list(range(5, 53))] * 2 and seconds > 1.5 * 2
+    start = time.monotonic()
+    answer = rounds_client(server.base_url, timeout=1.5).generate()
+    assert len(answer["choices"]) == 2 and time.monotonic() - start > 1.5 * 2
+
+
+@pytest.mark.parametrize("client", ["streaming", "rounds"])
+def test_a_frozen_server_fails_within_the_timeout_naming_its_url(clocked, client):
+    server = clocked(tokens=400)
+    threading.Timer(0.3, server.frozen.set).start()  # frozen mid-response, /metrics too
+    start = time.monotonic()
+    if client == "streaming":
+        result, seconds = stream_one_group(server.base_url, timeout=1.0)
+        assert isinstance(result, RuntimeError)
+        message = str(result)
+    else:
+        with pytest.raises(VLLMServerError) as raised:
+            rounds_client(server.base_url, timeout=1.0).generate()
+        seconds, message = time.monotonic() - start, str(raised.value)
+    assert f"the vLLM server at {server.base_url} made no progress for" in message
+    assert "vllm_request_timeout=1 s" in message
+    assert 1.0 < seconds < 1.3 + 1.0 + 2.0  # timeout after the freeze, plus polls and a little slack
+
+
+def test_progress_counts_moving_token_counters_and_answers_not_time():
+    """The watchdog's rule on its own: counters that move keep a request alive; still counters and no answer for
+    the timeout call on_stall once, then the clock restarts; a server without counters is judged by answers."""
+    readings = iter([10.0, 20.0, 30.0] + [30.0] * 100)
+    stalls = []
+    progress = ServerProgress(
+        "http://x", 0.3, lambda: f"vllm:prompt_tokens_total {next(readings)}\n", stalls.append, poll_seconds=0.05
+    )
+    progress.begin()
+    time.sleep(0.25)
+    assert not stalls  # the counters moved
+    deadline = time.monotonic() + 3
+    while not stalls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(stalls) == 1 and "made no progress" in stalls[0]
+    progress.end()
+    progress.close()
+    blind = ServerProgress("http://y", 0.3, lambda: None, stalls.append, poll_seconds=0.05)
+    blind.begin()
+    time.sleep(0.5)
+    assert len(stalls) == 2 and not blind.counters_available
+    assert "token counters" not in stalls[1]
+    blind.close()
+    assert token_counters('vllm:generation_tokens_total{a="1"} 3\nvllm:generation_tokens_total{a="2"} 4.5\n') == 7.5
+    assert token_counters("other_total 3\n") is None
