@@ -660,7 +660,8 @@ def test_an_engine_start_that_raises_surfaces_at_once():
 def test_held_results_bound_the_look_ahead_but_never_what_the_caller_waits_for():
     engine = GatedEngine()
     engine.version = 0
-    driver = RolloutDriver(engine, max_in_flight=8, max_held_tokens=3 * GROUP * 2)  # three groups' tokens
+    group_bytes = GROUP * 2 * (4 + 4) + GROUP * 8  # 2-token completions: ids, log-probs, and the lengths
+    driver = RolloutDriver(engine, max_in_flight=8, max_held_bytes=3 * group_bytes)  # three groups' bytes
     driver.loaded_externally(0)
     requests = [GroupRequest(("stream", n), [1], n, version=0) for n in range(12)]
     driver.plan(requests)

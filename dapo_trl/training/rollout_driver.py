@@ -63,7 +63,7 @@ class RolloutDriver:
         self,
         engine: GroupEngine,
         max_in_flight: int,
-        max_held_tokens: int | None = None,
+        max_held_bytes: int | None = None,
         recovery_timeout: float = 0,
         reload_external: Callable[[], None] | None = None,
         max_engine_losses: int = MAX_ENGINE_LOSSES,
@@ -72,11 +72,12 @@ class RolloutDriver:
         self.recovery_timeout = recovery_timeout if hasattr(engine, "wait_available") else 0.0
         self.reload_external = reload_external  # loads the weights a `loaded_externally` sync set, again
         self.max_in_flight = max_in_flight
-        self.max_held_tokens = max_held_tokens  # admission pauses while finished, untaken groups hold this many
+        # Admission pauses while finished, untaken groups hold this many bytes (token ids, log-probs, routings).
+        self.max_held_bytes = max_held_bytes
         self._planned: deque[GroupRequest] = deque()
         self._in_flight: dict[tuple, GroupRequest] = {}
         self._done: dict[tuple, GroupResult] = {}
-        self._held_tokens = 0  # in `_done`
+        self._held_bytes = 0  # in `_done`
         self.last_done = 0.0  # time.monotonic() when a group last finished
         self._wanted: set[tuple] = set()  # what a caller waits for now: admitted whatever is held
         self._known: set[tuple] = set()  # planned, in flight or done
@@ -179,7 +180,7 @@ class RolloutDriver:
     def take(self, keys: list[tuple]) -> list[GroupResult]:
         with self._cond:
             results = [self._done.pop(key) for key in keys]
-            self._held_tokens -= sum(result.tokens for result in results)
+            self._held_bytes -= sum(result.nbytes for result in results)
             self._forget(keys)
             self._cond.notify_all()
             return results
@@ -195,7 +196,7 @@ class RolloutDriver:
                 if not keep(result):
                     del self._done[key]
                     self._forget([key])
-                    self._held_tokens -= result.tokens
+                    self._held_bytes -= result.nbytes
                     self.stats.discarded_tokens += result.tokens
             cancelled = [request for request in self._in_flight.values() if not keep(request)]
             for request in cancelled:
@@ -401,7 +402,7 @@ class RolloutDriver:
             return None, False
         request = self._planned[0]
         if self._loaded == request.version:
-            held = self.max_held_tokens is not None and self._held_tokens >= self.max_held_tokens
+            held = self.max_held_bytes is not None and self._held_bytes >= self.max_held_bytes
             if held and request.key not in self._wanted:
                 return None, False  # finished groups wait to be taken: look ahead no further (memory)
             return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
@@ -425,7 +426,7 @@ class RolloutDriver:
                 self._losses_in_a_row, self._recovery_spent = 0, 0.0  # progress: recovery starts afresh
                 self._lost.pop(request.key, None)
                 self._done[request.key] = result
-                self._held_tokens += result.tokens
+                self._held_bytes += result.nbytes
                 self.stats.completed_groups += 1
                 self.stats.generated_tokens += result.tokens
             self._cond.notify_all()

@@ -67,11 +67,12 @@ class GroupResult:
         token_logprobs: np.ndarray,
         lengths: np.ndarray,
         seconds: float = 0.0,
+        routed_experts: list[np.ndarray] | None = None,
     ) -> GroupResult:
         """A result from flat arrays already (an engine that decodes into arrays: no per-token Python objects)."""
         result = cls.__new__(cls)
         result.key, result.version, result.seconds = key, version, seconds
-        result.routed_experts = None
+        result.routed_experts = routed_experts
         result.lengths = np.asarray(lengths, dtype=np.int64)
         result.token_ids = np.asarray(token_ids, dtype=np.int32)
         result.token_logprobs = np.asarray(token_logprobs, dtype=np.float32)
@@ -82,6 +83,23 @@ class GroupResult:
     @property
     def tokens(self) -> int:
         return int(self.lengths.sum())
+
+    def without_tokens(self) -> GroupResult:
+        """Its key, version and lengths only: what a process that trains none of its rows is sent of it."""
+        result = GroupResult.__new__(GroupResult)
+        result.key, result.version, result.seconds, result.lengths = self.key, self.version, self.seconds, self.lengths
+        result.token_ids, result.token_logprobs = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
+        result.routed_experts = None
+        return result
+
+    def rows(self, start: int, stop: int) -> tuple[list[list[int]], list[list[float]], list]:
+        """Completions `start:stop` of the group as the lists TRL's scoring takes (token ids, log-probs, routings):
+        only the rows a process trains are ever turned into Python objects."""
+        offsets = np.concatenate([[0], np.cumsum(self.lengths)])
+        ids = [self.token_ids[offsets[i] : offsets[i + 1]].tolist() for i in range(start, stop)]
+        logprobs = [self.token_logprobs[offsets[i] : offsets[i + 1]].tolist() for i in range(start, stop)]
+        routings = self.routed_experts[start:stop] if self.routed_experts is not None else [None] * (stop - start)
+        return ids, logprobs, list(routings)
 
     def _split(self, flat: np.ndarray) -> list[list]:
         return [part.tolist() for part in np.split(flat, np.cumsum(self.lengths)[:-1])] if len(self.lengths) else []

@@ -58,8 +58,7 @@ def build_streaming_rollout(
     driver, error = None, None
     in_flight = args.rollout_max_in_flight_groups or round_groups
     if accelerator.is_main_process or colocated:
-        # Finished groups held for later waves: at most one batch at full length (int32 ids + float32 log-probs).
-        held = round_groups * trainer.num_generations * args.max_completion_length // args.filter_groups_oversample
+        held = held_bytes_bound(trainer, args, round_groups // args.filter_groups_oversample)
         try:
             backend = trl_seam.vllm_backend(trainer) if args.use_vllm else None
             reload_external = getattr(backend, "reload_synced_weights", None)  # shared-storage sync, server mode
@@ -90,10 +89,25 @@ def build_streaming_rollout(
     if colocated:
         rollout = ColocatedStreamingRollout(sampler, driver, tokenize, **timing)
     else:
-        rollout = ServerStreamingRollout(sampler, driver, tokenize, _broadcaster(accelerator), **timing)
+        rollout = ServerStreamingRollout(
+            sampler, driver, tokenize, _broadcaster(accelerator), **timing, scatter=_scatterer(accelerator)
+        )
     if driver is not None:  # at train end only a colocated engine must be free (the caller may generate with it next)
         trainer.add_callback(CloseRollout(driver, partial(wait_for_engine, rollout, server=False)))
     return rollout
+
+
+def held_bytes_bound(trainer: Any, args: DAPOConfig, batch_groups: int) -> int:
+    """What finished groups may hold for later waves before admission pauses: one batch at full length, every byte
+    counted: int32 token ids and float32 log-probs (8 bytes a completion token), and with routing replay each
+    token's routed experts (prompt tokens too, as the engine returns them; int32 as vLLM sends them, at most)."""
+    rows = batch_groups * trainer.num_generations
+    per_row = 8 * args.max_completion_length
+    replayed = getattr(trainer, "_replayed_routing", None)
+    if replayed is not None:
+        tokens = args.max_completion_length + (args.max_prompt_length or args.max_completion_length)
+        per_row += tokens * replayed.routing.layers * replayed.routing.top_k * 4
+    return rows * per_row
 
 
 def sample_streamed(rollout: StreamingRollout, inputs: list[dict[str, Any]], score_wave: Callable) -> tuple:
@@ -117,6 +131,21 @@ def _broadcaster(accelerator: Any) -> Callable[[Any], Any]:
         return box[0]
 
     return broadcast
+
+
+def _scatterer(accelerator: Any) -> Callable[[list[Any] | None], Any] | None:
+    """`scatter(parts)`: the main process's `parts[p]` on process p (None with one process: nothing to send)."""
+    if accelerator.num_processes == 1:
+        return None
+
+    def scatter(parts: list[Any] | None) -> Any:
+        import torch.distributed as dist
+
+        box: list[Any] = [None]
+        dist.scatter_object_list(box, parts if accelerator.is_main_process else None, src=0)
+        return box[0]
+
+    return scatter
 
 
 class CloseRollout(TrainerCallback):

@@ -56,6 +56,18 @@ def group_seed(run_seed: int, key: tuple) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
+def share_spans(group_count: int, group_size: int, index: int, processes: int) -> list[tuple[int, int, int]]:
+    """(group, first row, row stop) of each group that has rows in process `index`'s equal share of a wave of
+    `group_count` groups of `group_size` rows, in order (a group may straddle two processes)."""
+    share = group_count * group_size // processes
+    begin, end = index * share, (index + 1) * share
+    spans = []
+    for group in range(begin // group_size, -(-end // group_size)):
+        first, stop = max(begin, group * group_size), min(end, (group + 1) * group_size)
+        spans.append((group, first - group * group_size, stop - group * group_size))
+    return spans
+
+
 def plan_horizon(missing: float, keep_rate: float, z: float = PLAN_CONFIDENCE_Z) -> int:
     """The fewest groups g with g p - z sqrt(g p (1 - p)) >= missing (p = keep_rate): enough to keep `missing` groups
     at the one-sided normal bound. About missing / p when many are missing (a 512-group batch at p = 0.5: 1.04x), a
@@ -342,23 +354,26 @@ class StreamingRollout:
         return ready if ready == remaining else ready - ready % self.unit
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
-        """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions."""
-        rows, completions, logprobs, routings = [], [], [], []
-        for (key, row), result in zip(groups, results, strict=True):
-            if result.key != key or len(result.completion_ids) != self.group_size:
+        """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions: only
+        the groups that reach into the slice are read, and only their rows in it become the lists TRL takes."""
+        for (key, _), result in zip(groups, results, strict=True):
+            if result.key != key or len(result.lengths) != self.group_size:
                 raise RuntimeError(
-                    f"the engine answered {result.key} with {len(result.completion_ids)} completions "
+                    f"the engine answered {result.key} with {len(result.lengths)} completions "
                     f"for group {key} of {self.group_size}"
                 )
-            rows.extend(dict(row) for _ in range(self.group_size))
-            completions.extend(result.completion_ids)
-            logprobs.extend(result.logprobs)
-            routings.extend(result.routed_experts or [None] * self.group_size)
-        share = len(rows) // self.process.count
-        local = slice(self.process.index * share, (self.process.index + 1) * share)
-        prepared = {"completion_ids": completions[local], "logprobs": logprobs[local]}
-        prepared["routed_experts"] = routings[local]
-        return rows[local], prepared
+        rows, completions, logprobs, routings = [], [], [], []
+        for index, first, stop in self.local_rows(len(groups)):
+            ids, values, routed = results[index].rows(first, stop)
+            rows.extend(dict(groups[index][1]) for _ in range(stop - first))
+            completions.extend(ids)
+            logprobs.extend(values)
+            routings.extend(routed)
+        return rows, {"completion_ids": completions, "logprobs": logprobs, "routed_experts": routings}
+
+    def local_rows(self, group_count: int) -> list[tuple[int, int, int]]:
+        """(group, first row, row stop) of each group with rows in this process's share of a wave (`share_spans`)."""
+        return share_spans(group_count, self.group_size, self.process.index, self.process.count)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
@@ -377,8 +392,10 @@ class StreamingRollout:
 
 class ServerStreamingRollout(StreamingRollout):
     """One engine for every process (a vLLM server): only the main process has a driver; it waits for each wave and
-    broadcasts it (`broadcast(obj)` returns the main process's object on every process), errors included, so that
-    every process raises together instead of one waiting in a collective."""
+    sends every process its part (`scatter(parts)` returns the main process's `parts[p]` on process p; the groups
+    that have no row in a process's share go without their tokens), errors included, so that every process raises
+    together instead of one waiting in a collective. Without `scatter` the whole wave is broadcast
+    (`broadcast(obj)`)."""
 
     def __init__(
         self,
@@ -389,9 +406,11 @@ class ServerStreamingRollout(StreamingRollout):
         staleness: int,
         lookahead_rounds: int,
         wave_timeout: float,
+        scatter: Callable[[list[Any] | None], Any] | None = None,
     ):
         super().__init__(sampler, driver, tokenize, staleness, lookahead_rounds, wave_timeout)
         self.broadcast = broadcast
+        self.scatter = scatter
 
     def _next_wave(self, keys: list[tuple], least: int) -> Wave:
         wave = None
@@ -403,10 +422,25 @@ class ServerStreamingRollout(StreamingRollout):
                 self._wait += time.monotonic() - started
             except Exception as exc:  # noqa: BLE001 - every process raises it below
                 wave = Wave(None, f"{type(exc).__name__}: {exc}")
-        wave = self.broadcast(wave)
+        if self.scatter is None:
+            wave = self.broadcast(wave)
+        else:
+            wave = self.scatter(None if wave is None else self._parts(wave))
         if wave.error is not None:
             raise RuntimeError(f"streaming rollout stopped: {wave.error}")
         return wave
+
+    def _parts(self, wave: Wave) -> list[Wave]:
+        """The wave as each process is sent it: the groups without a row in its share stripped of their tokens."""
+        if wave.results is None:
+            return [wave] * self.process.count
+        parts = []
+        for index in range(self.process.count):
+            spans = {
+                group for group, _, _ in share_spans(len(wave.results), self.group_size, index, self.process.count)
+            }
+            parts.append(Wave([r if g in spans else r.without_tokens() for g, r in enumerate(wave.results)]))
+        return parts
 
 
 class ColocatedStreamingRollout(StreamingRollout):

@@ -60,7 +60,7 @@ def main() -> None:
     groups, tokens, in_flight = (int(arg) for arg in (sys.argv[1:] + ["512", "16384", "64"][len(sys.argv) - 1 :]))
     baseline, started = peak_rss_mb(), time.monotonic()
     held = in_flight * GROUP * tokens  # finished groups held: as many as run (the trainer's default is a batch's)
-    driver = RolloutDriver(ArrayEngine(tokens), in_flight, max_held_tokens=held)
+    driver = RolloutDriver(ArrayEngine(tokens), in_flight, max_held_bytes=8 * held)
     driver.loaded_externally(0)
     keys = [("stream", n) for n in range(groups)]
     driver.plan([GroupRequest(key, [1, 2, 3], n, 0) for n, key in enumerate(keys)])
