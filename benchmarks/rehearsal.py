@@ -108,8 +108,11 @@ def serve(port_file: str) -> None:
             except OSError:
                 pass
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    server.daemon_threads = True
+    class Server(http.server.ThreadingHTTPServer):
+        request_queue_size = 4096  # the client opens a connection per running group, hundreds at once
+        daemon_threads = True
+
+    server = Server(("127.0.0.1", 0), Handler)
     Path(port_file).write_text(str(server.server_address[1]))
     server.serve_forever()
 

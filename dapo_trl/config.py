@@ -235,8 +235,10 @@ class DAPOConfig(GRPOConfig):
     vllm_request_timeout: float = field(
         default=600.0,
         metadata={
-            "help": "Seconds any single HTTP request to the vLLM server may take (generation, weight reload); past "
-            "it the run stops with an error naming the URL instead of hanging."
+            "help": "Seconds the vLLM server may go without progress while requests of ours are outstanding (no "
+            "token generated, per its /metrics counters, and no answer): then the run stops with an error naming "
+            "the URL instead of hanging. A long response is never a timeout. Weight reloads and small requests "
+            "must be answered within it."
         },
     )
 

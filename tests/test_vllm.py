@@ -17,6 +17,7 @@ import time
 import urllib.request
 
 import pytest
+import torch
 
 from dapo_trl.tiny_model import build_tiny_model
 
@@ -203,10 +204,11 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     benchmarks/batch_invariance.py).
 
     k = 0: a run admitting one group at a time trains the batches of one admitting 32 at once.
-    k = 1: the engine's sampling log-probs equal the trainer's re-scoring of the same rows under the weights version
-    that sampled them (so every row was sampled by exactly the version its label says, one step old after step 0),
-    and a run killed right after its step-2 checkpoint and resumed (with other pacing) trains the uninterrupted
-    run's batches."""
+    k = 1 with 4 optimizer updates per rollout (DAPO's schedule, a weights version per generation batch): the
+    engine's sampling log-probs equal the trainer's re-scoring of the same rows under the weights version that
+    sampled them (so every row was sampled by exactly the version its label says, one version old after batch 0),
+    and a run killed right after a checkpoint inside a generation batch and resumed (with other pacing) trains the
+    uninterrupted run's batches and ends with its weights (to float32 noise)."""
 
     def run(name: str, *overrides: str, expect_crash: bool = False) -> None:
         stream(vllm_venv, model_dir, shared_server, tmp_path / name, *overrides, expect_crash=expect_crash)
@@ -215,29 +217,38 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     run("k0-many", "rollout_max_in_flight_groups=32")
     assert trained(tmp_path / "k0-one") == trained(tmp_path / "k0-many") and len(trained(tmp_path / "k0-one")) == 2
 
+    # DAPO's schedule: 4 optimizer updates per rollout, a weights version per generation batch.
     k1 = (
         "rollout_max_staleness=1",
-        "max_steps=3",
+        "steps_per_generation=4",
+        "gradient_accumulation_steps=1",
+        "per_device_train_batch_size=2",
+        "max_steps=12",
         "vllm_importance_sampling_mode=token_truncate",
         "save_strategy=steps",
-        "save_steps=2",
+        "save_steps=6",
     )
     run("whole", *k1, "check_versions=true")
     whole = tmp_path / "whole"
     steps = [e for e in json.loads((whole / "log_history.json").read_text()) if "rollout/staleness_max" in e]
-    assert [entry["rollout/staleness_max"] for entry in steps] == [0, 1, 1]
+    assert [entry["rollout/staleness_max"] for entry in steps] == [0, 1, 1]  # one entry per generation batch
     gaps = json.loads((whole / "version_gaps.json").read_text())
-    assert sorted(gaps) == ["0", "1", "2"] and max(gaps.values()) <= 1e-5, gaps  # fp32 level, every step
+    assert sorted(gaps, key=int) == ["0", "4", "8"] and max(gaps.values()) <= 1e-5, gaps  # fp32 level, every batch
     logp_gaps = [entry["sampling/sampling_logp_difference/max"] for entry in steps]
-    assert logp_gaps[0] <= 1e-5 and min(logp_gaps[1:]) > 1e-3  # against the proximal (current) weights: one step
+    assert logp_gaps[0] <= 1e-5 and min(logp_gaps[1:]) > 1e-3  # against the proximal weights: a version older
     ratios = [entry["sampling/importance_sampling_ratio/max"] for entry in steps]
     assert ratios[0] == pytest.approx(1.0, abs=1e-4) and max(ratios[1:]) > 1.0
     assert sorted(path.name for path in (whole / "vllm_weights").glob("v*")) == ["v1", "v2"]
 
-    run("crashed", *k1, "crash_after_save=2", expect_crash=True)
-    checkpoint = tmp_path / "crashed" / "run" / "checkpoint-2"
+    # Killed right after checkpoint 6, inside generation batch 1 (steps 4-7), and resumed with other pacing.
+    run("crashed", *k1, "crash_after_save=6", expect_crash=True)
+    checkpoint = tmp_path / "crashed" / "run" / "checkpoint-6"
     run("crashed", *k1, f"resume={checkpoint}", "rollout_max_in_flight_groups=1")
-    assert trained(tmp_path / "crashed") == trained(whole) and sorted(trained(whole)) == [0, 1, 2]
+    assert trained(tmp_path / "crashed") == trained(whole) and sorted(trained(whole)) == list(range(12))
+    ours, theirs = (torch.load(path / "final_params.pt") for path in (tmp_path / "crashed", whole))
+    gap = max((ours[name] - theirs[name]).abs().max().item() for name in theirs)
+    print(f"resumed vs uninterrupted final weights, largest gap: {gap:.3g}")
+    assert gap <= 1e-5  # the engine's sampling log-probs, which feed the importance weight, repeat to float32 noise
 
 
 def requests_waiting_at(port: int) -> int:

@@ -278,6 +278,8 @@ def main() -> None:
         if trainer.accelerator.is_main_process:
             (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
             (out / "version_gaps.json").write_text(json.dumps(RecordedStreaming.version_gaps))
+            weights = trainer.accelerator.unwrap_model(trainer.model).state_dict()
+            torch.save({name: tensor.detach().cpu() for name, tensor in weights.items()}, out / "final_params.pt")
         return
     token_ids = trainer.processing_class(CHECK_TEXT).input_ids
     backend = trainer.vllm_generation
