@@ -141,15 +141,15 @@ class DAPOTrainer(GRPOTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;
-        each part's loss weighs its share of the micro-batch (`StepPlanner.part_weights`)."""
-        parts = self._planner.parts(inputs)
-        (*parts, last), (*weights, last_weight) = parts, self._planner.part_weights(inputs, parts)
+        each part carries its share of the micro-batch, which weighs each of its loss terms (`StepPlanner.parts`)."""
+        *parts, last = self._planner.parts(inputs)
+        self._policy_loss.begin_micro_batch(model, [*parts, last])  # the router loss's micro-batch, when split
         earlier = 0.0
-        for part, weight in zip(parts, weights, strict=True):
-            loss = self._weighted_loss(model, part, return_outputs, num_items_in_batch) * weight
+        for part in parts:
+            loss = self._weighted_loss(model, part, return_outputs, num_items_in_batch)
             backward_without_sync(self, model, loss, num_items_in_batch)
             earlier += loss.detach()
-        return self._weighted_loss(model, last, return_outputs, num_items_in_batch) * last_weight + earlier
+        return self._weighted_loss(model, last, return_outputs, num_items_in_batch) + earlier
 
     def _compute_loss(self, model, inputs):
         """The policy loss of `loss_type` from the table in `dapo_trl.algorithm.losses`, with every term of TRL's

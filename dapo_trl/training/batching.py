@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -255,6 +256,35 @@ class TokenWeightedMetrics:
         self.weights[mode] = []
 
 
+@dataclass(frozen=True)
+class PassShare:
+    """What one backward pass is of its micro-batch, per loss term: each term of the pass, multiplied by its share,
+    adds up over the passes to the term of the micro-batch run whole (a token budget's passes, `StepPlanner.parts`).
+
+    The policy loss weighs what its aggregation averages over (`StepPlanner.part_weights`). The entropy bonus is a
+    mean over the micro-batch's loss tokens on this process, so a pass's mean weighs its share of them. The router's
+    auxiliary loss is exact by construction when built from router loads (`algorithm.router_aux.part_of`: each pass's
+    loss is its part of the micro-batch's); otherwise (TRL's own per-forward loss) a pass's loss weighs its share of
+    the fed tokens, the right scale but not the micro-batch's loss. Per micro-batch bookkeeping (the adaptive entropy
+    controller's step, the aux-loss metric) happens once, on the `last` pass.
+    """
+
+    policy: float = 1.0
+    loss_tokens: float = 1.0
+    fed_tokens: float = 1.0
+    last: bool = True
+
+
+WHOLE_PASS = PassShare()  # a micro-batch run as one pass
+PASS_SHARE = "pass_share"  # the key of a pass's `PassShare` in the inputs the loss step receives
+
+
+def token_shares(total: float, counts: Sequence[float]) -> list[float]:
+    """Each part's share of a micro-batch's `total` tokens: what a per-part mean over those tokens is multiplied by
+    so the parts add up to the mean over the whole (a part without a token has a zero mean, and so a zero share)."""
+    return [count / max(total, 1.0) for count in counts]
+
+
 # (this process's rows' token counts, token budget per process) -> this process's rows in each backward pass its
 # sequence-parallel group plans over all its processes' rows (`SequenceParallel.group_passes`)
 GroupPasses = Callable[[list[int], int], list[list[int]]]
@@ -318,7 +348,7 @@ class StepPlanner:
         return micro_batches
 
     def part_weights(self, batch: dict[str, Any], parts: list[dict[str, Any]]) -> list[float]:
-        """What each backward pass's loss is multiplied by so that the passes add up to the micro-batch's loss.
+        """What each backward pass's policy loss is multiplied by so that the passes add up to the micro-batch's.
 
         A loss normalised by the step's own token count (`Aggregation.STEP_TOKENS`: dapo, cispo, vespo) adds up as it
         is. The others average over the micro-batch they are given, its rows or its loss tokens
@@ -333,11 +363,22 @@ class StepPlanner:
         rows = batch["prompt_ids"].size(0)
         return [part["prompt_ids"].size(0) / rows for part in parts]
 
+    def pass_shares(self, batch: dict[str, Any], parts: list[dict[str, Any]]) -> list[PassShare]:
+        """Each backward pass's share of the micro-batch, per loss term (`PassShare`)."""
+        if len(parts) == 1:
+            return [WHOLE_PASS]
+        policy = self.part_weights(batch, parts)
+        loss_tokens = token_shares(float(loss_mask(batch).sum()), [float(loss_mask(part).sum()) for part in parts])
+        fed = token_shares(float(fed_tokens(batch).sum()), [float(fed_tokens(part).sum()) for part in parts])
+        last = len(parts) - 1
+        return [PassShare(policy[i], loss_tokens[i], fed[i], i == last) for i in range(len(parts))]
+
     def parts(self, batch: dict[str, Any]) -> list[dict[str, Any]]:
-        """The micro-batch's backward passes: itself, or its budget parts padded to equal rows on every process."""
+        """The micro-batch's backward passes (itself, or its budget parts padded to equal rows on every process),
+        each carrying its `PassShare` under `PASS_SHARE`."""
         passes = batch.get("backward_passes", 1)
         if passes == 1:
-            return [batch]
+            return [{**batch, PASS_SHARE: WHOLE_PASS}]
         if "pass_rows" in batch:  # the group's plan: this process's rows of each pass (a masked row when none)
             planned = [select_rows(batch, rows) if rows else masked_rows(batch, 1) for rows in batch["pass_rows"]]
             planned += [masked_rows(batch, 1)] * (passes - len(planned))
@@ -346,7 +387,9 @@ class StepPlanner:
             parts = split_for_budget(batch, self.args.max_tokens_per_microbatch, passes)
         rows = torch.tensor([part["prompt_ids"].size(0) for part in parts], device=self.accelerator.device)
         rows = self.accelerator.reduce(rows, reduction="max").tolist()
-        return [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]
+        parts = [pad_with_masked_rows(part, count) for part, count in zip(parts, rows, strict=True)]
+        shares = self.pass_shares(batch, parts)
+        return [{**part, PASS_SHARE: share} for part, share in zip(parts, shares, strict=True)]
 
 
 def process_share(batch: dict[str, Any], args: DAPOConfig, accelerator: Any) -> dict[str, Any]:

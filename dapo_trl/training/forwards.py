@@ -73,6 +73,12 @@ class TokenForwards:
         return router_load(logits, self.router_hooks.routing.top_k, real_tokens)
 
     @property
+    def router_loads(self) -> bool:
+        """Whether the policy's router loss is built from additive router loads (hooked packed or sharded forwards;
+        multimodal inputs aside), so a micro-batch split into passes can train each its part of it exactly."""
+        return self.router_hooks is not None and (self.packing is not None or self.sequence_parallel is not None)
+
+    @property
     def group_passes(self) -> Any:
         """With sequence parallelism, how the group plans its token-budget passes (`StepPlanner`); else None."""
         return None if self.sequence_parallel is None else self.sequence_parallel.group_passes

@@ -5,6 +5,11 @@ the policy loss from the table's function, TRL's high-entropy and off-policy mas
 term (`beta`, verl's clamped k3), the aggregation the table names, the entropy bonus (static or TRL's adaptive
 controller, whose state TRL checkpoints) and a router's auxiliary loss; then the same metrics, reduced over processes
 in one collective.
+
+Under a token budget a micro-batch runs as several backward passes (`batching.StepPlanner.parts`), each carrying its
+`PassShare`: every term of a pass is weighted by its share of the micro-batch, so the passes add up to the micro-batch
+run whole (policy loss, entropy bonus; the router loss through `algorithm.router_aux.part_of`), and the adaptive
+entropy controller steps once per optimizer step, on the last pass of its last micro-batch.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from ..algorithm.losses import (
     ratio_log,
     step_token_share,
 )
+from ..algorithm.router_aux import RouterLoad, part_of, recorded_loads
 from . import trl_seam
+from .batching import PASS_SHARE, WHOLE_PASS, PassShare
 
 
 class PolicyLossStep:
@@ -40,13 +47,35 @@ class PolicyLossStep:
         self.settings = LossSettings.from_config(args)
         self.entropy_bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
         self._entropy_window: torch.Tensor | None = None  # adaptive entropy: (entropy sum, tokens) of the step so far
+        self._router_whole: RouterLoad | None = None  # the router load of the micro-batch whose passes are running
+        self._aux_so_far: torch.Tensor | float = 0.0  # the micro-batch's aux loss over its passes so far (its metric)
+
+    def begin_micro_batch(self, model: Any, parts: list[dict[str, Any]]) -> None:
+        """Before a micro-batch's passes: with a router's auxiliary loss built from router loads and several passes,
+        measure the whole micro-batch's load with a no-grad forward of each pass, so each pass trains its part of
+        the micro-batch's loss (`algorithm.router_aux.part_loss`): the load-balancing loss is not a sum over tokens,
+        but linear in the router probabilities once the assignment shares (no gradient) are the micro-batch's.
+        Costs one extra forward of the micro-batch; a micro-batch run whole needs none."""
+        self._router_whole, self._aux_so_far = None, 0.0
+        trainer = self.trainer
+        if len(parts) == 1 or not (trainer.aux_loss_enabled and trainer.model.training):
+            return
+        if not trainer._forwards.router_loads:
+            return
+        with torch.no_grad(), recorded_loads() as loads:
+            for part in parts:
+                self._forward(model, part)
+        if loads:
+            self._router_whole = sum(loads[1:], loads[0])
 
     def __call__(self, model: Any, inputs: dict[str, Any]) -> torch.Tensor:
         trainer, args = self.trainer, self.trainer.args
         training = trainer.model.training
+        part: PassShare = inputs.get(PASS_SHARE, WHOLE_PASS)  # this pass's share of its micro-batch, per term
         mask = inputs["completion_mask"]
         mask = mask if "tool_mask" not in inputs else mask * inputs["tool_mask"]  # tool replies are not the model's
-        logps, entropies, aux_loss = self._forward(model, inputs)
+        with part_of(self._router_whole):  # several passes: each trains its part of the micro-batch's router loss
+            logps, entropies, aux_loss = self._forward(model, inputs)
         advantages = inputs["advantages"]
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old = inputs.get("old_per_token_logps")
@@ -90,14 +119,13 @@ class PolicyLossStep:
             loss = aggregate(per_token, mask, self.loss.aggregation, max_completion_length=length)
             policy_term = loss.detach()
             loss = loss / accumulation
+        loss = loss * part.policy
         metrics = trl_seam.metrics(trainer, "train" if training else "eval")
         if self.entropy_bonus:
-            loss = loss - self._entropy_term(
-                entropies, mask if entropy_mask is None else mask * entropy_mask, accumulation, training, metrics
-            )
+            effective_mask = mask if entropy_mask is None else mask * entropy_mask
+            loss = loss - self._entropy_term(entropies, effective_mask, accumulation, training, part, metrics)
         if trainer.aux_loss_enabled:  # a mixture-of-experts router's load-balancing loss
-            loss = loss + trainer.router_aux_loss_coef * aux_loss / accumulation
-            metrics["aux_loss"].append(trainer.accelerator.gather_for_metrics(aux_loss).mean().item())
+            loss = loss + trainer.router_aux_loss_coef * self._aux_term(aux_loss, part, metrics) / accumulation
         metrics["policy_loss"].append(trainer.accelerator.gather(policy_term).nanmean().item())
 
         means = {"entropy": entropies, **({"kl": per_token_kl} if trainer.beta != 0.0 else {}), **terms.diagnostics}
@@ -115,20 +143,34 @@ class PolicyLossStep:
         with contextlib.nullcontext() if replayed is None or not model.training else replayed.batch(inputs):
             return self.forward(model, input_ids, attention_mask, completion_ids.size(1), **flags, **multimodal)
 
-    def _entropy_term(self, entropies, mask, accumulation: int, training: bool, metrics) -> torch.Tensor:
-        """coef x the mean entropy of the loss tokens (the bonus subtracted from the loss). TRL's adaptive controller
-        uses the coefficient of the step before and moves it by entropy_coef_delta toward entropy_target once per
-        optimizer step, from the step's exact mean entropy (all micro-batches, all processes)."""
+    def _aux_term(self, aux_loss: torch.Tensor, share: PassShare, metrics) -> torch.Tensor:
+        """This pass's part of the micro-batch's router loss: already its part when the micro-batch's load was
+        measured (`begin_micro_batch`), else the pass's own loss weighted by its share of the fed tokens (exact for a
+        micro-batch run whole). The micro-batch's loss is logged once, on its last pass."""
+        term = aux_loss if self._router_whole is not None else aux_loss * share.fed_tokens
+        self._aux_so_far = self._aux_so_far + term.detach()
+        if share.last:
+            metrics["aux_loss"].append(self.trainer.accelerator.gather_for_metrics(self._aux_so_far).mean().item())
+            self._router_whole, self._aux_so_far = None, 0.0
+        return term
+
+    def _entropy_term(
+        self, entropies, mask, accumulation: int, training: bool, share: PassShare, metrics
+    ) -> torch.Tensor:
+        """coef x the mean entropy of the micro-batch's loss tokens (the bonus subtracted from the loss): a pass's
+        mean weighs its share of them. TRL's adaptive controller uses the coefficient of the step before and moves it
+        by entropy_coef_delta toward entropy_target once per optimizer step (the last pass of its last micro-batch),
+        from the step's exact mean entropy (all micro-batches and passes, all processes)."""
         trainer, args = self.trainer, self.trainer.args
         entropy_sum, tokens = (entropies * mask).sum(), mask.sum()
-        mean_entropy = entropy_sum / tokens.clamp(min=1.0) / accumulation
+        mean_entropy = entropy_sum / tokens.clamp(min=1.0) / accumulation * share.loss_tokens
         coef = trainer.entropy_coef
         if args.use_adaptive_entropy:
             coef = coef if trl_seam.last_world_entropy(trainer) <= args.entropy_target else 0.0
             if training:
                 stats = torch.stack([entropy_sum, tokens]).detach()
                 self._entropy_window = stats if self._entropy_window is None else self._entropy_window + stats
-                if trainer.accelerator.sync_gradients:
+                if trainer.accelerator.sync_gradients and share.last:
                     total = trainer.accelerator.reduce(self._entropy_window, reduction="sum")
                     world_entropy = (total[0] / total[1].clamp(min=1.0)).item()
                     step = args.entropy_coef_delta if world_entropy <= args.entropy_target else -args.entropy_coef_delta
@@ -137,7 +179,7 @@ class PolicyLossStep:
                     )
                     trl_seam.set_last_world_entropy(trainer, world_entropy)
                     self._entropy_window = None
-        if training and trainer.accelerator.sync_gradients:
+        if training and trainer.accelerator.sync_gradients and share.last:
             metrics["entropy_coef"].append(trainer.entropy_coef)
         return coef * mean_entropy
 
