@@ -851,3 +851,34 @@ def test_a_colocated_answer_that_cannot_be_read_fails_its_group(monkeypatch):
     assert finished.wait(10)
     assert isinstance(answers[0], RuntimeError) and "returned no log-probs" in str(answers[0])
     engine.close()
+
+
+def test_an_answer_is_read_into_the_arrays_json_gives():
+    """The fast read of a vLLM answer (number lists cut out of the bytes, parsed by numpy) gives the arrays of a full
+    JSON parse: missing log-probs (null) as -inf, spaces after separators, routed experts; an answer laid out
+    otherwise (no token_ids key) goes through json."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from dapo_trl.training.server_engine import _group_result, _group_result_from_json
+
+    buffer = io.BytesIO()
+    np.save(buffer, np.arange(6, dtype=np.int32).reshape(3, 1, 2))
+    routing = base64.b64encode(buffer.getvalue()).decode()
+    choices = [
+        {"index": 0, "text": 'say "token_ids":[9]', "token_ids": [5, 6, 7],
+         "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.5, None, -1e-3]}, "routed_experts": routing},
+        {"index": 1, "text": "", "token_ids": [8], "logprobs": {"token_logprobs": [-2.25]}, "routed_experts": routing},
+    ]  # fmt: skip
+    request = GroupRequest(("stream", 1), [1, 2], 3, 0)
+    for raw in (json.dumps({"choices": choices}).encode(), json.dumps({"choices": choices}, indent=1).encode()):
+        fast, slow = _group_result(request, raw, 0.0), _group_result_from_json(request, raw, 0.0)
+        assert fast.completion_ids == slow.completion_ids == [[5, 6, 7], [8]]
+        assert fast.logprobs == slow.logprobs and fast.logprobs[0][1] == float("-inf")
+        assert [r.tolist() for r in fast.routed_experts] == [r.tolist() for r in slow.routed_experts]
+    plain = [{"token_ids": [4], "logprobs": {"token_logprobs": [-1.0]}}]
+    renamed = json.dumps({"choices": plain}).replace('"token_ids"', '"ids"').encode()
+    with pytest.raises(KeyError):  # not vLLM's layout: json reads it, and says what is missing
+        _group_result(request, renamed, 0.0)

@@ -10,6 +10,7 @@ trainer must stop with an error naming the server URL, within the request timeou
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -249,6 +250,73 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     gap = max((ours[name] - theirs[name]).abs().max().item() for name in theirs)
     print(f"resumed vs uninterrupted final weights, largest gap: {gap:.3g}")
     assert gap <= 1e-5  # the engine's sampling log-probs, which feed the importance weight, repeat to float32 noise
+
+
+def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollout(
+    vllm_venv, model_dir, shared_server, tmp_path
+):
+    """verl's DAPO recipe (train_prompt_bsz 512, mini-batch 32: 16 updates per rollout), translated by
+    `python -m dapo_trl.from_verl`, plus the flags that overlap generation with training (streaming, k = 1, its
+    importance weight, shared-storage versions), runs through train_dapo.py against the real server, shrunk to the
+    tiny model: two generation batches of 16 optimizer updates each, the second sampled by the first's version."""
+    recipe = tmp_path / "recipe"
+    translate = [f"{vllm_venv}/bin/python", "-m", "dapo_trl.from_verl", str(REPO / "tests/data/verl/dapo_recipe.sh")]
+    run_command([*translate, "--output", str(recipe), "--ignore-environment", "--env=HOME=/home/user"])
+    assert "steps_per_generation: 16" in (recipe / "recipe.yaml").read_text()
+    overlap = ["--rollout_streaming", "true", "--rollout_max_staleness", "1"]
+    overlap += ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", "token_truncate"]
+    overlap += ["--vllm_weight_sync", "shared_storage", "--vllm_server_base_url", shared_server]
+    tiny = ["--model_name_or_path", model_dir, "--dataset_name", "builtin:arithmetic", "--reward_funcs", "dapo_math"]
+    tiny += ["--per_device_train_batch_size", "2", "--num_generations", "4", "--max_completion_length", "16"]
+    tiny += ["--overlong_buffer_len", "4", "--max_steps", "32", "--sequence_parallel_size", "1", "--bf16", "false"]
+    tiny += ["--activation_checkpointing", "false", "--eval_strategy", "no", "--val_before_train", "false"]
+    tiny += ["--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--plot", "false"]
+    tiny += ["--filter_groups_on_exhausted", "fill", "--warmup_steps", "0", "--output_dir", str(tmp_path / "run")]
+    train = [f"{vllm_venv}/bin/python", "train_dapo.py", "--config", str(recipe / "recipe.yaml"), *overlap, *tiny]
+    output = run_command(train, timeout=600).stdout
+    staleness = [float(value) for value in re.findall(r"'rollout/staleness_max': '([0-9.]+)'", output)]
+    assert staleness == [0.0, 1.0], output[-3000:]  # once per generation batch: batch 1 sampled by version 0
+
+
+def test_the_vllm_benchmarks_quick_forms_run_against_the_server(vllm_venv, model_dir, shared_server, tmp_path):
+    """The two benchmarks that need a vLLM server run their quick forms here, on this module's server (the others'
+    run in tests/test_benchmarks.py), so a change that breaks them fails the suite. No timing is asserted."""
+    invariance = run_command(
+        [f"{vllm_venv}/bin/python", "benchmarks/batch_invariance.py", "--quick", "--server", shared_server],
+        timeout=600,
+    )
+    assert "batch invariance: tokens identical in 2 of 2 conditions" in invariance.stdout, invariance.stdout[-3000:]
+    rollout = [f"{vllm_venv}/bin/python", "benchmarks/rollout.py", "--smoke", "--server", shared_server]
+    rollout += ["--model-path", model_dir, "--vllm-venv", vllm_venv, "--work", str(tmp_path / "rollout")]
+    result = run_command(rollout, timeout=600)
+    assert "| stream k=1 |" in result.stdout and "rollout: streaming k=1 runs" in result.stdout, result.stdout[-3000:]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
+def test_a_slowed_server_is_no_timeout_and_a_frozen_one_fails_within_it(
+    vllm_venv, model_dir, server_and_process, tmp_path, streaming
+):
+    """Timeouts by progress on a real server: stopped 90% of the time (~10x slower) through steps 0-1, with
+    vllm_request_timeout 2 s, shorter than a step there, the steps complete; frozen for good at step 2, the run stops
+    within the timeout plus a few seconds, naming the server's URL."""
+    url, server = server_and_process
+    out = tmp_path / "out"
+    command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url]
+    command += ["check_syncs=false", "max_steps=4", "max_completion_length=48", "vllm_request_timeout=2"]
+    command += [f"rollout_streaming={streaming}", f"slow_server={server.pid}"]
+    try:
+        with pytest.raises(AssertionError, match="exited") as failed:
+            run_command(command, timeout=600)
+    finally:
+        server.send_signal(signal.SIGCONT)
+    output = str(failed.value)
+    step_seconds = json.loads((out / "step_seconds.json").read_text())
+    assert len(step_seconds) == 2 and max(step_seconds) > 2, step_seconds  # steps longer than the timeout completed
+    froze = float(re.search(r"froze the server at ([0-9.]+)", output).group(1))
+    failed_at = out / "failed_at"
+    assert f"the vLLM server at {url} made no progress for" in output, output[-3000:]
+    assert failed_at.exists() and float(failed_at.read_text()) - froze < 2 + 8, output[-3000:]
+    wait_healthy(url, server)  # the next test uses the server
 
 
 def requests_waiting_at(port: int) -> int:

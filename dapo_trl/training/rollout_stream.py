@@ -303,6 +303,7 @@ class StreamingRollout:
         """Score the round in waves of in-order finished groups; stop early once full unless surplus is carried."""
         keys = [key for key, _ in groups]
         start, most = 0, self.least_wave(len(groups))
+        self._most = most
         self._decided["planned"] += len(groups)
         while start < len(groups):
             least = self._wave_least(filling, most)
@@ -350,8 +351,10 @@ class StreamingRollout:
 
     def _wave_size(self, ready: int, remaining: int) -> int:
         """Groups in the next wave when `ready` leading ones of the `remaining` are done: a multiple of `unit` (so
-        the rows split equally across processes), or the round's whole rest."""
-        return ready if ready == remaining else ready - ready % self.unit
+        the rows split equally across processes), or the round's whole rest; at most a quarter of the round
+        (`least_wave`), so what a wave turns into Python lists for TRL is bounded however much finished at once."""
+        size = ready if ready == remaining else ready - ready % self.unit
+        return min(size, getattr(self, "_most", size))
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions: only

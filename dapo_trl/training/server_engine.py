@@ -15,6 +15,7 @@ import http.client
 import io
 import json
 import os
+import re
 import ssl
 import threading
 import time
@@ -28,6 +29,8 @@ import numpy as np
 from ..utils.http import checked_service_path
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
 from .server_progress import ServerProgress
+
+READ_AT_ONCE = 4  # answers whose bodies are read at the same time
 
 
 class VLLMServerEngine:
@@ -73,6 +76,9 @@ class VLLMServerEngine:
         self._queued, self._queued_lock = 0, threading.Lock()  # started, not yet on the loop
         self._loop = asyncio.new_event_loop()
         self._connections = asyncio.Semaphore(self._max_in_flight)
+        # Answers read at once: the others wait in their sockets (TCP holds the server back), so the bytes held here
+        # are a few answers', not every running group's (16 x 20k tokens of JSON is ~30 MB).
+        self._reading = asyncio.Semaphore(READ_AT_ONCE)
         self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
@@ -280,7 +286,9 @@ class VLLMServerEngine:
             )
             writer.write(head.encode() + body)
             await writer.drain()
-            return await _read_response(reader)
+            status_line = await reader.readline()  # the answer begins (vLLM answers once the group is done)
+            async with self._reading:
+                return await _read_response(reader, status_line)
         finally:
             writer.close()
 
@@ -316,9 +324,8 @@ def _untrusted(call: str, exc: ssl.SSLCertVerificationError) -> str:
     )
 
 
-async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
-    """(status, body) of an HTTP/1.1 response: Content-Length, chunked, or read to the end."""
-    status_line = await reader.readline()
+async def _read_response(reader: asyncio.StreamReader, status_line: bytes) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 response after its status line: Content-Length, chunked, or read to the end."""
     if not status_line:
         raise ConnectionResetError("the server closed the connection before answering")
     parts = status_line.split(b" ", 2)
@@ -343,9 +350,52 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
     return int(parts[1]), await reader.read()
 
 
+_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[')
+_TOKEN_LOGPROBS = re.compile(rb'"token_logprobs"\s*:\s*\[')
+_ROUTED_EXPERTS = re.compile(rb'"routed_experts"\s*:\s*(null|"[^"]*")')
+
+
 def _group_result(request: GroupRequest, raw: bytes, seconds: float) -> GroupResult:
-    """A group's answer as flat arrays, converted array by array (numpy, not a Python loop per token): the main
-    process reads every generated token of a step here, ~25M at the paper's 512 x 16 x ~3k."""
+    """A group's answer as flat arrays. The main process reads every generated token of a step here (~25M at the
+    paper's 512 x 16 x ~3k), and vLLM's JSON spends ~100 bytes a token on text, token strings, offsets and top
+    log-probs nobody reads: the two number lists that matter are cut out of the bytes and parsed by numpy, with no
+    Python object per token (`_number_lists`); an answer laid out otherwise is read with `json` instead."""
+    fast = _number_lists(raw, _TOKEN_IDS, np.int64), _number_lists(raw, _TOKEN_LOGPROBS, np.float64)
+    if fast[0] is None or fast[1] is None or [len(ids) for ids in fast[0]] != [len(lp) for lp in fast[1]]:
+        return _group_result_from_json(request, raw, seconds)
+    (ids, logprobs), routings = fast, _ROUTED_EXPERTS.findall(raw)
+    if len(routings) not in (0, len(ids)):
+        return _group_result_from_json(request, raw, seconds)
+    routed = _routed_experts([{"routed_experts": json.loads(value)} for value in routings]) if routings else None
+    lengths = np.array([len(part) for part in ids], dtype=np.int64)
+    token_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, dtype=np.int32)
+    token_logprobs = np.concatenate(logprobs) if logprobs else np.zeros(0)
+    token_logprobs[np.isnan(token_logprobs)] = -np.inf  # a missing log-prob (null)
+    return GroupResult.from_arrays(
+        request.key, request.version, token_ids, token_logprobs.astype(np.float32), lengths, seconds, routed
+    )
+
+
+def _number_lists(raw: bytes, key: re.Pattern, dtype: Any) -> list[np.ndarray] | None:
+    """Every JSON number list that follows `key` in `raw`, parsed in C (None if one is not a plain number list)."""
+    lists = []
+    for match in key.finditer(raw):
+        end = raw.find(b"]", match.end())
+        if end < 0:
+            return None
+        text = raw[match.end() : end].replace(b"null", b"nan").replace(b"Infinity", b"inf")
+        if not text.strip():
+            lists.append(np.zeros(0, dtype=dtype))
+            continue
+        values = np.fromstring(text, dtype=dtype, sep=",")  # malformed text stops short: counted below
+        if len(values) != text.count(b",") + 1:
+            return None
+        lists.append(values)
+    return lists
+
+
+def _group_result_from_json(request: GroupRequest, raw: bytes, seconds: float) -> GroupResult:
+    """`_group_result` through `json` (an answer not laid out as vLLM's, or malformed: then the error says why)."""
     choices = json.loads(raw)["choices"]
     lengths = np.array([len(choice["token_ids"]) for choice in choices], dtype=np.int64)
     token_ids = np.concatenate([np.asarray(choice["token_ids"], dtype=np.int32) for choice in choices] or [[]])

@@ -17,7 +17,9 @@ Server streaming (`rollout_streaming=true`) records every trained row in OUT/tra
 writes, per step, the largest gap between the engine's sampling log-probs and the trainer's re-scoring under the
 weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
 `resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP), and
-`kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`).
+`kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`);
+`slow_server=PID` stops the server 90% of the time through steps 0-1, then for good from step 2
+(`SlowThenFrozenServer`).
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
 TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
@@ -211,6 +213,40 @@ class ServerFault:
             print("killed the server" if self.kill else "froze the server", flush=True)
 
 
+class SlowThenFrozenServer(TrainerCallback):
+    """`slow_server=PID`: the server process is stopped 90% of the time (SIGSTOP 0.9 s, SIGCONT 0.1 s: ~10x slower)
+    through steps 0 and 1, then stopped for good as step 2 begins ("froze the server at T", T from time.time()). Each
+    step's seconds go to OUT/step_seconds.json."""
+
+    def __init__(self, pid: int, out: Path):
+        import threading
+
+        self.pid, self.stop_cycling, self.out = pid, threading.Event(), out
+        self.began, self.seconds = 0.0, []
+        threading.Thread(target=self.cycle, daemon=True).start()
+
+    def cycle(self) -> None:
+        while not self.stop_cycling.is_set():
+            os.kill(self.pid, signal.SIGSTOP)
+            time.sleep(0.9)
+            if self.stop_cycling.is_set():
+                return
+            os.kill(self.pid, signal.SIGCONT)
+            time.sleep(0.1)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds.append(time.monotonic() - self.began)
+        (self.out / "step_seconds.json").write_text(json.dumps(self.seconds))
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.began = time.monotonic()
+        if state.global_step == 2 and not self.stop_cycling.is_set():
+            self.stop_cycling.set()
+            time.sleep(0.2)  # the cycle thread has seen it
+            os.kill(self.pid, signal.SIGSTOP)
+            print(f"froze the server at {time.time()}", flush=True)
+
+
 def main() -> None:
     mode, out, model_dir = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     settings, rest = mode_settings(mode, out, sys.argv[4:])
@@ -222,6 +258,7 @@ def main() -> None:
     RecordedStreaming.check_versions = overrides.pop("check_versions", False)
     resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
     freeze_server, kill_server = overrides.pop("freeze_server", None), overrides.pop("kill_server", None)
+    slow_server = overrides.pop("slow_server", None)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -274,7 +311,13 @@ def main() -> None:
             trainer.add_callback(CrashAfterSave(crash_after))
         if freeze_server is not None or kill_server is not None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
-        trainer.train(resume_from_checkpoint=resume)
+        if slow_server is not None:
+            trainer.add_callback(SlowThenFrozenServer(slow_server, out))
+        try:
+            trainer.train(resume_from_checkpoint=resume)
+        except Exception:
+            (out / "failed_at").write_text(str(time.time()))
+            raise
         if trainer.accelerator.is_main_process:
             (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
             (out / "version_gaps.json").write_text(json.dumps(RecordedStreaming.version_gaps))
