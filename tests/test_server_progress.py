@@ -20,8 +20,8 @@ import requests
 
 from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
 from dapo_trl.training.server_engine import VLLMServerEngine
-from dapo_trl.training.server_progress import ServerProgress, token_counters
-from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts, watch_generation
+from dapo_trl.training.server_progress import ServerProgress, token_counters, watch_generation
+from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts
 
 TOKENS_PER_SECOND = 40.0
 
@@ -138,7 +138,7 @@ def rounds_client(base_url: str, timeout: float) -> SimpleNamespace:
     client = SimpleNamespace(session=session, base_url=base_url)
     client.generate = lambda: session.post(f"{base_url}/v1/completions", json={"n": 2}).json()
     add_timeouts(client, timeout)
-    watch_generation(client, timeout)
+    watch_generation(client, timeout, VLLMServerError)
     return client
 
 

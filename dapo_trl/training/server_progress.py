@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -160,3 +161,42 @@ class ServerProgress:
             if self._last_total is not None and total != self._last_total:
                 self._last_progress = time.monotonic()
             self._last_total = total
+
+
+def watch_generation(client: Any, timeout: float, error: type[Exception]) -> None:
+    """Bound TRL's generation requests by the server's progress, not their length (`server_progress`).
+
+    TRL's `VLLMClient.generate` is one POST /v1/completions for a whole round, answered when its longest response
+    ends: 1,400-3,000 s at the paper's scale. While it runs, reads have no timeout; a watchdog reads the server's
+    /metrics and, when the server has made no progress for `timeout` seconds, shuts the request's connection and the
+    call raises `error` saying so, naming the URL (not one that means "unreachable": a stalled server is not waited
+    for as a restart). `vllm_backends.add_timeouts` must have mounted its adapter first.
+    """
+    import requests
+
+    adapter = client.session.get_adapter("http://")
+    generate, base_url = client.generate, client.base_url.rstrip("/")
+
+    def metrics() -> str | None:
+        answer = requests.get(f"{base_url}/metrics", timeout=min(timeout, 10.0))
+        return answer.text if answer.status_code == 200 else None
+
+    stalled: list[str] = []
+    progress = ServerProgress(base_url, timeout, metrics, lambda message: (stalled.append(message), adapter.abort()))
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        bounded, adapter.default_timeout = adapter.default_timeout, (timeout, None)  # connect bounded, reads not
+        stalled.clear()
+        progress.begin()
+        try:
+            return generate(*args, **kwargs)
+        except Exception as exc:
+            if stalled:
+                raise error(f"POST {base_url}/v1/completions: {stalled[0]}") from exc
+            raise
+        finally:
+            progress.end()
+            adapter.default_timeout = bounded
+
+    client.generate = watched
+    client.generation_progress = progress

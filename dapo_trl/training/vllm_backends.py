@@ -20,7 +20,8 @@
 
 In server mode every HTTP request made through the client has a timeout, and a timed-out or failed request raises
 `VLLMServerError` naming the method and URL (TRL's own client has none beyond its first health check, TRL #6913); a
-generation is bounded by the server's progress instead (`watch_generation`): a round of long responses is no timeout.
+generation is bounded by the server's progress instead (`server_progress.watch_generation`): a round of long
+responses is no timeout.
 TRL syncs once per optimizer step (not between dynamic-sampling rounds, which must all sample from the same
 policy). vLLM and TRL's vLLM modules are imported only when a backend is built, so this module imports without them.
 """
@@ -44,6 +45,7 @@ from ..moe.architecture import is_moe_checkpoint
 from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 from . import trl_seam
 from .rollout_engine import EngineUnavailable
+from .server_progress import watch_generation
 from .trl_seam import vllm_backend_class
 
 if TYPE_CHECKING:
@@ -121,45 +123,6 @@ def add_timeouts(client: Any, timeout: float) -> None:
     adapter = TimeoutAdapter(timeout, _request_error, max_retries=retries, pool_maxsize=old._pool_maxsize)
     client.session.mount("http://", adapter)
     client.session.mount("https://", adapter)
-
-
-def watch_generation(client: Any, timeout: float) -> None:
-    """Bound TRL's generation requests by the server's progress, not their length (`server_progress`).
-
-    TRL's `VLLMClient.generate` is one POST /v1/completions for a whole round, answered when its longest response
-    ends: 1,400-3,000 s at the paper's scale. While it runs, reads have no timeout; a watchdog reads the server's
-    /metrics and, when the server has made no progress for `timeout` seconds, shuts the request's connection and the
-    call raises VLLMServerError saying so, naming the URL (not VLLMServerUnavailable: a stalled server is not waited
-    for as a restart). `add_timeouts` must have mounted its adapter first.
-    """
-    from .server_progress import ServerProgress
-
-    adapter = client.session.get_adapter("http://")
-    generate, base_url = client.generate, client.base_url.rstrip("/")
-
-    def metrics() -> str | None:
-        answer = requests.get(f"{base_url}/metrics", timeout=min(timeout, 10.0))
-        return answer.text if answer.status_code == 200 else None
-
-    stalled: list[str] = []
-    progress = ServerProgress(base_url, timeout, metrics, lambda message: (stalled.append(message), adapter.abort()))
-
-    def watched(*args: Any, **kwargs: Any) -> Any:
-        bounded, adapter.default_timeout = adapter.default_timeout, (timeout, None)  # connect bounded, reads not
-        stalled.clear()
-        progress.begin()
-        try:
-            return generate(*args, **kwargs)
-        except Exception as exc:
-            if stalled:
-                raise VLLMServerError(f"POST {base_url}/v1/completions: {stalled[0]}") from exc
-            raise
-        finally:
-            progress.end()
-            adapter.default_timeout = bounded
-
-    client.generate = watched
-    client.generation_progress = progress
 
 
 def abort_requests(backend: Any) -> int:
@@ -246,7 +209,7 @@ def make_shared_storage_backend(
                 wait_until_healthy(base_url, self.server_timeout)  # TRL's own first check has no per-request timeout
                 self.vllm_client = VLLMClient(base_url=base_url, connection_timeout=self.server_timeout)
                 add_timeouts(self.vllm_client, timeout)
-                watch_generation(self.vllm_client, timeout)
+                watch_generation(self.vllm_client, timeout, VLLMServerError)
                 self.vllm_client.get_server_info()  # fails with a clear message when the server is not in dev mode
                 generate = self.vllm_client.generate
                 self.vllm_client.generate = lambda *args, **kwargs: self.recovering(lambda: generate(*args, **kwargs))
@@ -351,7 +314,7 @@ def make_timeout_backend(timeout: float) -> type:
             super()._init_vllm()
             if self.mode == "server" and self.accelerator.is_main_process:
                 add_timeouts(self.vllm_client, timeout)
-                watch_generation(self.vllm_client, timeout)
+                watch_generation(self.vllm_client, timeout, VLLMServerError)
 
     return TimeoutVLLMGeneration
 
