@@ -26,6 +26,10 @@ the other requests whose wall-clock span overlapped the target's (evidence that 
     python benchmarks/batch_invariance.py                                  # the default server, one table
     python benchmarks/batch_invariance.py --extra-server-args="--no-enable-chunked-prefill" --batch-invariant
     python benchmarks/batch_invariance.py --configs                        # 6 server configurations, ~2 minutes
+    python benchmarks/batch_invariance.py --quick --server http://127.0.0.1:8000   # 2 conditions, a running server
+
+`--server URL` measures a server that is already running (e.g. tests/test_vllm.py's) instead of starting one;
+`--quick` sends only the first two conditions (alone again, beside 1 other): the suite's check, in seconds.
 
 `--configs` runs, one server at a time: default; `--no-enable-prefix-caching`; `--no-enable-chunked-prefill`;
 `VLLM_BATCH_INVARIANT=1`; all three together; the two flags without the variable. The server's death is a result,
@@ -144,8 +148,10 @@ def last_lines(path: Path, count: int = 3) -> str:
     return " / ".join(lines[-count:])[-600:]
 
 
-def root_cause(path: Path) -> str | None:
+def root_cause(path: Path | None) -> str | None:
     """The exception that killed the engine, from the server log (the last line of its traceback), if any."""
+    if path is None:  # a server started elsewhere: its log is not ours to read
+        return None
     cause = re.search(
         r"EngineCore encountered a fatal error\.(?:.*\n)*?.*\] (\w+(?:Error|Exception): [^\n]*)",
         path.read_text(errors="replace"),
@@ -153,12 +159,39 @@ def root_cause(path: Path) -> str | None:
     return cause.group(1).strip() if cause else None
 
 
-class Server:
+class RunningServer:
+    """A vLLM server someone else started (`--server`): measured, never started or stopped here."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+        self.log: Path | None = None
+
+    def alive(self) -> bool:
+        """It answers /health (after an engine crash the API server answers 500, then exits)."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                return response.status == 200
+        except OSError:
+            return False
+
+    def wait_healthy(self, seconds: float) -> None:
+        if not self.alive():
+            raise RuntimeError(f"the server at {self.url} does not answer /health")
+
+    def model_name(self) -> str:
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
+            return json.load(response)["data"][0]["id"]
+
+    def stop(self) -> None:
+        pass
+
+
+class Server(RunningServer):
     """`vllm serve` in its own process group; `stop()` ends the group (engine core included)."""
 
     def __init__(self, venv: Path, model: str, extra_args: list[str], extra_env: dict[str, str], log: Path) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         self.log = log
         command = [
             str(venv / "bin" / "vllm"),
@@ -183,14 +216,8 @@ class Server:
             )
 
     def alive(self) -> bool:
-        """The process runs and answers /health (after an engine crash the API server answers 500, then exits)."""
-        if self.process.poll() is not None:
-            return False
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                return response.status == 200
-        except OSError:
-            return False
+        """The process runs and answers /health."""
+        return self.process.poll() is None and super().alive()
 
     def wait_healthy(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -201,10 +228,6 @@ class Server:
                 raise RuntimeError(f"server exited with {self.process.returncode}: {last_lines(self.log)}")
             time.sleep(0.5)
         raise RuntimeError(f"server not healthy after {seconds:.0f} s: {last_lines(self.log)}")
-
-    def model_name(self) -> str:
-        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=10) as response:
-            return json.load(response)["data"][0]["id"]
 
     def stop(self) -> None:
         with contextlib.suppress(ProcessLookupError):
@@ -397,14 +420,18 @@ class ConfigResult:
     crash: str | None = None  # the engine's fatal exception, if it died
 
 
-def measure(server: Server, target: Request, others: list[Request], timeout: float) -> tuple[list[Comparison], Group]:
-    """Every condition against the first `alone` run (the reference); returns the rows and the reference."""
+def measure(
+    server: RunningServer, target: Request, others: list[Request], timeout: float, quick: bool = False
+) -> tuple[list[Comparison], Group]:
+    """Every condition (`quick`: the first two) against the first `alone` run (the reference); returns the rows and
+    the reference."""
     model = server.model_name()
     reference = send_concurrently(server.url, model, [target], timeout)[0]
     if reference.error is not None:
         raise RuntimeError(f"reference request failed: {reference.error}")
     rows = []
-    for condition, (requests, index) in conditions(target, others).items():
+    measured = list(conditions(target, others).items())
+    for condition, (requests, index) in measured[:2] if quick else measured:
         if not server.alive():
             rows.append(Comparison(condition, None, float("nan"), 0, None, 0, "server dead"))
             continue
@@ -429,15 +456,21 @@ def run_config(
     target: Request,
     others: list[Request],
 ) -> ConfigResult:
-    """Start a server with these flags and environment, measure every condition, print the table, stop it."""
-    log = Path(args.work) / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
+    """Start a server with these flags and environment (or take `--server`'s), measure every condition, print the
+    table, stop it."""
+    log: Path | None = Path(args.work) / f"server-{''.join(c if c.isalnum() else '_' for c in name)}.log"
     description = " ".join([*extra_args, *(f"{key}={value}" for key, value in extra_env.items())]) or "(none)"
+    if args.server:
+        description, log = f"the running server at {args.server}", None
     print(f"\n### {name}\n\nextra server flags/env: `{description}`; server log: {log}\n", flush=True)
     started = time.monotonic()
-    server = Server(Path(args.vllm_venv), model, extra_args, extra_env, log)
+    if args.server:
+        server = RunningServer(args.server)
+    else:
+        server = Server(Path(args.vllm_venv), model, extra_args, extra_env, log)
     try:
         server.wait_healthy(args.startup_timeout)
-        rows, reference = measure(server, target, others, args.request_timeout)
+        rows, reference = measure(server, target, others, args.request_timeout, args.quick)
     except (RuntimeError, OSError, ValueError, KeyError) as error:
         crash = root_cause(log)
         print(f"FAILED: {error}" + (f"\n\nthe engine died: {crash}" if crash else ""), flush=True)
@@ -446,7 +479,8 @@ def run_config(
         server.stop()
     seconds, crash = time.monotonic() - started, root_cause(log)
     lengths = [len(tokens) for tokens in reference.tokens]
-    print(f"reference: target alone, completions of {lengths} tokens; {seconds:.0f} s with server start\n")
+    start = "" if args.server else " with server start"
+    print(f"reference: target alone, completions of {lengths} tokens; {seconds:.0f} s{start}\n")
     print(table(rows))
     if crash:
         print(f"\nthe engine died: {crash}")
@@ -501,6 +535,8 @@ def build_model(work: Path) -> str:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", action="store_true", help="run every configuration of CONFIGS, one at a time")
+    parser.add_argument("--quick", action="store_true", help="the first two conditions only: a check in seconds")
+    parser.add_argument("--server", default=None, metavar="URL", help="measure this running server, start none")
     parser.add_argument(
         "--extra-server-args",
         default="",
@@ -520,13 +556,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.server and (args.configs or args.extra_server_args or args.batch_invariant or args.env):
+        raise SystemExit(
+            "--server measures a running server: --configs, --extra-server-args, --batch-invariant and --env set up "
+            "a server this script starts; drop them, or drop --server"
+        )
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    model = args.model or build_model(work)
+    model = args.model or ("the running server's" if args.server else build_model(work))
     target, others = build_requests(args.prompt_len)
     python = str(Path(args.vllm_venv) / "bin" / "python")
-    version = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
-    print(f"# Batch invariance of seeded sampling: vLLM {version.stdout.strip() or '?'} (CPU), model {model}")
+    if args.server:  # the server says (importing vLLM takes longer than the quick form)
+        with urllib.request.urlopen(f"{args.server.rstrip('/')}/version", timeout=10) as response:
+            version = json.load(response).get("version", "?")
+    else:
+        answer = subprocess.run([python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True, text=True)
+        version = answer.stdout.strip()
+    print(f"# Batch invariance of seeded sampling: vLLM {version or '?'} (CPU), model {model}")
     print(
         f"target: prompt of {len(target.prompt)} ids, n={target.n}, seed={target.seed}, "
         f"max_tokens={target.max_tokens}; {len(others)} others: n={GROUP_SIZE}, prompts of 16-300 ids, "

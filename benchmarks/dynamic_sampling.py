@@ -24,20 +24,21 @@ step, discarded groups per step, carried-in groups per step, and the carried bac
 generated and kept but not trained yet).
 
 Table 2 times, with `time.perf_counter` in a `DAPOTrainer` subclass, per optimizer step: the whole
-`_generate_with_dynamic_sampling` call, the time inside `_score_round`, and inside that the time in TRL's own
-`GRPOTrainer._generate_and_score_completions` (generation + rewards + advantages). `bookkeeping` = total -
-`_score_round` time: gathering rows, keep decisions, drawing fresh prompts, concatenating / cutting the batch,
+`DAPOTrainer._generate_and_score_completions` call (dynamic sampling), the time inside `_score_round`, and inside that
+the time in TRL's own `GRPOTrainer._generate_and_score_completions` (generation + rewards + advantages). `bookkeeping` =
+total - `_score_round` time: gathering rows, keep decisions, drawing fresh prompts, concatenating / cutting the batch,
 carrying surplus, logging. `carry log-probs` = `_score_round` - TRL time: the extra forward pass that stores the
 behaviour policy's log-probs when surplus is carried (DAPO's own work, not bookkeeping). The step time is TRL's
-`step_time` metric from `log_history` (generation + scoring + forward/backward of the optimizer step). Reported:
-medians over all steps of all runs of a (p, mode), after one untimed warm-up run; `share` is the median of the
-per-step ratios bookkeeping / step_time.
+`step_time` metric from `log_history` (generation + scoring + forward/backward of the optimizer step). Reported: medians
+over all steps of all runs of a (p, mode), after one untimed warm-up run; `share` is the median of the per-step ratios
+bookkeeping / step_time.
 
 With 10 steps a run sees only 50 to 200 groups, so the measured keep rate can be a few points off p (the ideal
 columns give both); `--steps 50` brings it within about 0.01. Run from the repository root (about 25 s on 2 idle
 CPU cores with the defaults, about 80 s with `--steps 50`):
 
     python benchmarks/dynamic_sampling.py
+    python benchmarks/dynamic_sampling.py --quick   # keep rate 0.5, discard and carry, 1 step, no warm-up: a check
     python benchmarks/dynamic_sampling.py --steps 20 --keep-rates 0.5 0.1 --no-oversample
 """
 
@@ -84,12 +85,17 @@ METRIC_NAMES = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="keep rate 0.5, no over-sampling, 1 step, 40 prompts, no warm-up run"
+    )
     parser.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
     parser.add_argument("--keep-rates", type=float, nargs="+", default=[0.9, 0.5, 0.2], help="shares of mixed prompts")
     parser.add_argument("--dataset-size", type=int, default=400, help="prompts in each shuffled dataset")
     parser.add_argument("--no-oversample", action="store_true", help="skip the filter_groups_oversample=3 runs")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.keep_rates, args.dataset_size, args.no_oversample = 1, [0.5], 40, True
     if args.steps < 1:
         parser.error("--steps must be >= 1")
     if any(not 0.0 < p <= 1.0 for p in args.keep_rates):
@@ -136,21 +142,22 @@ class TimedDAPOTrainer(DAPOTrainer, _TRLScoringTimer):
         self.sampling_timings: list[dict[str, float]] = []
         super().__init__(*args, **kwargs)
 
-    def _generate_with_dynamic_sampling(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        """DAPO's dynamic sampling (every round scored through `_score_round`), once per generation batch."""
         self._trl_seconds = 0.0
         self._score_round_seconds = 0.0
         start = time.perf_counter()
-        output = super()._generate_with_dynamic_sampling(inputs)
+        output = super()._generate_and_score_completions(inputs)
         total = time.perf_counter() - start
         self.sampling_timings.append(
             {"total": total, "score_round": self._score_round_seconds, "trl": self._trl_seconds}
         )
         return output
 
-    def _score_round(self, round_inputs: list[dict[str, Any]]) -> dict[str, Any]:
+    def _score_round(self, round_inputs: list[dict[str, Any]], *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
         try:
-            return super()._score_round(round_inputs)
+            return super()._score_round(round_inputs, *args, **kwargs)
         finally:
             self._score_round_seconds += time.perf_counter() - start
 
@@ -267,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(build_tiny_model())
     data_by_rate = {p: difficulty_dataset(p, args.dataset_size) for p in args.keep_rates}
     # One short untimed run first, so one-off process warm-up (lazy imports, allocator) hits no timed run.
-    run_once(model_path, data_by_rate[args.keep_rates[0]], 2, {})
+    if not args.quick:
+        run_once(model_path, data_by_rate[args.keep_rates[0]], 2, {})
 
     results: list[tuple[float, str, dict[str, Any]]] = []
     for p in args.keep_rates:
@@ -303,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("### 2. Bookkeeping overhead (medians over steps)\n")
     print(
-        "| p (nominal) | mode | rounds / step | `_generate_with_dynamic_sampling` (ms) | TRL generate+score (ms) "
+        "| p (nominal) | mode | rounds / step | DAPO `_generate_and_score_completions` (ms) | TRL generate+score (ms) "
         "| carry log-probs (ms) | bookkeeping (ms) | bookkeeping / round (ms) | step_time (ms) "
         "| bookkeeping share of step | max share |"
     )
@@ -311,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     for p, mode, run in results:
         print(overhead_row(p, mode, run))
     print(
-        "\nbookkeeping = `_generate_with_dynamic_sampling` - time inside `_score_round`; carry log-probs = "
+        "\nbookkeeping = DAPO's `_generate_and_score_completions` - time inside `_score_round`; carry log-probs = "
         "`_score_round` - TRL's `_generate_and_score_completions`; step_time = TRL's `step_time` metric."
     )
     print(f"\ntotal wall time {time.perf_counter() - started:.1f} s")

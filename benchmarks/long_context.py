@@ -24,6 +24,7 @@ long row. On CPU the child processes run with a fixed glibc mmap threshold so th
 Run from the repository root:
 
     python benchmarks/long_context.py                                           # CPU, scaled down
+    python benchmarks/long_context.py --quick                 # tiny model, 128 tokens, 1 step: the suite's check
     python benchmarks/long_context.py --sp-split                                # SP memory split, 2 CPU processes
     python benchmarks/long_context.py --device cuda --model qwen2.5-1.5b --dtype bf16 \\
         --lengths 2048 4096 8192 16384 32768 65536 --attn flash_attention_2      # one GPU: the curve at SP 1
@@ -32,6 +33,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -185,7 +187,8 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def curve(args: argparse.Namespace, work: Path) -> None:
+def curve(args: argparse.Namespace, work: Path) -> bool:
+    """The memory / throughput table; False when a run failed other than by running out of memory."""
     print(
         f"device={args.device} model={args.model} dtype={args.dtype} attention={args.attn} rows={args.rows} "
         f"steps={args.steps} activation checkpointing=on"
@@ -196,6 +199,7 @@ def curve(args: argparse.Namespace, work: Path) -> None:
     )
     print("|---|---|---|---|---|---|---|")
     longest = dict.fromkeys(TRAINERS, 0)
+    failed = False
     for length in args.lengths:
         peaks = {}
         for trainer_name in TRAINERS:
@@ -210,16 +214,21 @@ def curve(args: argparse.Namespace, work: Path) -> None:
                 "checkpointing": True,
                 "attn": args.attn,
             }
-            env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
-            done = subprocess.run(
-                [sys.executable, __file__, "--run-one", trainer_name], env=env, capture_output=True, text=True
-            )
-            lines = done.stdout.strip().splitlines()
-            if done.returncode != 0 or not lines:
-                oom = "out of memory" in done.stderr.lower() or done.returncode in (-9, 137)
-                print(f"| {length} | {trainer_name} | {'OOM' if oom else 'failed: ' + done.stderr[-200:]} |")
-                continue
-            result = json.loads(lines[-1])
+            if args.quick:  # every run in this process: one interpreter start, memory columns not per run
+                with contextlib.redirect_stdout(sys.stderr):  # TRL's per-step log lines
+                    result = run_one(trainer_name, options)
+            else:
+                env = {**os.environ, "LONG_CONTEXT_OPTIONS": json.dumps(options), **LIVE_RSS}
+                done = subprocess.run(
+                    [sys.executable, __file__, "--run-one", trainer_name], env=env, capture_output=True, text=True
+                )
+                lines = done.stdout.strip().splitlines()
+                if done.returncode != 0 or not lines:
+                    oom = "out of memory" in done.stderr.lower() or done.returncode in (-9, 137)
+                    print(f"| {length} | {trainer_name} | {'OOM' if oom else 'failed: ' + done.stderr[-200:]} |")
+                    failed = failed or not oom
+                    continue
+                result = json.loads(lines[-1])
             if result["oom"]:
                 print(f"| {length} | {trainer_name} | OOM | | | | |", flush=True)
                 continue
@@ -233,9 +242,13 @@ def curve(args: argparse.Namespace, work: Path) -> None:
                 flush=True,
             )
     print("longest response trained: " + ", ".join(f"{name} {tokens}" for name, tokens in longest.items()))
+    if args.quick:
+        print("(--quick: every run in one process, so the memory columns are not each run's own)")
+    return not failed
 
 
-def sp_split(args: argparse.Namespace, work: Path) -> None:
+def sp_split(args: argparse.Namespace, work: Path) -> bool:
+    """The SP 1 vs 2 memory table; False when a launch failed."""
     length = args.sp_length
     print(
         f"DAPOTrainer, 2 gloo CPU processes, one row of {length} response tokens per process, model={args.model}, "
@@ -252,7 +265,7 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
     )
     print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|")
-    rises = {}
+    rises, failed = {}, False
     for size in (1, 2):
         out = work / f"sp{size}"
         out.mkdir(parents=True, exist_ok=True)
@@ -295,6 +308,7 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             print(f"| {size} | failed: {done.stderr.strip()[-400:]} |")
+            failed = True
             continue
         for rank in range(2):
             result = json.loads((out / f"rank{rank}.json").read_text())
@@ -312,10 +326,16 @@ def sp_split(args: argparse.Namespace, work: Path) -> None:
             f"sequence parallelism: per process, SP 2 keeps {kept[1] / kept[0]:.2f}x the activations of SP 1 "
             f"(forward peak {forward[1] / forward[0]:.2f}x, with backward {step[1] / step[0]:.2f}x)"
         )
+    return not failed
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="the tiny model, 128 tokens, 1 step, in this process (--sp-split: 256 tokens): a check, no figure",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=("tiny", *MODELS), default="cpu-mid")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -328,6 +348,8 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for models and outputs (default: a temp dir)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.model, args.lengths, args.steps, args.sp_length = "tiny", [128], 1, 256
     if args.run_one:
         options = json.loads(os.environ["LONG_CONTEXT_OPTIONS"])
         result = run_one(args.run_one, options)
@@ -336,13 +358,10 @@ def main() -> None:
             (Path(options["out"]) / f"rank{rank}.json").write_text(json.dumps(result))
         else:
             print(json.dumps(result))
-        return
+        return 0
     work = Path(args.work or tempfile.mkdtemp(prefix="long-context-bench-"))
-    if args.sp_split:
-        sp_split(args, work)
-    else:
-        curve(args, work)
+    return 0 if (sp_split(args, work) if args.sp_split else curve(args, work)) else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,6 +17,7 @@ for the tiny MoE and for real geometries, against the 8 bytes per token a rollou
 what one DAPO-scale generation batch (512 prompts x 16 completions x 20k tokens) then carries.
 
     python benchmarks/moe.py [--rows 16] [--tokens 96] [--repeats 5] [--rounds 2]
+    python benchmarks/moe.py --quick    # 4 rows x 32 tokens, once, every configuration in this process: a check
 """
 
 from __future__ import annotations
@@ -119,6 +120,9 @@ def worker(config: str, rows: int, tokens: int, repeats: int, cache: str) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--quick", action="store_true", help="4 rows x 32 tokens, 1 repeat, 1 round, in this process: a check"
+    )
     parser.add_argument("--rows", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=5)
@@ -126,6 +130,8 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.rows, args.tokens, args.repeats, args.rounds = 4, 32, 1, 1
     if args.worker:
         print(json.dumps(worker(args.worker, args.rows, args.tokens, args.repeats, args.cache)))
         return
@@ -139,10 +145,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as cache:
         for _ in range(args.rounds):
             for config in CONFIGS:
-                command = [sys.executable, __file__, "--worker", config, "--cache", cache]
-                command += ["--rows", str(args.rows), "--tokens", str(args.tokens), "--repeats", str(args.repeats)]
-                answer = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
-                result = json.loads(answer[-1])
+                if args.quick:  # one interpreter start for all: peak memory is then not each configuration's own
+                    result = worker(config, args.rows, args.tokens, args.repeats, cache)
+                else:
+                    command = [sys.executable, __file__, "--worker", config, "--cache", cache]
+                    command += ["--rows", str(args.rows), "--tokens", str(args.tokens)]
+                    command += ["--repeats", str(args.repeats)]
+                    answer = subprocess.run(command, capture_output=True, text=True, check=True).stdout.splitlines()
+                    result = json.loads(answer[-1])
                 best = results.get(config)
                 if best is None or result["tokens_per_second"] > best["tokens_per_second"]:
                     results[config] = result
@@ -155,6 +165,8 @@ def main() -> None:
             f"| {config:<22} | {result['parameters']:>10,} | {result['tokens_per_second']:>8,.0f} | "
             f"{result['tokens_per_second'] / dense:>8.2f} | {result['peak_rss_mib']:>12.0f} | {cuda:>13} |"
         )
+    if args.quick:
+        print("(--quick: every configuration in one process, so peak memory is not each one's own)")
     print("\nrouting replay's payload (expert index + 1 per decoder layer and routed expert, 0 = not recorded)\n")
     print("| model            | layers x top-k (experts) | bytes/token | vs ids + log-probs (8 B) | per DAPO batch |")
     print("|------------------|--------------------------|------------:|-------------------------:|---------------:|")

@@ -3,10 +3,10 @@
 What is measured
 ----------------
 Both trainers train the built-in tiny Qwen2 model (`dapo_trl.tiny_model.build_tiny_model`) on
-`make_arithmetic_dataset(num_problems=512, seed=0)` with the `dapo_math_reward` reward and the same settings
-(batch 16, 4 generations per prompt, 32 completion tokens, fp32 on CPU, no checkpointing, fixed seed).
-`GRPOTrainer` gets a `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28`, `weight_decay=0.1` and
-DAPOConfig's `use_cpu`, so its loss, optimizer and device settings are the same as DAPO's (the script checks that
+`make_arithmetic_dataset(num_problems=512, seed=0)` with the `dapo_math_reward` reward and the same settings (batch 16,
+4 generations per prompt, 32 completion tokens, fp32 on CPU, no checkpointing, fixed seed). `GRPOTrainer` gets a
+`trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28`, `weight_decay=0.1` and DAPOConfig's `use_cpu` and
+`max_tool_calling_iterations`, so its loss, optimizer and device settings are the same as DAPO's (the script checks that
 no shared field differs); `DAPOTrainer` gets a `DAPOConfig` with its defaults, so the soft overlong penalty reward
 column and the exact per-step token denominator are on: that is the extra per-step work being measured.
 The one exception is dynamic sampling (`filter_groups_enable`, on by default), which is turned off: it generates
@@ -42,6 +42,7 @@ also gives the ratio over the GRPO/DAPO pairs that ran on an idle machine. Rerun
 Run from the repository root (under a minute on 2 idle CPU cores with the defaults):
 
     python benchmarks/overhead.py
+    python benchmarks/overhead.py --quick   # 1 run of 2 steps each, 8 tokens, no warm-up runs: a check, no figure
     python benchmarks/overhead.py --steps 16 --repeats 5 --batch-size 32
 """
 
@@ -83,6 +84,9 @@ GOAL_RATIO = 1.03
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--quick", action="store_true", help="1 run of 2 steps per trainer, 8 tokens, no warm-up runs: a check"
+    )
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run (first one is warm-up)")
     parser.add_argument("--repeats", type=int, default=10, help="runs of each trainer, interleaved")
     parser.add_argument("--batch-size", type=int, default=16, help="per_device_train_batch_size (completions)")
@@ -97,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--threads", type=int, default=None, help="torch.set_num_threads (default: leave torch's default)"
     )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.max_completion_length = 2, 1, 8
     if args.steps < 2:
         parser.error("--steps must be >= 2 (the first step of each run is skipped as warm-up)")
     if args.repeats < 1:
@@ -124,8 +130,16 @@ def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOCon
     if kind == "DAPO":
         return dapo
     # Same loss kind and optimizer work as DAPOConfig's defaults (token-level loss, clip-higher, weight decay), and
-    # the same device settings (DAPOConfig sets use_cpu, hence no pinned memory, on machines without a GPU).
-    return GRPOConfig(**common, loss_type="dapo", epsilon_high=0.28, weight_decay=0.1, use_cpu=dapo.use_cpu)
+    # the same device settings (DAPOConfig sets use_cpu, hence no pinned memory, on machines without a GPU), and
+    # DAPOConfig's tool-turn cap (no tools here: it changes nothing, but the configs then differ in nothing).
+    return GRPOConfig(
+        **common,
+        loss_type="dapo",
+        epsilon_high=0.28,
+        weight_decay=0.1,
+        use_cpu=dapo.use_cpu,
+        max_tool_calling_iterations=dapo.max_tool_calling_iterations,
+    )
 
 
 def config_differences(args: argparse.Namespace) -> list[str]:
@@ -295,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, Any]]] = {"GRPO": [], "DAPO": []}
     # One short untimed run of each first, so one-off process warm-up (lazy imports, allocator) hits neither.
     warmup = argparse.Namespace(**{**vars(args), "steps": 2})
-    for kind in ("GRPO", "DAPO"):
+    for kind in () if args.quick else ("GRPO", "DAPO"):
         run_once(kind, model_path, dataset, warmup)
 
     load_before = os.getloadavg()[0]

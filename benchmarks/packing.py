@@ -22,6 +22,7 @@ peak memory is the process's peak RSS on CPU (each configuration runs in its own
 Run from the repository root:
 
     python benchmarks/packing.py                                   # CPU, built-in tiny model, L_max 512
+    python benchmarks/packing.py --quick           # L_max 64, long tail, 2 steps, in this process: the suite's check
     python benchmarks/packing.py --device cuda --model qwen2.5-0.5b --max-lengths 4096 16384 --dtype bf16 \\
         --mixes long-tail --batch 8 --accumulation 2 --gradient-checkpointing
 """
@@ -29,6 +30,7 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -150,8 +152,13 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="L_max 64, the long tail only, 8 rows, 2 steps, every run in this process: a check, no figure",
+    )
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=("tiny", "qwen2.5-0.5b"), default="tiny")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
@@ -166,9 +173,11 @@ def main() -> None:
     parser.add_argument("--work", default=None, help="folder for models and outputs (default: a temp dir)")
     parser.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quick:
+        args.max_lengths, args.mixes, args.batch, args.accumulation, args.steps = [64], ["long-tail"], 8, 1, 2
     if args.run_one:
         print(json.dumps(run_one(args.run_one, json.loads(os.environ["PACKING_BENCH_OPTIONS"]))))
-        return
+        return 0
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-bench-"))
     layout = f"batch={args.batch} x accumulation={args.accumulation}, steps_per_generation={2 * args.accumulation}"
     print(
@@ -188,6 +197,7 @@ def main() -> None:
     )
     print("| " + " | ".join(columns) + " |")
     print("|---|---|---|---|---|---|---|---|---|")
+    failed = False
     for max_length in args.max_lengths:
         for mix in args.mixes:
             baseline = None
@@ -206,13 +216,18 @@ def main() -> None:
                     "gradient_checkpointing": args.gradient_checkpointing,
                     "attn": args.attn,
                 }
-                env = {**os.environ, "PACKING_BENCH_OPTIONS": json.dumps(options)}
-                command = [sys.executable, __file__, "--run-one", trainer_name]
-                done = subprocess.run(command, env=env, capture_output=True, text=True)
-                if done.returncode != 0:
-                    print(f"| {max_length} | {mix} | {trainer_name} | failed: {done.stderr.strip()[-300:]} |")
-                    continue
-                result = json.loads(done.stdout.strip().splitlines()[-1])
+                if args.quick:  # every run in this process: one interpreter start, peak memory not per run
+                    with contextlib.redirect_stdout(sys.stderr):  # TRL's per-step log lines
+                        result = run_one(trainer_name, options)
+                else:
+                    env = {**os.environ, "PACKING_BENCH_OPTIONS": json.dumps(options)}
+                    command = [sys.executable, __file__, "--run-one", trainer_name]
+                    done = subprocess.run(command, env=env, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        print(f"| {max_length} | {mix} | {trainer_name} | failed: {done.stderr.strip()[-300:]} |")
+                        failed = True
+                        continue
+                    result = json.loads(done.stdout.strip().splitlines()[-1])
                 baseline = baseline or result["step_time"]
                 print(
                     f"| {max_length} | {mix} | {trainer_name} | {result['fed_per_real']:.2f} | "
@@ -221,7 +236,10 @@ def main() -> None:
                     f"{result['peak_mb']:.0f} |",
                     flush=True,
                 )
+    if args.quick:
+        print("(--quick: every run in one process, so peak MB is not each run's own)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

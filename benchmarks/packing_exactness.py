@@ -6,6 +6,7 @@ DAPOTrainer packs for it (bins as wide as the longest row for sdpa / eager, one 
 table gives the largest and mean absolute difference over the scored completion tokens.
 
     python benchmarks/packing_exactness.py                     # CPU, built-in tiny model, sdpa and eager, fp32
+    python benchmarks/packing_exactness.py --quick             # sdpa only: the suite's check
     python benchmarks/packing_exactness.py --device cuda --model qwen2.5-0.5b --attn sdpa flex_attention eager
 """
 
@@ -30,11 +31,14 @@ ROWS = [(64, 1024), (10, 5), (33, 700), (1, 300), (50, 1), (20, 90)]  # (prompt,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="sdpa only (as --attn sdpa): a check in seconds")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--model", choices=("tiny", "qwen2.5-0.5b"), default="tiny")
     parser.add_argument("--attn", nargs="+", default=["sdpa", "eager"])
     parser.add_argument("--work", default=None)
     args = parser.parse_args()
+    if args.quick:
+        args.attn = ["sdpa"]
     work = Path(args.work or tempfile.mkdtemp(prefix="packing-exactness-"))
     path, _ = build_model(args.model, work, "fp32")
     width_prompt, width_completion = max(p for p, _ in ROWS), max(c for _, c in ROWS)

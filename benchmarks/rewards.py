@@ -27,6 +27,7 @@ plain math-verify's (they differ where plain math-verify has the pitfalls the po
 Run from the repository root (about 1.5 min on 2 idle CPU cores with the defaults):
 
     python benchmarks/rewards.py
+    python benchmarks/rewards.py --quick     # 64 responses, no tower: the suite's check, seconds
     python benchmarks/rewards.py --n 1024 --towers 2
 """
 
@@ -166,11 +167,14 @@ def _row(name: str, elapsed: float, seconds: list[float], base: float, agree: fl
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="64 responses, no power tower: a check, no figure")
     parser.add_argument("--n", type=int, default=4096, help="responses in the batch")
     parser.add_argument("--towers", type=int, default=4, help="pathological power towers among them")
     parser.add_argument("--workers", type=int, default=None, help="workers of the parallel pool (default: CPUs)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.quick:
+        args.n, args.towers = 64, 0
     logging.disable(logging.WARNING)  # math-verify's and the pool's per-timeout warnings; the table counts them
     workers = args.workers or default_num_workers()
 

