@@ -78,6 +78,15 @@ def token_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
     return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
+def token_entropies(model, batch) -> torch.Tensor:
+    """An independent forward: the entropy of the plain model's next-token distribution at each completion token."""
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    prompt_len = batch["prompt_ids"].size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_len - 1 : -1].float()
+    return -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+
+
 def library_objective(logps, batch, clip_ratio_c=None) -> torch.Tensor:
     """verl's DAPO objective: its vanilla loss with dual-clip, averaged over the batch's loss tokens."""
     old, advantages = batch["old_per_token_logps"], batch["advantages"]
@@ -188,8 +197,9 @@ def whole_batch_loss(loss_type: str, logps, batch, settings: dict) -> torch.Tens
 def test_loss_on_two_processes_is_the_library_objective(tmp_path):
     """Each process's loss on its half of one batch, normalised by every process's tokens (Eq. 11): their mean (DDP
     averages the gradients) is the objective over the whole batch, padded and packed, at temperature 1 and 0.7. And
-    every registered loss, each half cut into token-budget passes: passes and processes give the whole batch's loss
-    on one process."""
+    every registered loss with an entropy bonus, each half cut into token-budget passes (their row counts evened out
+    across processes by masked rows): passes and processes give the whole batch's loss on one process, less the mean
+    of each process's bonus (coef x its half's mean entropy)."""
     import importlib.util
 
     run_command(python_command(LOSS_SCRIPT, str(tmp_path), num_processes=2))
@@ -202,6 +212,7 @@ def test_loss_on_two_processes_is_the_library_objective(tmp_path):
     from dapo_trl.algorithm.losses import POLICY_LOSSES
 
     budget_cases = sorted(f"budget-{name}" for name in POLICY_LOSSES)
+    halves = (slice(0, ROWS // 2), slice(ROWS // 2, None))
     assert sorted(losses[0]) == sorted(["packed-t0.7", "packed-t1.0", "padded-t0.7", "padded-t1.0", *budget_cases])
     for case in losses[0]:
         temperature = float(case.split("-t")[1]) if "-t" in case else 1.0
@@ -212,11 +223,13 @@ def test_loss_on_two_processes_is_the_library_objective(tmp_path):
                 loss_type = case.removeprefix("budget-")
                 settings = loss_run.LOSS_SETTINGS.get(loss_type, {})
                 if loss_type == "bnpo":  # by TRL's definition a token mean per process: the processes' mean of it
-                    halves = (slice(0, ROWS // 2), slice(ROWS // 2, None))
                     parts = [(logps[h], {key: value[h] for key, value in batch.items()}) for h in halves]
                     expected = sum(whole_batch_loss("bnpo", *part, settings) for part in parts) / 2
                 else:
                     expected = whole_batch_loss(loss_type, logps, batch, settings)
+                entropies, mask = token_entropies(model, batch), batch["completion_mask"].float()
+                bonus = sum((entropies[h] * mask[h]).sum() / mask[h].sum() for h in halves) / 2
+                expected = expected - loss_run.ENTROPY_COEF * bonus
             else:
                 expected = library_objective(logps, batch, clip_ratio_c=1.5)
         got = (losses[0][case] + losses[1][case]) / 2

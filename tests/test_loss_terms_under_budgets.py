@@ -13,6 +13,7 @@ from datasets import Dataset
 from dapo_trl import DAPOTrainer
 from dapo_trl.algorithm.losses import POLICY_LOSSES
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.training.batching import FILLER_ROWS
 from dapo_trl.training.policy_loss import PolicyLossStep
 
 from .helpers import tiny_config
@@ -73,11 +74,10 @@ def fixed_batch(model) -> dict:
     return batch
 
 
-def optimizer_step(trainer: DAPOTrainer, micro_batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
-    """One optimizer step's backward passes as `Trainer.training_step` runs them (gradients synced on the last
-    micro-batch only): the summed loss and the accumulated gradient."""
-    trainer.current_gradient_accumulation_steps = len(micro_batches)
-    planned = trainer._planner.plan([dict(batch) for batch in micro_batches])
+def optimizer_step(trainer: DAPOTrainer, planned: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    """One optimizer step over its planned micro-batches as `Trainer.training_step` runs them (gradients synced on
+    the last micro-batch only): the summed loss and the accumulated gradient."""
+    trainer.current_gradient_accumulation_steps = len(planned)
     state = trainer.accelerator.gradient_state
     total = 0.0
     for index, batch in enumerate(planned):
@@ -96,12 +96,19 @@ def split_and_whole(tmp_path, model_dir: str, **settings) -> list[tuple[DAPOTrai
     return [budget_run(tmp_path, model_dir, budget, **settings) for budget in (None, BUDGET)]
 
 
-def budget_run(tmp_path, model_dir: str, budget: int | None, **settings) -> tuple[DAPOTrainer, float, dict]:
-    trainer = trainer_for(tmp_path / str(budget), model_dir, budget, **settings)
+def budget_run(
+    tmp_path, model_dir: str, budget: int | None, fillers: int = 0, **settings
+) -> tuple[DAPOTrainer, float, dict]:
+    """One optimizer step on `fixed_batch`; `fillers`: as many more passes than the budget needs, each a masked row
+    (what a process runs when another needs more passes: `batching.split_for_budget`)."""
+    trainer = trainer_for(tmp_path / f"{budget}-{fillers}", model_dir, budget, **settings)
     batch = fixed_batch(trainer.model)
     (planned,) = trainer._planner.plan([dict(batch)])
     assert (planned.get("backward_passes", 1) > 2) == (budget is not None)  # the budget really splits
-    return (trainer, *optimizer_step(trainer, [batch]))
+    if fillers:
+        planned["backward_passes"] = ROWS + fillers  # every row alone, then the fillers
+        assert sum(FILLER_ROWS in part for part in trainer._planner.parts(planned)) == fillers
+    return (trainer, *optimizer_step(trainer, [planned]))
 
 
 def assert_same_update(runs) -> None:
@@ -131,6 +138,15 @@ def test_router_aux_loss_under_a_budget_trains_the_unsplit_gradient(tmp_path, mo
     assert split_metric == pytest.approx(whole_metric, rel=1e-5)
 
 
+def test_filler_rows_add_nothing_to_the_router_loss(tmp_path, moe_dir):
+    """A pass of filler rows (a process needing fewer passes than another; under sequence parallelism, a process
+    without a row in the group's pass) feeds a token no router load counts: the micro-batch's router loss is
+    unchanged."""
+    settings = {"router_aux_loss_coef": 1.0, "entropy_coef": 0.5}
+    runs = [budget_run(tmp_path, moe_dir, budget, fillers, **settings) for budget, fillers in ((None, 0), (BUDGET, 2))]
+    assert_same_update(runs)
+
+
 def test_the_passes_own_router_losses_are_not_the_micro_batchs(tmp_path, moe_dir, monkeypatch):
     """Why each pass needs the micro-batch's router load: the passes' own load-balancing losses, even weighted by
     their share of the tokens, train the routers another gradient (and this file's aux tests can fail)."""
@@ -149,33 +165,28 @@ def test_adaptive_entropy_controller_steps_once_per_optimizer_step_under_a_budge
     delta, start = 0.01, 0.05
     settings = {"use_adaptive_entropy": True, "entropy_coef": start, "entropy_coef_delta": delta}
     settings |= {"entropy_target": 100.0, "gradient_accumulation_steps": 2}  # the tiny model is below: coef rises
-    histories = []
+    runs = []
     for budget in (None, BUDGET):
         trainer = trainer_for(tmp_path / str(budget), dense_dir, budget, **settings)
         batch = fixed_batch(trainer.model)
         halves = [
-            {key: value[rows] for key, value in batch.items() if key != "num_items_in_batch"}
-            for rows in (slice(0, ROWS // 2), slice(ROWS // 2, None))
+            {key: value[rows] for key, value in batch.items() if value.dim()} for rows in (slice(0, 4), slice(4, 8))
         ]
         for half in halves:
-            half["num_items_in_batch"] = batch["num_items_in_batch"]
-        history = []
+            half["num_items_in_batch"] = batch["num_items_in_batch"]  # the step's loss tokens
+        steps = []
         for _ in range(2):
-            loss, gradients = optimizer_step(trainer, halves)
-            history.append((loss, gradients, trainer.entropy_coef, trainer._last_world_entropy))
-        history.append(list(trainer._metrics["train"]["entropy_coef"]))
-        histories.append(history)
-    whole, split = histories
-    assert [step[2] for step in whole[:2]] == pytest.approx([start + delta, start + 2 * delta])  # once per step
-    assert whole[2] == pytest.approx([start + delta, start + 2 * delta])  # logged once per step
-    assert split[2] == pytest.approx(whole[2])
-    for (whole_loss, whole_grads, whole_coef, whole_entropy), (
-        split_loss,
-        split_grads,
-        split_coef,
-        split_entropy,
-    ) in zip(whole[:2], split[:2], strict=True):
-        assert (split_coef, split_entropy) == pytest.approx((whole_coef, whole_entropy), abs=1e-6)
-        assert split_loss == pytest.approx(whole_loss, rel=1e-5, abs=1e-6)
-        for name in whole_grads:
-            torch.testing.assert_close(split_grads[name], whole_grads[name], atol=1e-6, rtol=1e-5, msg=name)
+            loss, gradients = optimizer_step(trainer, trainer._planner.plan([dict(half) for half in halves]))
+            steps.append({"loss": loss, "coef": trainer.entropy_coef, "entropy": trainer._last_world_entropy})
+            steps[-1]["gradients"] = gradients
+        runs.append((steps, list(trainer._metrics["train"]["entropy_coef"])))
+    (whole, whole_logged), (split, split_logged) = runs
+    assert [step["coef"] for step in whole] == pytest.approx([start + delta, start + 2 * delta])  # once per step
+    assert whole_logged == pytest.approx([start + delta, start + 2 * delta])  # logged once per step
+    assert split_logged == pytest.approx(whole_logged)
+    for whole_step, split_step in zip(whole, split, strict=True):
+        assert split_step["coef"] == pytest.approx(whole_step["coef"], abs=1e-9)
+        assert split_step["entropy"] == pytest.approx(whole_step["entropy"], rel=1e-6)
+        assert split_step["loss"] == pytest.approx(whole_step["loss"], rel=1e-5, abs=1e-6)
+        for name, gradient in whole_step["gradients"].items():
+            torch.testing.assert_close(split_step["gradients"][name], gradient, atol=1e-6, rtol=1e-5, msg=name)

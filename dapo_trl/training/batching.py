@@ -169,16 +169,21 @@ def split_for_budget(batch: dict[str, object], max_tokens: int, passes: int) -> 
     return parts
 
 
+FILLER_ROWS = "filler_rows"  # (rows,) bool: which rows of a pass are `masked_rows` (absent: none)
+
+
 def masked_rows(batch: dict[str, object], count: int) -> dict[str, object]:
     """`count` copies of the batch's first row that feed one token and count for nothing: no completion token
-    attended, zero advantage. They only make processes run forwards of equal row counts (TRL gathers per-row
-    metrics across processes, and DDP / ZeRO-3 need matching passes)."""
+    attended, zero advantage, marked in `FILLER_ROWS` (the loss step feeds them a token no router load counts). They
+    only make processes run forwards of equal row counts (TRL gathers per-row metrics across processes, and DDP /
+    ZeRO-3 need matching passes)."""
     rows = select_rows(batch, [0] * count)
     rows["completion_mask"] = torch.zeros_like(rows["completion_mask"])
     rows["advantages"] = torch.zeros_like(rows["advantages"])
     prompt_mask = torch.zeros_like(rows["prompt_mask"])
     prompt_mask[:, -1] = 1
     rows["prompt_mask"] = prompt_mask
+    rows[FILLER_ROWS] = torch.ones(count, dtype=torch.bool, device=prompt_mask.device)
     return rows
 
 
@@ -188,6 +193,8 @@ def pad_with_masked_rows(batch: dict[str, object], rows: int) -> dict[str, objec
     if missing <= 0:
         return batch
     size = batch["prompt_ids"].size(0)
+    if FILLER_ROWS not in batch:
+        batch = {**batch, FILLER_ROWS: torch.zeros(size, dtype=torch.bool, device=batch["prompt_ids"].device)}
     extra = masked_rows(batch, missing)
     return {
         key: torch.cat([value, extra[key]]) if _is_row_tensor(value, size) else value for key, value in batch.items()

@@ -4,8 +4,9 @@ sequence-parallel group when there is one (`training.sequence_parallel`), under 
 
 For a mixture-of-experts policy, packed forwards collect the router logits through hooks (`moe.routing_replay.
 RouterHooks`) and compute the router's auxiliary loss from additive router loads over real tokens only
-(`algorithm.router_aux`): the same loss however the rows are chunked or sharded. With routing replay, a forward's
-routing rides with its rows into the packs."""
+(`algorithm.router_aux`): the same loss however the rows are chunked or sharded. The planner's filler rows are fed as
+a token the loads skip (`TokenForwards.unrouted`, `router_counted`), so they add nothing to it. With routing replay,
+a forward's routing rides with its rows into the packs."""
 
 from __future__ import annotations
 
@@ -23,6 +24,17 @@ from .sequence_parallel import SequenceParallel, check_sequence_parallel
 
 if TYPE_CHECKING:
     from ..config import DAPOConfig
+
+
+def router_counted(
+    real: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor, pad_token_id: int
+) -> torch.Tensor:
+    """The tokens a router load counts: the real ones, less a row's first token when it is the pad token. No row of
+    the data starts with it (left padding is not fed); a filler row (`batching.masked_rows`, rows that only keep
+    processes in step) is fed as one (`TokenForwards.unrouted`), so a micro-batch whose passes carry fillers has the
+    router loss of the micro-batch itself. The rule holds for every forward, split or not, sharded or not."""
+    return real & ~((input_ids == pad_token_id) & (position_ids == 0))
+
 
 # TRL's own `_get_per_token_logps_and_entropies` bound to a model: (input_ids, attention_mask, logits_to_keep,
 # batch_size=None, **flags and multimodal inputs) -> (log-probs, entropies, aux loss).
@@ -67,10 +79,18 @@ class TokenForwards:
         finally:
             hooks.collect = False
 
-    def _router_load(self, logits: list[torch.Tensor], real_tokens: torch.Tensor) -> RouterLoad | None:
+    def _router_load(
+        self, logits: list[torch.Tensor], real: torch.Tensor, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> RouterLoad | None:
         if not logits:  # not the policy (a reference model without hooks): no auxiliary loss asked of it
             return None
-        return router_load(logits, self.router_hooks.routing.top_k, real_tokens)
+        counted = router_counted(real, input_ids, position_ids, self.pad_token_id)
+        return router_load(logits, self.router_hooks.routing.top_k, counted)
+
+    def unrouted(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """`input_ids` with `rows`' fed tokens (filler rows feed one) made the pad token, which no router load counts
+        at a row's start (`router_counted`)."""
+        return input_ids.masked_fill(rows[:, None] & attention_mask.bool(), self.pad_token_id)
 
     @property
     def router_loads(self) -> bool:
@@ -124,7 +144,8 @@ class TokenForwards:
                 )
             entropies = out.entropy if entropy else None
             if hooked:
-                return out.log_probs, entropies, self._router_load(router_logits, packed.real_tokens())
+                load = self._router_load(router_logits, packed.real_tokens(), packed.input_ids, packed.position_ids)
+                return out.log_probs, entropies, load
             return out.log_probs, entropies, out.aux_loss if aux else None
 
         return padding_free_per_token(
@@ -158,7 +179,7 @@ class TokenForwards:
         def shard_forward(ids: torch.Tensor, positions: torch.Tensor, labels: torch.Tensor, attention: dict, real):
             with self.accelerator.autocast(), self._router_logits(aux) as router_logits:
                 out = model(input_ids=ids, position_ids=positions, shift_labels=labels, fused_lm_head=True, **attention)
-            load = self._router_load(router_logits, real) if aux else None
+            load = self._router_load(router_logits, real, ids, positions) if aux else None
             return out.log_probs, out.entropy if flags["compute_entropy"] else None, load
 
         return self.sequence_parallel.per_token(

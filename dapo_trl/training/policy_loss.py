@@ -33,7 +33,7 @@ from ..algorithm.losses import (
 )
 from ..algorithm.router_aux import RouterLoad, part_of, recorded_loads
 from . import trl_seam
-from .batching import PASS_SHARE, WHOLE_PASS, PassShare
+from .batching import FILLER_ROWS, PASS_SHARE, WHOLE_PASS, PassShare
 
 
 class PolicyLossStep:
@@ -137,6 +137,9 @@ class PolicyLossStep:
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        fillers = inputs.get(FILLER_ROWS)
+        if self.trainer.aux_loss_enabled and fillers is not None and fillers.any():  # no router counts their token
+            input_ids = self.trainer._forwards.unrouted(input_ids, attention_mask, fillers)
         multimodal = {name: inputs.get(name) for name in trl_seam.MULTIMODAL_INPUTS}
         flags = {"compute_entropy": True, "compute_aux_loss": self.trainer.aux_loss_enabled}
         replayed = self.trainer._replayed_routing  # routing replay: the rows carry the engine's routing

@@ -1,6 +1,7 @@
 """The trainer's DAPO loss on each process's share of one fixed batch, for the padded and the packed forward at
 temperature 1 and 0.7; the test compares their mean with verl's DAPO objective over the whole batch. Then every
-registered loss, each share cut into token-budget passes: the test compares their mean with the whole batch's loss.
+registered loss, each share cut into token-budget passes, with an entropy bonus: the test compares their mean with the
+whole batch's loss less the processes' mean entropy bonus.
 
 Run as `python loss_run.py OUT` (one process) or under `accelerate launch --multi_gpu --num_processes 2`. Writes
 OUT/model (the tiny model), OUT/batch.pt (the whole batch) and OUT/loss_rank{R}.pt ({case: loss}).
@@ -18,9 +19,11 @@ from dapo_trl.tiny_model import build_tiny_model
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 CASES = [(padding_free, temperature) for padding_free in (False, True) for temperature in (1.0, 0.7)]
-# Every registered loss, each process's half cut into token-budget passes (about one row each): the passes and
-# processes together must give the loss of the whole batch on one process.
+# Every registered loss, each process's half cut into token-budget passes (about one row each), with an entropy bonus:
+# the passes and processes together must give the loss of the whole batch on one process, less each process's bonus
+# (coef x the mean entropy of its half's loss tokens).
 BUDGET = 12
+ENTROPY_COEF = 0.5
 LOSS_SETTINGS = {"luspo": {"importance_sampling_level": "sequence"}, "cispo": {"epsilon_high": 1.3}}
 EPSILON_LOW, EPSILON_HIGH, CLIP_RATIO_C = 0.2, 0.28, 1.5
 
@@ -109,7 +112,12 @@ def main() -> None:
         torch.save(old, out / f"old_{case_name(padding_free, temperature)}.pt")
     for loss_type in POLICY_LOSSES:
         dual_clip = {"clip_ratio_c": CLIP_RATIO_C} if POLICY_LOSSES[loss_type].dual_clip else {}
-        settings = {"padding_free": True, "max_tokens_per_microbatch": BUDGET, **dual_clip}
+        settings = {
+            "padding_free": True,
+            "max_tokens_per_microbatch": BUDGET,
+            "entropy_coef": ENTROPY_COEF,
+            **dual_clip,
+        }
         trainer = trainer_for(out, model_dir, loss_type=loss_type, **settings, **LOSS_SETTINGS.get(loss_type, {}))
         inputs, old = process_inputs(trainer, batch, 1.0)
         (planned,) = trainer._planner.plan([inputs])
