@@ -121,6 +121,11 @@ class VLLMServerEngine:
             return answer.status, answer.read()
         except ssl.SSLCertVerificationError as exc:  # not a server gone: waiting for it would not help
             raise RuntimeError(_untrusted(f"GET {self.base_url}{path}", exc)) from exc
+        except TimeoutError as exc:  # connected, no answer: a stalled server, not one restarting
+            raise RuntimeError(
+                f"GET {self.base_url}{path}: the vLLM server at {self.base_url} did not answer within {timeout:g} s "
+                "(vllm_request_timeout): it is frozen or overloaded"
+            ) from exc
         except (OSError, http.client.HTTPException) as exc:
             raise EngineUnavailable(f"GET {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
         finally:
@@ -210,7 +215,7 @@ class VLLMServerEngine:
             try:
                 if self._get("/health")[0] == 200:
                     return
-            except EngineUnavailable:
+            except (EngineUnavailable, RuntimeError):  # refused, or not answering yet: still coming back
                 pass
             if time.monotonic() > deadline:
                 raise EngineUnavailable(

@@ -167,8 +167,9 @@ def reload_server_weights(
     """
     base_url = base_url.rstrip("/")
     payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}, "timeout": timeout}
-    # The HTTP timeout is a little longer than the server-side RPC timeout, so the server's own error comes back.
-    server_request("POST", f"{base_url}/collective_rpc", timeout + 30.0, json=payload)
+    # The HTTP timeout is a little longer than the server-side RPC timeout, so the server's own error comes back; a
+    # frozen server fails within about twice the timeout at most.
+    server_request("POST", f"{base_url}/collective_rpc", timeout + min(30.0, timeout), json=payload)
     if reset_prefix_cache:
         answer = server_request("POST", f"{base_url}/reset_prefix_cache", timeout).json()
         if isinstance(answer, dict) and answer.get("success") is False:

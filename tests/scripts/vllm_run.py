@@ -18,7 +18,7 @@ writes, per step, the largest gap between the engine's sampling log-probs and th
 weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
 `resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP), and
 `kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`);
-`slow_server=PID` stops the server 90% of the time through steps 0-1, then for good from step 2
+`slow_server=PID` stops the server 90% of the time through step 0, then for good from step 1
 (`SlowThenFrozenServer`).
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
@@ -214,8 +214,8 @@ class ServerFault:
 
 
 class SlowThenFrozenServer(TrainerCallback):
-    """`slow_server=PID`: the server process is stopped 90% of the time (SIGSTOP 0.9 s, SIGCONT 0.1 s: ~10x slower)
-    through steps 0 and 1, then stopped for good as step 2 begins ("froze the server at T", T from time.time()). Each
+    """`slow_server=PID`: the server's process group is stopped 90% of the time (SIGSTOP 0.9 s, SIGCONT 0.1 s: ~10x
+    slower) through step 0, then stopped for good as step 1 begins ("froze the server at T", T from time.time()). Each
     step's seconds go to OUT/step_seconds.json."""
 
     def __init__(self, pid: int, out: Path):
@@ -225,13 +225,13 @@ class SlowThenFrozenServer(TrainerCallback):
         self.began, self.seconds = 0.0, []
         threading.Thread(target=self.cycle, daemon=True).start()
 
-    def cycle(self) -> None:
+    def cycle(self) -> None:  # the process group: the API server and its engine core
         while not self.stop_cycling.is_set():
-            os.kill(self.pid, signal.SIGSTOP)
+            os.killpg(self.pid, signal.SIGSTOP)
             time.sleep(0.9)
             if self.stop_cycling.is_set():
                 return
-            os.kill(self.pid, signal.SIGCONT)
+            os.killpg(self.pid, signal.SIGCONT)
             time.sleep(0.1)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -240,10 +240,10 @@ class SlowThenFrozenServer(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self.began = time.monotonic()
-        if state.global_step == 2 and not self.stop_cycling.is_set():
+        if state.global_step == 1 and not self.stop_cycling.is_set():
             self.stop_cycling.set()
-            time.sleep(0.2)  # the cycle thread has seen it
-            os.kill(self.pid, signal.SIGSTOP)
+            time.sleep(1.1)  # the cycle thread has seen it
+            os.killpg(self.pid, signal.SIGSTOP)
             print(f"froze the server at {time.time()}", flush=True)
 
 
