@@ -64,7 +64,8 @@ VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
 # the next batch while the trainer trains, with weights ROLLOUT_MAX_STALENESS steps old (needs shared_storage sync).
 ROLLOUT_STREAMING="${ROLLOUT_STREAMING:-false}"
 ROLLOUT_MAX_STALENESS="${ROLLOUT_MAX_STALENESS:-0}"
-# Preemption: SIGTERM or SIGUSR1 to this script saves a checkpoint after the current step and exits 0 (docs/reliability.md).
+# Preemption: SIGTERM or SIGUSR1 to this script abandons the step in progress, saves the last completed one and exits 0
+# (docs/reliability.md).
 PREEMPTION_GRACE_SECONDS="${PREEMPTION_GRACE_SECONDS:-300}"
 
 args=(
@@ -118,7 +119,7 @@ export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((${PR
 "${launcher[@]}" train_dapo.py "${args[@]}" "$@" &
 launcher_pid=$!
 # A preemption signal to this script goes to the training processes themselves (the launcher's children): they
-# agree to stop after the current step, save, and exit 0, and so does the launcher.
+# agree to abandon the step in progress, save the last completed one, and exit 0, and so does the launcher.
 forward() { pkill "-$1" -P "$launcher_pid" || kill "-$1" "$launcher_pid" 2> /dev/null || true; }
 trap 'forward TERM' TERM
 trap 'forward USR1' USR1

@@ -602,10 +602,10 @@ class VirtualDriver(RolloutDriver):
             raise _Idle
         self.sim.wait_for_completion()
 
-    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
+    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float, stop=lambda: False) -> int | None:
         started = self.sim.now
         try:
-            return super().ready_prefix(keys, minimum, timeout)
+            return super().ready_prefix(keys, minimum, timeout, stop)
         finally:
             self.waited += self.sim.now - started
 

@@ -340,16 +340,18 @@ class DAPOConfig(GRPOConfig):
     preemption_signals: str = field(
         default="SIGTERM,SIGUSR1",
         metadata={
-            "help": "Signals that preempt the run (SLURM's --signal, Kubernetes' SIGTERM): every process finishes the "
-            "optimizer step, a complete checkpoint is saved, and train_dapo.py exits 0; resume with "
+            "help": "Signals that preempt the run (SLURM's --signal, Kubernetes' SIGTERM): every process abandons the "
+            "optimizer step in progress, a complete checkpoint of the last completed one is saved, and train_dapo.py "
+            "exits 0; resume with "
             "--resume_from_checkpoint latest. '' = the signals' default action (killed at once)."
         },
     )
     preemption_grace_seconds: float = field(
         default=300.0,
         metadata={
-            "help": "After a preemption signal, the most seconds the step and its checkpoint may take before the "
-            "process exits without them (code 128 + the signal). Set it below the scheduler's own deadline."
+            "help": "After a preemption signal, the most seconds the way to the step's next safe point (a micro-batch, "
+            "or a generation round without streaming) and the checkpoint may take before the process exits without "
+            "them (code 128 + the signal). Set it below the scheduler's own deadline."
         },
     )
 

@@ -100,7 +100,9 @@ class DAPOTrainer(GRPOTrainer):
         self.train_dataset = streams.trainable_prompts(self, self.train_dataset)  # overlong prompts dropped
         process = Process(self.accelerator.process_index, self.accelerator.num_processes, gather_object)
         padding, shuffle = row_padding(trl_seam.tokenizer(self).pad_token_id), self.shuffle_dataset
-        self._sampler = DynamicSampler(args, self.train_dataset, self.num_generations, padding, process, shuffle)
+        self._sampler = DynamicSampler(
+            args, self.train_dataset, self.num_generations, padding, process, shuffle, self._guard.preemption
+        )
         self._rollout = None
         if args.rollout_streaming:
             own_engine = type(self).build_rollout_engine is not DAPOTrainer.build_rollout_engine
@@ -136,6 +138,7 @@ class DAPOTrainer(GRPOTrainer):
     def _generate_micro_batches(self, step: int, generation_batch: Any) -> list[dict[str, Any]]:
         """The generation batch starting at micro-step `step`: generated and scored, shuffled and split into
         `steps_per_generation` micro-batches as TRL's `_prepare_inputs` does, then planned."""
+        self._guard.safe_point("before generating a batch")
         scored = self._generate_and_score_completions(generation_batch)
         return self._planner.plan(trl_seam.shuffle_and_split(scored, self.args.steps_per_generation))
 
@@ -158,6 +161,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
         """The loss of one pass (`_compute_loss`), its token count recorded for per-token metrics."""
+        self._guard.safe_point("before a training forward")  # each micro-batch, and each part of one
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         tokens = self.accelerator.reduce(loss_mask(inputs).sum().float(), reduction="sum")
         self._token_metrics.record("train" if self.model.training else "eval", tokens.item())
@@ -327,6 +331,10 @@ class DAPOTrainer(GRPOTrainer):
         rollout = {} if self._rollout is None else {ROLLOUT_STATE_FILE: self._rollout}
         return {**self._sampler.checkpoint_files(), **self._shaping.checkpoint_files(), **rollout}
 
+    def _process_state(self) -> dict[str, Any]:
+        """{file stem: part} for each process's own run state: a generation batch still in training."""
+        return {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}
+
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's training; `resume_from_checkpoint` may be `latest` (or `true`): the newest complete checkpoint in
         output_dir, or a fresh start when there is none. A checkpoint that is not complete is refused, naming what
@@ -345,9 +353,8 @@ class DAPOTrainer(GRPOTrainer):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
         are rotated away only once this one is complete (`training.checkpoints`)."""
         folder = trl_seam.checkpoint_folder(self, trial)
-        own = {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}  # a generation batch still in training
         with checkpoints.complete_save(
-            self, folder, self._checkpointed_state, self._save_rollout_versions, lambda: own
+            self, folder, self._checkpointed_state, self._save_rollout_versions, self._process_state
         ):
             super()._save_checkpoint(model, trial)
 
@@ -360,7 +367,7 @@ class DAPOTrainer(GRPOTrainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
             checkpoints.load_run_state(checkpoint, self._checkpointed_state(), self.accelerator.device)
-            own, accelerator = {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}, self.accelerator
+            own, accelerator = self._process_state(), self.accelerator
             checkpoints.load_process_state(
                 checkpoint, own, accelerator.process_index, accelerator.num_processes, accelerator.device
             )

@@ -1,22 +1,35 @@
-"""Preemption (`dapo_trl.training.preemption`): SIGTERM / SIGUSR1 save a complete checkpoint after the current
-optimizer step on every process and end the run with exit code 0; the same command with `latest` then ends with the
-uninterrupted run's weights, bit for bit, with one process, two, and two under ZeRO-3. A signal is sent at a chosen
-step (tests/scripts/dynamic_sampling_run.py's preempt_at_step), or to run_dapo.sh once a checkpoint exists.
+"""Preemption (`dapo_trl.training.preemption`): SIGTERM / SIGUSR1 make every process abandon the optimizer step in
+progress at its next safe point (between dynamic-sampling rounds, while waiting for a streamed wave, before a
+training forward), write a complete checkpoint of the last completed step and exit 0; the same command with `latest`
+then ends with the uninterrupted run's weights, bit for bit, with one process, two, two under ZeRO-3, and streaming.
+The signal is sent from inside the step (tests/scripts/dynamic_sampling_run.py's preempt_during: the reward scoring a
+round, a training forward; streaming_run.py's engine holding a wave), or to run_dapo.sh once a checkpoint exists.
 """
 
 import os
+import re
 import signal
 import subprocess
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
 
 from dapo_trl.config import DAPOConfig
 from dapo_trl.training.checkpoints import mark_complete
-from dapo_trl.training.preemption import Preemption, parse_signals, torchrun_warning
+from dapo_trl.training.preemption import (
+    Preemption,
+    SignalRelay,
+    StepAbandoned,
+    StepEndState,
+    parse_signals,
+    torchrun_warning,
+)
+from dapo_trl.training.steps import OptimizerSteps
 
 from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command
 
@@ -88,54 +101,174 @@ def test_a_step_that_outlasts_the_grace_period_exits_with_the_signals_code_namin
     assert "preemption_grace_seconds=0.05" in error and str(tmp_path / "checkpoint-4") in error
 
 
+def test_a_safe_point_inside_a_step_abandons_it_on_every_process_once_any_was_signalled():
+    """Safe points agree on the flag like a step's end (`agree`), but only inside a step, and raise StepAbandoned."""
+    others_signalled = []
+    preemption = Preemption([signal.SIGUSR1], 60, lambda flag: flag or bool(others_signalled), "unused")
+    state, control = TrainerState(), TrainerControl()
+    preemption.on_train_begin(None, state, control)
+    try:
+        preemption.on_step_begin(None, state, control)
+        preemption.safe_point("before a training forward")  # nobody signalled: the step goes on
+        others_signalled.append(True)
+        with pytest.raises(StepAbandoned, match="before a training forward"):
+            preemption.safe_point("before a training forward")
+        assert not preemption.requested()  # this process was not signalled (and is not the main one's relay)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.requested()
+        preemption.on_step_end(None, state, control)
+        preemption.safe_point("between steps")  # outside a step: the step's end decides (it stops the run)
+        assert control.should_training_stop
+    finally:
+        preemption.on_train_end(None, state, control)
+
+
+class Part:
+    """A run-state part whose state holds containers the run edits in place later."""
+
+    def __init__(self):
+        self.batches = [{"ids": torch.tensor([1, 2])}]
+
+    def state_dict(self):
+        return {"micro_batches": self.batches}
+
+    def load_state_dict(self, state, device=None):
+        self.batches = state["micro_batches"]
+
+
+def test_the_step_end_snapshot_is_not_reached_by_later_edits_and_restores_the_random_generators():
+    part = Part()
+    snapshot = StepEndState.capture(3, {"run.pt": part}, {}, {})
+    part.batches[0]["num_items_in_batch"] = 7  # the next step writes into its micro-batches
+    part.batches.append({"ids": torch.tensor([3])})
+    drawn = (torch.rand(3), np.random.rand(), __import__("random").random())
+    snapshot.restore({"run.pt": part}, {}, "cpu")
+    assert part.batches == [{"ids": part.batches[0]["ids"]}] and "num_items_in_batch" not in part.batches[0]
+    assert torch.equal(torch.rand(3), drawn[0]) and np.random.rand() == drawn[1]
+    assert __import__("random").random() == drawn[2]
+
+
+def test_optimizer_steps_restore_the_state_they_saved():
+    """A step abandoned half-way puts its process state back to the last step's end: the saved state, again."""
+    steps = OptimizerSteps(DAPOConfig("unused", steps_per_generation=4, gradient_accumulation_steps=2), "cpu", True)
+    steps.begin(4, ["a", "b"])
+    steps.buffer = [{"ids": torch.tensor([index])} for index in range(4)]
+    saved = steps.state_dict()  # the end of the step of micro-steps 4-5: inside the generation batch
+    steps.begin(6, ["c", "d"])  # the next step begins, then is abandoned
+    steps.load_state_dict(saved)
+    assert steps.state_dict() == saved and saved["micro_step"] == 6
+
+
+def test_a_signal_that_reaches_a_process_blocked_outside_python_reaches_the_main_process():
+    """The relay's thread sees the signal's wakeup byte (Python runs the handler only once the main thread is back
+    from its collective), records it and sets the launcher's store key, which the main process's relay watches."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    connect = lambda: dist.TCPStore("127.0.0.1", server.port, is_master=False)  # noqa: E731
+    seen = threading.Event()
+    previous = signal.signal(signal.SIGUSR1, lambda *args: None)  # a Python handler: its wakeup byte is written
+    try:
+        signalled = SignalRelay(1, connect, poll_seconds=0.01)
+        signalled.start("key", [signal.SIGUSR1], lambda sig: seen.set())
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert seen.wait(10)
+        deadline = time.monotonic() + 10
+        while not server.check(["key"]):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        signalled.stop()
+        main = SignalRelay(0, connect, poll_seconds=0.01)
+        main.start("key", [signal.SIGUSR1], lambda sig: None)
+        try:
+            assert main.peer_signalled.wait(10)
+        finally:
+            main.stop()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
 # ------------------------------------------------------------------------------------------------ end to end
 def final_params(out) -> dict:
     return torch.load(out / "final_params.pt")
+
+
+def checkpoints(out) -> list[str]:
+    """The run's checkpoints, each asserted complete."""
+    found = sorted(path.name for path in (out / "run").glob("checkpoint-*"))
+    assert all((out / "run" / name / "dapo_checkpoint.json").exists() for name in found), found
+    return found
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "processes, deepspeed", [(1, None), (2, None), (2, ZERO3)], ids=["1-process", "2-processes", "2-processes-zero3"]
 )
-def test_a_preempted_and_requeued_run_ends_with_the_uninterrupted_weights_bit_for_bit(tmp_path, processes, deepspeed):
-    """SIGTERM reaches one process (the last) as step 2 begins; every process finishes step 2, checkpoint-2 is
-    written complete, every process exits 0; the same command with resume=latest ends where the uninterrupted run
-    ends, to the bit. With one process, a run killed -9 halfway through writing checkpoint-2 resumes from
-    checkpoint-1 and ends there too, and a SIGTERM while checkpoint-1 is written lets that save finish and stops
-    after step 2 (a signal only sets a flag: where in a save it lands does not matter)."""
-    script, batch = str(SCRIPTS / "dynamic_sampling_run.py"), str(8 // processes)
-    common = ("mixed_share=0.3", "save_strategy=steps", "save_steps=100")
+def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_bit_for_bit(
+    tmp_path, processes, deepspeed
+):
+    """Steps of two micro-batches, dynamic sampling in rounds. SIGTERM reaches one process (the last) while the reward
+    scores step 2's first round: every process abandons step 2 between rounds (its second round is never
+    generated), writes checkpoint-1 complete and exits 0. Requeued with latest, it is signalled during step 3's first
+    training forward: abandoned before micro-batch 1, checkpoint-2. Requeued again, it ends with the uninterrupted
+    run's weights, to the bit. With one process, step 2 is abandoned in its training, and the requeued run (saving
+    every 2 steps) gets SIGTERM while checkpoint-2 is written: that save finishes, step 3 is abandoned before it
+    generates and nothing is saved twice; and a run killed -9 halfway through writing checkpoint-2 resumes from
+    checkpoint-1 and ends with the uninterrupted weights too."""
+    script, batch, last = str(SCRIPTS / "dynamic_sampling_run.py"), str(4 // processes), str(processes - 1)
+    common = ("mixed_share=0.3", "save_strategy=steps", "save_steps=100", "gradient_accumulation_steps=2")
     launch = {"num_processes": processes, "deepspeed_config": deepspeed}
     full, preempted = tmp_path / "full", tmp_path / "preempted"
-    run_command(python_command(script, str(full), batch, "4", *common, **launch))
-    signalled = ("preempt_at_step=1", f"preempt_rank={processes - 1}")
-    result = run_command(python_command(script, str(preempted), batch, "4", *common, *signalled, **launch))
-    assert "SIGTERM received" in result.stderr
+    run_command(python_command(script, str(full), batch, "3", *common, **launch))
+    if processes == 1:  # a resumed run keeps the checkpoint's save_steps
+        first = ("save_steps=2", "preempt_at_step=1", "preempt_during=training")
+        second = ("sigterm_while_writing=checkpoint-2/dapo_sampling_state.pt", "resume=latest")
+        where = ("step 2 before a training forward", "step 3 before generating a batch")
+    else:
+        first = ("preempt_at_step=1", "preempt_during=round", f"preempt_rank={last}")
+        second = ("preempt_at_step=2", "preempt_during=training", f"preempt_rank={last}", "resume=latest")
+        where = ("step 2 between dynamic-sampling rounds", "step 3 before a training forward")
+    result = run_command(python_command(script, str(preempted), batch, "3", *common, *first, **launch))
+    assert "SIGTERM received" in result.stderr and f"abandoned optimizer {where[0]}" in result.stderr, result.stderr
     assert [(preempted / f"preempted_rank{rank}.txt").read_text() for rank in range(processes)] == ["True"] * processes
-    assert [path.name for path in (preempted / "run").glob("checkpoint-*")] == ["checkpoint-2"]
-    assert (preempted / "run" / "checkpoint-2" / "dapo_checkpoint.json").exists()
-    run_command(python_command(script, str(preempted), batch, "4", *common, "resume=latest", **launch))
+    assert checkpoints(preempted) == ["checkpoint-1"]
+    if processes > 1:  # step 2 generated the round being scored, and trained nothing
+        assert [record["step"] for record in read_jsonl(preempted / "prompts_seen_rank0.jsonl")].count(1) == 1
+        assert all(record["step"] == 0 for record in read_jsonl(preempted / "trained_rank0.jsonl"))
+    result = run_command(python_command(script, str(preempted), batch, "3", *common, *second, **launch))
+    assert f"abandoned optimizer {where[1]}" in result.stderr, result.stderr[-3000:]
+    assert checkpoints(preempted) == ["checkpoint-1", "checkpoint-2"]
+    run_command(python_command(script, str(preempted), batch, "3", *common, "resume=latest", **launch))
     assert_same_weights(final_params(full), final_params(preempted))
     if processes == 1:  # killed -9 halfway through a save: the requeued run resumes from the one before
-        killed, every_step = tmp_path / "killed", ("mixed_share=0.3", "save_strategy=steps", "save_steps=1")
+        killed, every_step = tmp_path / "killed", (*common[:2], "save_steps=1", common[3])
         command = python_command(
-            script, str(killed), batch, "4", *every_step, "kill_while_writing=checkpoint-2/dapo_sampling_state.pt"
+            script, str(killed), batch, "3", *every_step, "kill_while_writing=checkpoint-2/dapo_sampling_state.pt"
         )
         result = subprocess.run(command, cwd=REPO, env=offline_environment(), capture_output=True, timeout=300)
         assert result.returncode == -signal.SIGKILL
         killed_at = len(read_jsonl(killed / "prompts_seen_rank0.jsonl"))
-        run_command(python_command(script, str(killed), batch, "4", *every_step, "resume=latest"))
+        run_command(python_command(script, str(killed), batch, "3", *every_step, "resume=latest"))
         assert read_jsonl(killed / "prompts_seen_rank0.jsonl")[killed_at]["step"] == 1  # resumed after step 1
         assert_same_weights(final_params(full), final_params(killed))
-        # SIGTERM while checkpoint-1 is being written: that save completes, step 2 runs, checkpoint-2 stops the run.
-        during_save = tmp_path / "during_save"
-        signalled = ("sigterm_while_writing=checkpoint-1/dapo_sampling_state.pt",)
-        run_command(python_command(script, str(during_save), batch, "4", *every_step, *signalled))
-        saved = sorted(path.name for path in (during_save / "run").glob("checkpoint-*"))
-        assert saved == ["checkpoint-1", "checkpoint-2"]
-        assert all((during_save / "run" / name / "dapo_checkpoint.json").exists() for name in saved)
-        run_command(python_command(script, str(during_save), batch, "4", *every_step, "resume=latest"))
-        assert_same_weights(final_params(full), final_params(during_save))
+
+
+@pytest.mark.e2e
+def test_a_signal_while_the_main_process_waits_for_a_streamed_wave_stops_every_process(tmp_path):
+    """Streaming from the fake engine, 2 processes: as step 2 asks for its groups, process 1 gets SIGTERM and the
+    engine holds those groups for 120 s, so the main process waits for the wave while process 1 waits in its
+    broadcast (where Python cannot run its handler). The signal reaches the main process through the launcher's
+    store; it broadcasts a preempted wave, every process abandons step 2 and exits 0 within seconds with checkpoint-1
+    complete; requeued, the run ends with the uninterrupted run's weights, to the bit."""
+    script, launch = str(SCRIPTS / "streaming_run.py"), {"num_processes": 2}
+    common = ("rollout_streaming=true", "filter_groups_enable=true", "save_strategy=steps", "save_steps=100")
+    full, preempted, weights = tmp_path / "full", tmp_path / "preempted", "final_params=true"
+    run_command(python_command(script, str(full), "4", "2", *common, weights, **launch))
+    result = run_command(python_command(script, str(preempted), "4", "2", *common, "preempt_wave_at_step=1", **launch))
+    where = "abandoned optimizer step 2 while waiting for a streamed wave, ([0-9.]+) s after this process's signal"
+    found = re.search(where, result.stderr)  # process 1's line
+    assert found and float(found.group(1)) < 30, result.stderr[-3000:]  # not once the held groups (120 s) came
+    assert checkpoints(preempted) == ["checkpoint-1"]
+    run_command(python_command(script, str(preempted), "4", "2", *common, "resume=latest", weights, **launch))
+    assert_same_weights(final_params(full), final_params(preempted))
 
 
 def assert_same_weights(expected: dict, got: dict) -> None:

@@ -156,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if trainer.preempted:  # the checkpoint is written; the scheduler's deadline is near: no final save
         if trainer.accelerator.is_main_process:
+            step = trainer.state.global_step
+            saved = f"checkpoint-{step} is complete in {training_args.output_dir}" if step else "nothing to save yet"
             print(
-                f"\npreempted after step {trainer.state.global_step}: checkpoint-{trainer.state.global_step} is "
-                f"complete in {training_args.output_dir}; run the same command with --resume_from_checkpoint "
+                f"\npreempted after step {step}: {saved}; run the same command with --resume_from_checkpoint "
                 "latest to continue."
             )
         leave_together(trainer.accelerator)

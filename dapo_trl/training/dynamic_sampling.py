@@ -18,6 +18,7 @@ import torch
 
 from ..algorithm import assemble_batch, group_keep_mask
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
+from .preemption import SafePoints
 from .replayed_routing import ROUTING_ROW_TENSORS
 from .streams import IterablePromptStream, PromptStream
 
@@ -113,6 +114,7 @@ class DynamicSampler:
         padding: dict[str, tuple[float, bool]],
         process: Process | None = None,
         shuffle: bool = True,
+        preemption: SafePoints | None = None,
     ):
         self.args = args
         self.dataset = dataset
@@ -120,6 +122,7 @@ class DynamicSampler:
         self.padding = padding
         self.process = process or Process()
         self.shuffle = shuffle
+        self.preemption = preemption or SafePoints()  # where a step may be abandoned (a preemption signal)
         self._stream: PromptStream | IterablePromptStream | None = None
         self.carried: dict[str, torch.Tensor] | None = None
         self.normalisation = batch_normalisation(args)  # None, or the centre of batch-level advantages
@@ -144,6 +147,7 @@ class DynamicSampler:
             self.add(filling, score_round(round_inputs))
             if filling.full or not self.rounds_left(filling):
                 break
+            self.preemption.safe_point("between dynamic-sampling rounds")
             round_inputs = self._fresh_round_inputs(len(inputs) * self.args.filter_groups_oversample)
         return self.finish(filling)
 

@@ -1,13 +1,21 @@
-"""Preemption: a signal saves a complete checkpoint at the end of the current optimizer step, then training stops.
+"""Preemption: a signal abandons the optimizer step in progress, saves the last completed one, and training stops.
 
-SLURM (`--signal`), Kubernetes and most schedulers give a job a signal and a grace period before they kill it. Here
-SIGTERM and SIGUSR1 (`preemption_signals`) only raise a flag; at the end of every optimizer step the processes agree
-on it (one all-reduce of one number), so a signal that reached any one process stops all of them after the same
-step, with a checkpoint written by all. `train()` then returns, `trainer.preempted` is true, and `train_dapo.py`
-exits 0; the same command with `--resume_from_checkpoint latest` continues exactly where it stopped.
+SLURM (`--signal`), Kubernetes and most schedulers give a job a signal and a grace period before they kill it; a DAPO
+step at the paper's scale (25-50 minutes) does not fit in one. Here SIGTERM and SIGUSR1 (`preemption_signals`) only
+raise a flag, which the processes agree on at "safe points" that every process reaches in the same order: before a
+generation batch, between dynamic-sampling rounds, while waiting for a streamed wave, before every training forward
+(each micro-batch and token-budget part), and at each optimizer step's end. At a safe point inside a step every
+process raises `StepAbandoned`; `RunGuard` then writes the checkpoint of the last completed optimizer step and
+`train()` returns, `trainer.preempted` is true, and `train_dapo.py` exits 0. The same command with
+`--resume_from_checkpoint latest` continues exactly: it regenerates the abandoned step from the same prompts and seeds.
 
-If the step and the save do not end within `preemption_grace_seconds` of the signal, the process exits with
-128 + the signal's number, naming the newest complete checkpoint (the one a requeued run resumes from).
+Weights, optimizer and LR schedule change only at a step's end, so mid-step they still are the last completed step's.
+What a step changes before its end (the RNG states, DAPO's run state: prompt stream, carried groups, streaming
+cursor, KL coefficient, and each process's place in its generation batch) is snapshotted at every step's end
+(`StepEndState`), right where a periodic checkpoint would be written, and put back before the save.
+
+If no safe point and save end within `preemption_grace_seconds` of the signal, the process exits with 128 + the
+signal's number, naming the newest complete checkpoint (the one a requeued run resumes from).
 
 Ctrl-C (SIGINT) still interrupts at once, after `on_interrupt` (the trainer shuts down the HTTP requests in flight,
 which TRL's client would otherwise wait for, up to their timeout, before the KeyboardInterrupt got out).
@@ -15,15 +23,22 @@ which TRL's client would otherwise wait for, up to their timeout, before the Key
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
+import random
+import select
 import signal
+import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 from transformers import TrainerCallback
 
 from .checkpoints import complete_checkpoints
@@ -32,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 UNCATCHABLE = {"SIGKILL", "SIGSTOP"}
 TORCHRUN_SHUTDOWN_DEFAULT = 30  # seconds torchrun waits after forwarding a signal before it kills its workers
+RELAY_POLL_SECONDS = 0.5  # how often the main process looks for another process's signal while it waits alone
 
 
 def parse_signals(names: str) -> list[signal.Signals]:
@@ -64,9 +80,158 @@ def torchrun_warning(grace_seconds: float, environ: dict[str, str]) -> str | Non
     )
 
 
-class Preemption(TrainerCallback):
-    """Installs the signal handlers for the length of `train()`; at each optimizer step's end, asks every process
-    (`agree(flag) -> any process's flag`) whether one was signalled, and if so saves and stops the run."""
+class StepAbandoned(Exception):
+    """Every process agreed, at the same safe point, to abandon the optimizer step in progress (a preemption)."""
+
+    def __init__(self, where: str):
+        super().__init__(f"optimizer step abandoned for a preemption signal {where}")
+        self.where = where
+
+
+class SafePoints:
+    """Where a step in progress may be abandoned. This one never abandons (a sampler used without a trainer);
+    `Preemption` does when a process was signalled."""
+
+    def requested(self) -> bool:
+        """Whether this process knows of a preemption signal (its own; on the main process, any process's)."""
+        return False
+
+    def safe_point(self, where: str) -> None:
+        """Called by every process at the same point of a step: raises `StepAbandoned` on all when any was signalled."""
+
+    def abandon(self, where: str) -> None:
+        """Every process agreed (at a safe point, or in a collective of its own: a streamed wave) to abandon it."""
+        raise StepAbandoned(where)
+
+
+# --------------------------------------------------------------------------------------- the state at a step's end
+def rng_states() -> dict[str, Any]:
+    """This process's random generators, as Trainer's `_save_rng_state` writes them (python, numpy, torch, CUDA)."""
+    states = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state_all()
+    return states
+
+
+def restore_rng_states(states: dict[str, Any]) -> None:
+    random.setstate(states["python"])
+    np.random.set_state(states["numpy"])
+    torch.random.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.random.set_rng_state_all(states["cuda"])
+
+
+def copy_containers(value: Any) -> Any:
+    """`value` with every dict, list, tuple and deque copied (tensors and other leaves shared): a snapshot that the
+    run's later in-place edits of its containers (a micro-batch's `num_items_in_batch`) cannot reach."""
+    if isinstance(value, dict):
+        return {key: copy_containers(item) for key, item in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(copy_containers(item) for item in value))
+    if isinstance(value, (list, tuple, collections.deque)):
+        return type(value)(copy_containers(item) for item in value)
+    return value
+
+
+@dataclass
+class StepEndState:
+    """What the last completed optimizer step left that a step in progress changes: RNG states, DAPO's run state
+    ({file: part's state}), this process's own state ({file stem: state}) and the trainer's counters."""
+
+    step: int
+    rng: dict[str, Any]
+    run_state: dict[str, Any]
+    process_state: dict[str, Any]
+    counters: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def capture(
+        cls, step: int, run_parts: dict[str, Any], process_parts: dict[str, Any], counters: dict[str, Any]
+    ) -> StepEndState:
+        """Each part's `state_dict()`, its containers copied."""
+        return cls(
+            step,
+            rng_states(),
+            {file: copy_containers(part.state_dict()) for file, part in run_parts.items()},
+            {stem: copy_containers(part.state_dict()) for stem, part in process_parts.items()},
+            dict(counters),
+        )
+
+    def restore(self, run_parts: dict[str, Any], process_parts: dict[str, Any], device: Any) -> None:
+        """Put the RNG states and every part back (each part's `load_state_dict(state, device)`)."""
+        restore_rng_states(self.rng)
+        for parts, states in ((run_parts, self.run_state), (process_parts, self.process_state)):
+            for name, part in parts.items():
+                part.load_state_dict(states[name], device)
+
+
+# --------------------------------------------------------------------------------------- signals between processes
+class SignalRelay:
+    """Makes a preemption signal that reached any one process visible to the main process while the processes wait
+    outside Python: Python runs a signal handler only once the main thread is back in the interpreter, so a process
+    blocked in the broadcast of a streamed wave (while the main process waits for the engine) could not say it was
+    signalled. Here the signal's wakeup byte (`signal.set_wakeup_fd`) wakes a thread that records the signal
+    (`on_signal`) and sets a key in the launcher's store; on the main process the same thread watches that key
+    (`peer_signalled`). Without a launcher's store (`connect` None: one process) it does nothing."""
+
+    def __init__(self, process_index: int, connect: Callable[[], Any] | None, poll_seconds: float = RELAY_POLL_SECONDS):
+        self.process_index = process_index
+        self.connect = connect
+        self.poll_seconds = poll_seconds
+        self.peer_signalled = threading.Event()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._sockets: tuple[socket.socket, socket.socket] | None = None
+        self._previous_fd = -1
+
+    def start(self, key: str, signals: list[signal.Signals], on_signal: Callable[[signal.Signals], None]) -> None:
+        """From the main thread, once the signal handlers are installed."""
+        if self.connect is None or not signals:
+            return
+        self.peer_signalled.clear()
+        self._stopped.clear()
+        reader, writer = self._sockets = socket.socketpair()
+        writer.setblocking(False)
+        self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
+        numbers = {int(sig) for sig in signals}
+        self._thread = threading.Thread(
+            target=self._relay, args=(key, numbers, on_signal), name="dapo-preemption-relay", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        """From the main thread: the wakeup fd as it was, the thread ended."""
+        if self._thread is None:
+            return
+        signal.set_wakeup_fd(self._previous_fd)
+        self._stopped.set()
+        self._thread.join(timeout=2 * self.poll_seconds + 1)
+        self._thread = None
+        for end in self._sockets:
+            end.close()
+
+    def _relay(self, key: str, numbers: set[int], on_signal: Callable[[signal.Signals], None]) -> None:
+        try:
+            store, published = self.connect(), False
+            reader = self._sockets[0]
+            while not self._stopped.is_set():
+                if select.select([reader], [], [], self.poll_seconds)[0]:
+                    caught = [number for number in reader.recv(64) if number in numbers]
+                    if caught and not published:
+                        on_signal(signal.Signals(caught[0]))
+                        store.set(key, str(self.process_index))
+                        published = True
+                if self.process_index == 0 and not self.peer_signalled.is_set() and store.check([key]):
+                    self.peer_signalled.set()
+        except Exception as error:  # noqa: BLE001 - the launcher's store went away: the launcher is ending the run
+            logger.debug("stopped relaying preemption signals between processes: %s", error)
+
+
+# ------------------------------------------------------------------------------------------------------ the callback
+class Preemption(TrainerCallback, SafePoints):
+    """Installs the signal handlers for the length of `train()`, snapshots the state at each optimizer step's end
+    (`snapshot()`), and decides at every safe point (`agree(flag) -> any process's flag`) whether to abandon the
+    step (`StepAbandoned`); at a step's end a signalled run saves that step and stops, as before."""
 
     def __init__(
         self,
@@ -76,6 +241,8 @@ class Preemption(TrainerCallback):
         output_dir: str,
         exit_process: Callable[[int], Any] = os._exit,
         on_interrupt: Callable[[], Any] = lambda: None,
+        snapshot: Callable[[], StepEndState | None] = lambda: None,
+        relay: SignalRelay | None = None,
     ):
         self.signals = signals
         self.grace_seconds = grace_seconds
@@ -83,15 +250,26 @@ class Preemption(TrainerCallback):
         self.output_dir = output_dir
         self.exit_process = exit_process
         self.on_interrupt = on_interrupt
+        self.snapshot = snapshot
+        self.relay = relay or SignalRelay(0, None)
         self.received: signal.Signals | None = None  # the first preemption signal this process got
         self.preempted = False  # every process agreed to stop: the run saved its checkpoint and stopped
+        self.step_end: StepEndState | None = None  # the last completed step's state (`snapshot()`)
+        self.saved_step = 0  # the newest step whose checkpoint exists (written, or resumed from) in this train()
+        self.in_step = False
+        self.signalled_at = self.abandoned_at = 0.0
+        self._training = False
+        self._runs = 0  # train() calls: each has its own store key
+        self._lock = threading.RLock()  # the handler and the relay's thread both report a signal
         self._previous: dict[signal.Signals, Any] = {}
         self._deadline: threading.Timer | None = None
-        self._step_started = self._last_step_seconds = self._last_save_seconds = 0.0
+        self._step_started = self._step_ended = self._last_step_seconds = 0.0
+        self._last_save_seconds: float | None = None  # of this process's last checkpoint, for sizing the grace
 
     # ---------------------------------------------------------------------------------------------- handlers
     def on_train_begin(self, args, state, control, **kwargs):
-        self.received, self.preempted = None, False
+        self.received, self.preempted, self.step_end, self.in_step = None, False, None, False
+        self.saved_step, self._training = state.global_step, True  # a resumed run's checkpoint is that step's
         if threading.current_thread() is not threading.main_thread():
             if self.signals:
                 logger.warning("training runs outside the main thread: preemption signals keep their default action")
@@ -100,6 +278,9 @@ class Preemption(TrainerCallback):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not a handler of the caller's own
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+        self._runs += 1
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        self.relay.start(f"dapo_trl/preemption/{attempt}/{self._runs}", self.signals, self._receive)
         warning = torchrun_warning(self.grace_seconds, dict(os.environ)) if self.signals else None
         if warning and state.is_local_process_zero:
             logger.warning(warning)
@@ -109,6 +290,8 @@ class Preemption(TrainerCallback):
 
     def restore_signals(self) -> None:
         """The handlers from before `train()` back, the grace timer off (also when `train()` raised)."""
+        self._training = self.in_step = False
+        self.relay.stop()
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
@@ -117,23 +300,29 @@ class Preemption(TrainerCallback):
             self._deadline = None
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        sig = signal.Signals(signum)
-        if self.received is not None:
-            logger.warning("%s received: already stopping after this step (since %s)", sig.name, self.received.name)
-            return
-        self.received = sig
-        self._deadline = threading.Timer(self.grace_seconds, self._give_up)
-        self._deadline.daemon = True
-        self._deadline.start()
-        elapsed = time.monotonic() - self._step_started
+        self._receive(signal.Signals(signum))
+
+    def _receive(self, sig: signal.Signals) -> None:
+        """A preemption signal, from the handler or the relay's thread (which see the same signal): the first one
+        starts the grace period."""
+        with self._lock:
+            if self.received is not None:
+                logger.info("%s received: already stopping (since %s)", sig.name, self.received.name)
+                return
+            self.received, self.signalled_at = sig, time.monotonic()
+            self._deadline = threading.Timer(self.grace_seconds, self._give_up)
+            self._deadline.daemon = True
+            self._deadline.start()
+        last_save = "none yet" if self._last_save_seconds is None else f"{self._last_save_seconds:.1f} s"
         logger.warning(
-            "%s received: saving a checkpoint once this optimizer step ends, then stopping (within "
-            "preemption_grace_seconds=%g; the step has run %.0f s, the last one took %.0f s and the last save %.0f s)",
+            "%s received: abandoning the optimizer step in progress at its next safe point, saving the last "
+            "completed one, then stopping (within preemption_grace_seconds=%g; the step has run %.0f s, the last one "
+            "took %.0f s; last save: %s)",
             sig.name,
             self.grace_seconds,
-            elapsed,
+            time.monotonic() - self._step_started if self.in_step else 0.0,
             self._last_step_seconds,
-            self._last_save_seconds,
+            last_save,
         )
 
     def _on_interrupt(self, signum: int, frame: Any) -> None:
@@ -143,39 +332,61 @@ class Preemption(TrainerCallback):
             signal.default_int_handler(signum, frame)  # KeyboardInterrupt, as without this handler
 
     def _give_up(self) -> None:
-        """The grace period passed before the step and its checkpoint were done: exit, as the signal would have."""
+        """The grace period passed before a safe point and the save were reached: exit, as the signal would have."""
         complete = complete_checkpoints(self.output_dir)
         newest = str(complete[-1]) if complete else "none (a requeued run starts fresh)"
         print(
-            f"error: the optimizer step and its checkpoint did not end within preemption_grace_seconds="
-            f"{self.grace_seconds:g} after {self.received.name}; exiting without a new checkpoint. The newest "
-            f"complete checkpoint is {newest}. Give the run a longer grace period (the scheduler's and "
-            "--preemption_grace_seconds) than one step plus one save.",
+            f"error: the step in progress did not reach a safe point and its checkpoint was not written within "
+            f"preemption_grace_seconds={self.grace_seconds:g} after {self.received.name}; exiting without a new "
+            f"checkpoint. The newest complete checkpoint is {newest}. Give the run a longer grace period (the "
+            "scheduler's and --preemption_grace_seconds) than one save plus one generation round (streaming: one "
+            "wave) or micro-batch.",
             file=sys.stderr,
             flush=True,
         )
         sys.stdout.flush()
         self.exit_process(128 + self.received.value)
 
+    # ------------------------------------------------------------------------------------------- safe points
+    def requested(self) -> bool:
+        return bool(self.signals) and self.in_step and (self.received is not None or self.relay.peer_signalled.is_set())
+
+    def safe_point(self, where: str) -> None:
+        if self.signals and self.in_step and self.agree(self.received is not None):
+            self.abandon(where)
+
+    def abandon(self, where: str) -> None:
+        self.abandoned_at = time.monotonic()
+        super().abandon(where)
+
     # ------------------------------------------------------------------------------------------------ steps
     def on_step_begin(self, args, state, control, **kwargs):
-        self._step_started = time.monotonic()
+        self._step_started, self.in_step = time.monotonic(), True
 
     def on_step_end(self, args, state, control, **kwargs):
-        self._last_step_seconds = time.monotonic() - self._step_started
-        if self.signals and self.agree(self.received is not None):
+        self._step_ended, self.in_step = time.monotonic(), False
+        self._last_step_seconds = self._step_ended - self._step_started
+        if not self.signals:
+            return
+        self.step_end = self.snapshot()
+        if self.agree(self.received is not None):
             self.preempted = True
             control.should_save = True
             control.should_training_stop = True
-            logger.warning("preempted: saving checkpoint-%d, then stopping", state.global_step)
+            logger.warning("preempted at the end of a step: saving checkpoint-%d, then stopping", state.global_step)
+
+    def on_evaluate(self, args, state, control, **kwargs):
+        """An evaluation between steps draws random numbers before the step's checkpoint would be written."""
+        if self.signals and self._training and not self.in_step:
+            self.step_end, self._step_ended = self.snapshot(), time.monotonic()
 
     def on_save(self, args, state, control, **kwargs):
-        self._last_save_seconds = time.monotonic() - self._step_started - self._last_step_seconds
+        self.saved_step = state.global_step
+        self._last_save_seconds = time.monotonic() - self._step_ended
 
 
 def agreement(accelerator: Any) -> Callable[[bool], bool]:
     """`agree(flag)`: whether any process's flag is set (one all-reduce; no collective with one process)."""
-    import torch
 
     def agree(flag: bool) -> bool:
         if accelerator.num_processes == 1:

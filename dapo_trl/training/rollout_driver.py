@@ -135,9 +135,11 @@ class RolloutDriver:
         with self._cond:
             return set(self._known)
 
-    def ready_prefix(self, keys: list[tuple], minimum: int, timeout: float) -> int:
+    def ready_prefix(
+        self, keys: list[tuple], minimum: int, timeout: float, stop: Callable[[], bool] = lambda: False
+    ) -> int | None:
         """Block until the first `minimum` of `keys` are done (or fail after `timeout`); return how many leading
-        keys are done."""
+        keys are done, or None as soon as `stop()` is true (looked at every second at least: a preemption)."""
         started = time.monotonic()
         with self._cond:
             missing = [key for key in keys[:minimum] if key not in self._known]
@@ -152,6 +154,8 @@ class RolloutDriver:
                 if count >= minimum:
                     self._wanted = set()
                     return count
+                if stop():
+                    return None
                 # A timeout means nothing finished for that long (a wave may rightly take several request times);
                 # a recovery is bounded by its own timeout.
                 progress = getattr(self.engine, "last_progress", None)  # a server engine's own progress clock

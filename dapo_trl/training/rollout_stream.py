@@ -113,10 +113,12 @@ class StreamCursor:
 @dataclass
 class Wave:
     """A scored part of a round as the main process broadcasts it: its groups' results, or the error that stopped
-    generation (so that every process raises instead of waiting in a collective)."""
+    generation (so that every process raises instead of waiting in a collective), or a preemption signal that some
+    process got while the main process waited (so that every process abandons the step)."""
 
     results: list[GroupResult] | None
     error: str | None = None
+    preempted: bool = False
 
 
 WaveScorer = Callable[[list[dict[str, Any]], dict[str, list]], ScoredRound]
@@ -416,12 +418,17 @@ class ServerStreamingRollout(StreamingRollout):
         self.scatter = scatter
 
     def _next_wave(self, keys: list[tuple], least: int) -> Wave:
-        wave = None
+        """The main process waits for the wave, or for a preemption signal (of any process: `requested`), while the
+        others wait for what it sends."""
+        wave, preemption = None, self.sampler.preemption
         if self.driver is not None:
             try:
                 started = time.monotonic()
-                ready = self.driver.ready_prefix(keys, min(least, len(keys)), self.wave_timeout)
-                wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
+                ready = self.driver.ready_prefix(keys, min(least, len(keys)), self.wave_timeout, preemption.requested)
+                if ready is None:
+                    wave = Wave(None, preempted=True)
+                else:
+                    wave = Wave(self.driver.take(keys[: self._wave_size(ready, len(keys))]))
                 self._wait += time.monotonic() - started
             except Exception as exc:  # noqa: BLE001 - every process raises it below
                 wave = Wave(None, f"{type(exc).__name__}: {exc}")
@@ -429,6 +436,8 @@ class ServerStreamingRollout(StreamingRollout):
             wave = self.broadcast(wave)
         else:
             wave = self.scatter(None if wave is None else self._parts(wave))
+        if wave.preempted:
+            preemption.abandon("while waiting for a streamed wave")
         if wave.error is not None:
             raise RuntimeError(f"streaming rollout stopped: {wave.error}")
         return wave
@@ -464,11 +473,13 @@ class ColocatedStreamingRollout(StreamingRollout):
             except Exception as exc:  # noqa: BLE001 - every process raises it below
                 done, error = set(), f"{type(exc).__name__}: {exc}"
             timed_out = time.monotonic() - max(started, self.driver.last_done) > self.wave_timeout
-            reports = self.process.gather_objects([(done, error, timed_out)])
-            errors = [error for _, error, _ in reports if error is not None]
+            reports = self.process.gather_objects([(done, error, timed_out, self.sampler.preemption.requested())])
+            errors = [error for _, error, _, _ in reports if error is not None]
             if errors:
                 raise RuntimeError(f"streaming rollout stopped: {errors[0]}")
-            ready = done_prefix(keys, set().union(*(done for done, _, _ in reports)))
+            if any(preempted for *_, preempted in reports):  # every process saw the same reports
+                self.sampler.preemption.abandon("while waiting for a streamed wave")
+            ready = done_prefix(keys, set().union(*(done for done, *_ in reports)))
             if ready >= minimum:
                 break
             if reports[0][2]:

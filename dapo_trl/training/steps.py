@@ -97,7 +97,10 @@ class OptimizerSteps:
         return {"micro_step": next_step, "micro_batches": self.buffer if inside else None}
 
     def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
-        self.resumed_micro_step = state["micro_step"]
+        """Back to the end of an optimizer step (`state_dict()` then returns `state`): a resume, or a step abandoned
+        for a preemption before its checkpoint is written."""
+        self.resumed_micro_step = self.start = state["micro_step"]
+        self.batches, self.ahead, self.tokens = [], {}, None
         batches = state["micro_batches"]
         self.buffer = None if batches is None else [_to_device(batch, device) for batch in batches]
 

@@ -4,7 +4,9 @@ Prompts are "easy k" (always correct), "hard k" (always wrong) or "mixed k" (alt
 group), so exactly the mixed groups have spread. Usage (one process or under accelerate launch):
   python dynamic_sampling_run.py OUT PER_DEVICE_BATCH MAX_STEPS [key=value DAPOConfig overrides...]
 Script options among the overrides: mixed_share, resume, crash_after_save; preempt_at_step=N (SIGTERM to this
-process as optimizer step N + 1 begins, on rank preempt_rank, default 0: the run saves checkpoint-(N + 1) and stops);
+process in the middle of optimizer step N + 1, on rank preempt_rank, default 0, from inside preempt_during: `round`,
+the first call of the reward function (scoring the step's first dynamic-sampling round), or `training`, the step's
+first training forward (micro-batch 0): the run abandons the step, saves checkpoint-N and stops);
 kill_while_writing=checkpoint-N/FILE (SIGKILL halfway through writing that file with torch.save),
 sigterm_while_writing=checkpoint-N/FILE (SIGTERM as that file is written);
 iterable=true (the train set as a
@@ -38,6 +40,7 @@ from dapo_trl.training.steps import SkipEmptySteps
 
 NUM_GENERATIONS = 4
 SCRIPT_OPTIONS = {"constant_from_step": None, "reward": "parity"}
+PREEMPT = {"preempt_at_step": None, "preempt_rank": 0, "preempt_during": "round"}
 
 
 def difficulty_dataset(mixed_share: float, size: int = 60) -> Dataset:
@@ -55,6 +58,7 @@ def known_difficulty_reward(prompts, completions, completion_ids, trainer_state=
     rank = int(os.environ.get("RANK", "0"))
     with open(out / f"prompts_seen_rank{rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": trainer_state.global_step, "prompts": prompts}) + "\n")
+    preempt_here("round", trainer_state.global_step, rank)
     constant_from = SCRIPT_OPTIONS["constant_from_step"]
     if constant_from is not None and trainer_state.global_step >= constant_from:
         return [-1.0] * len(prompts)
@@ -133,15 +137,21 @@ class CrashAfterSave(TrainerCallback):
             os._exit(3)
 
 
-class PreemptAt(TrainerCallback):
-    """Sends this process SIGTERM as optimizer step `step` + 1 begins, as a scheduler would mid-step."""
+def preempt_here(point: str, global_step: int, rank: int) -> None:
+    """SIGTERM to this process, once, at the `preempt_during` point of optimizer step `preempt_at_step` + 1."""
+    if (PREEMPT["preempt_during"], PREEMPT["preempt_at_step"], PREEMPT["preempt_rank"]) == (point, global_step, rank):
+        PREEMPT["preempt_at_step"] = None
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    def __init__(self, step: int):
-        self.step = step
 
-    def on_step_begin(self, args, state, control, **kwargs):
-        if state.global_step == self.step:
-            os.kill(os.getpid(), signal.SIGTERM)
+def preempt_in_training_forwards(trainer) -> None:
+    """preempt_during=training: the signal comes from a hook on the policy's first training forward of the step."""
+
+    def forward(module, args) -> None:
+        if torch.is_grad_enabled() and trainer.model.training:
+            preempt_here("training", trainer.state.global_step, trainer.accelerator.process_index)
+
+    trainer.model.register_forward_pre_hook(forward)
 
 
 def signal_while_writing(target: str, sig: signal.Signals) -> None:
@@ -173,7 +183,8 @@ def main() -> None:
         signal_while_writing(target, signal.SIGKILL)
     if target := overrides.pop("sigterm_while_writing", None):
         signal_while_writing(target, signal.SIGTERM)
-    preempt_at, preempt_rank = overrides.pop("preempt_at_step", None), overrides.pop("preempt_rank", 0)
+    for option in PREEMPT:
+        PREEMPT[option] = overrides.pop(option, PREEMPT[option])
     iterable = overrides.pop("iterable", False)
     snapshots = overrides.pop("snapshots", False)
     skip_empty = overrides.pop("skip_empty", True)
@@ -215,8 +226,7 @@ def main() -> None:
         trainer.remove_callback(SkipEmptySteps)
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))
-    if preempt_at is not None and trainer.accelerator.process_index == preempt_rank:
-        trainer.add_callback(PreemptAt(preempt_at))
+    preempt_in_training_forwards(trainer)
     trainer.train(resume_from_checkpoint=resume)
     final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))  # ZeRO-3 shards gathered on every rank
     # forwards run with sequence parallelism

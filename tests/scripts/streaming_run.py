@@ -14,18 +14,24 @@ evaluates every step) or engine (the fake engine's start raises a timeout: the m
 fail_rank (default 1; the engine's is the main process) from optimizer step fail_from_step (default 1);
 hold_failed=true keeps the failing process alive after its error (as a peer stuck in an NCCL collective would be,
 where gloo would see its socket close), until the launcher stops it. Each process that raises writes
-OUT/error_rank{r}.txt.
+OUT/error_rank{r}.txt. A preemption while the main process waits for a wave: preempt_wave_at_step=N (the engine,
+asked for the first group of optimizer step N + 1, sends SIGTERM to process preempt_rank, default 1, and holds that
+step's groups for hold_seconds, default 120, so the wave cannot finish first); final_params=true writes the final
+weights to OUT/final_params.pt, as dynamic_sampling_run.py does.
 """
 
 import dataclasses
 import functools
 import json
 import os
+import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
+from denominator_run import full_parameters
 from dynamic_sampling_run import (
     SCRIPT_OPTIONS,
     CrashAfterSave,
@@ -46,6 +52,7 @@ from dapo_trl.training.rollout_stream import group_seed
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False, "engine_lag": 0, "stream_only": False}
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
+PREEMPT_WAVE = {"preempt_wave_at_step": None, "preempt_rank": 1, "hold_seconds": 120.0}
 TRAINER = []  # the trainer, for the injected failures
 
 
@@ -82,7 +89,19 @@ class FailingEngine(FakeEngine):
     def start(self, request, done) -> None:
         if failing_here("engine"):
             raise TimeoutError("the engine did not answer within vllm_request_timeout (injected)")
+        if TRAINER[0].state.global_step == PREEMPT_WAVE["preempt_wave_at_step"]:  # runs on the driver's thread
+            done = functools.partial(answer_late, done)
+            if not PREEMPT_WAVE.get("sent"):
+                PREEMPT_WAVE["sent"] = True
+                pid = int((Path(os.environ["DS_OUT"]) / f"pid_rank{PREEMPT_WAVE['preempt_rank']}.txt").read_text())
+                os.kill(pid, signal.SIGTERM)
         super().start(request, done)
+
+
+def answer_late(done, request, result) -> None:
+    """A group of the preempted step: answered only after hold_seconds (on the engine's pool thread)."""
+    time.sleep(PREEMPT_WAVE["hold_seconds"])
+    done(request, result)
 
 
 class LaggingEngine(FailingEngine):
@@ -199,6 +218,9 @@ def main() -> None:
     architecture = "moe" if overrides.pop("moe", False) else "dense"
     for option in FAILURE:
         FAILURE[option] = overrides.pop(option, FAILURE[option])
+    for option in PREEMPT_WAVE:
+        PREEMPT_WAVE[option] = overrides.pop(option, PREEMPT_WAVE[option])
+    final_params = overrides.pop("final_params", False)
     SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
     out.mkdir(parents=True, exist_ok=True)
     os.environ["DS_OUT"] = str(out)
@@ -242,6 +264,7 @@ def main() -> None:
         count_draws(trainer)
     trainer.add_callback(ScoringForwards(trainer, out))
     TRAINER.append(trainer)
+    (out / f"pid_rank{trainer.accelerator.process_index}.txt").write_text(str(os.getpid()))
     inject_decode_failure(trainer)
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -251,6 +274,10 @@ def main() -> None:
             threading.Event().wait(300)  # stopped by the launcher once the other process exits
         raise
     engine = getattr(trainer, "fake_engine", None)
+    if final_params:  # ZeRO-3 shards gathered on every rank
+        final = full_parameters(trainer.accelerator.unwrap_model(trainer.model))
+        if trainer.accelerator.is_main_process:
+            torch.save({name: p.cpu() for name, p in final.items()}, out / "final_params.pt")
     if trainer.accelerator.is_main_process:
         (out / "log_history.json").write_text(json.dumps(trainer.state.log_history))
         if engine is not None:
