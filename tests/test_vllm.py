@@ -298,34 +298,32 @@ def test_the_vllm_benchmarks_quick_forms_run_against_the_server(vllm_venv, model
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
-def test_a_slowed_server_is_no_timeout_and_a_frozen_one_fails_within_it(
+def test_a_frozen_server_fails_the_run_within_the_timeout_naming_it(
     vllm_venv, model_dir, server_and_process, tmp_path, streaming
 ):
-    """Timeouts by progress on a real server: stopped 90% of the time (~10x slower) through step 0, with
-    vllm_request_timeout 5 s, shorter than the step there, the step completes; frozen for good at step 1, the run
-    stops within the timeout plus a few seconds, naming the server's URL."""
+    """A real server stopped for good (SIGSTOP to its API server and engine core) as step 1 begins: the run stops
+    within about the timeout, naming the server's URL, never waiting for it as for a restart (the default
+    vllm_server_recovery_timeout is 300 s). A slowed server's long responses, which must not time out, are tested
+    against a stand-in server (tests/test_server_progress.py)."""
     url, server = server_and_process
     out = tmp_path / "out"
     command = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_run.py"), "server", str(out), model_dir, url]
-    command += ["check_syncs=false", "max_steps=2", "max_completion_length=96", "vllm_request_timeout=5"]
-    command += [f"rollout_streaming={streaming}", f"slow_server={server.pid}"]
+    command += ["check_syncs=false", "max_steps=3", "vllm_request_timeout=5"]
+    command += [f"rollout_streaming={streaming}", f"frozen_server={server.pid}"]
     try:
         with pytest.raises(AssertionError, match="exited") as failed:
             run_command(command, timeout=600)
     finally:
-        server.send_signal(signal.SIGCONT)
+        os.killpg(server.pid, signal.SIGCONT)
     output = str(failed.value)
-    assert (out / "step_seconds.json").exists(), output[-5000:]
-    step_seconds = json.loads((out / "step_seconds.json").read_text())
-    assert len(step_seconds) == 1 and step_seconds[0] > 5, step_seconds  # a step longer than the timeout completed
     froze = float(re.search(r"froze the server at ([0-9.]+)", output).group(1))
-    failed_at = out / "failed_at"
     # Frozen during a generation: "made no progress"; during step 1's weight reload or the wait for the server to be
     # idle before it: "no answer" / "did not answer". Each names the URL; none waits for it as for a restart.
     stalls = (f"the vLLM server at {url} made no progress for", f"{url}/collective_rpc: no answer", "did not answer")
     assert any(stall in output for stall in stalls) and url in output, output[-3000:]
     assert "did not come back within vllm_server_recovery_timeout" not in output
-    assert failed_at.exists() and float(failed_at.read_text()) - froze < 5 + 8, output[-3000:]
+    failed_at = out / "failed_at"
+    assert failed_at.exists() and float(failed_at.read_text()) - froze < 2 * 5 + 8, output[-3000:]
     wait_healthy(url, server)  # the next test uses the server
 
 

@@ -18,8 +18,8 @@ writes, per step, the largest gap between the engine's sampling log-probs and th
 weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save=N` dies right after checkpoint N and
 `resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP), and
 `kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`);
-`slow_server=PID` stops the server 90% of the time through step 0, then for good from step 1
-(`SlowThenFrozenServer`).
+`frozen_server=PID` stops the server's process group for good as step 1 begins (`FrozenServerAtStep1`); a run that
+fails writes the time it failed to OUT/failed_at.
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
 TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
@@ -213,36 +213,15 @@ class ServerFault:
             print("killed the server" if self.kill else "froze the server", flush=True)
 
 
-class SlowThenFrozenServer(TrainerCallback):
-    """`slow_server=PID`: the server's process group is stopped 90% of the time (SIGSTOP 0.9 s, SIGCONT 0.1 s: ~10x
-    slower) through step 0, then stopped for good as step 1 begins ("froze the server at T", T from time.time()). Each
-    step's seconds go to OUT/step_seconds.json."""
+class FrozenServerAtStep1(TrainerCallback):
+    """`frozen_server=PID`: the server's process group (its API server and engine core) is stopped for good (SIGSTOP)
+    as step 1 begins: "froze the server at T" (T from time.time())."""
 
-    def __init__(self, pid: int, out: Path):
-        import threading
-
-        self.pid, self.stop_cycling, self.out = pid, threading.Event(), out
-        self.began, self.seconds = 0.0, []
-        threading.Thread(target=self.cycle, daemon=True).start()
-
-    def cycle(self) -> None:  # the process group: the API server and its engine core
-        while not self.stop_cycling.is_set():
-            os.killpg(self.pid, signal.SIGSTOP)
-            time.sleep(0.9)
-            if self.stop_cycling.is_set():
-                return
-            os.killpg(self.pid, signal.SIGCONT)
-            time.sleep(0.1)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.seconds.append(time.monotonic() - self.began)
-        (self.out / "step_seconds.json").write_text(json.dumps(self.seconds))
+    def __init__(self, pid: int):
+        self.pid = pid
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self.began = time.monotonic()
-        if state.global_step == 1 and not self.stop_cycling.is_set():
-            self.stop_cycling.set()
-            time.sleep(1.1)  # the cycle thread has seen it
+        if state.global_step == 1:
             os.killpg(self.pid, signal.SIGSTOP)
             print(f"froze the server at {time.time()}", flush=True)
 
@@ -258,7 +237,7 @@ def main() -> None:
     RecordedStreaming.check_versions = overrides.pop("check_versions", False)
     resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
     freeze_server, kill_server = overrides.pop("freeze_server", None), overrides.pop("kill_server", None)
-    slow_server = overrides.pop("slow_server", None)
+    frozen_server = overrides.pop("frozen_server", None)
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -311,8 +290,8 @@ def main() -> None:
             trainer.add_callback(CrashAfterSave(crash_after))
         if freeze_server is not None or kill_server is not None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
-        if slow_server is not None:
-            trainer.add_callback(SlowThenFrozenServer(slow_server, out))
+        if frozen_server is not None:
+            trainer.add_callback(FrozenServerAtStep1(frozen_server))
         try:
             trainer.train(resume_from_checkpoint=resume)
         except Exception:
