@@ -57,7 +57,7 @@ def test_a_missing_name_stops_construction_with_the_supported_range(
 
 def test_a_missing_instance_attribute_is_named():
     trainer = SimpleNamespace(**{entry.name: None for entry in trl_seam.INSTANCE_ATTRIBUTES if entry.name != "_step"})
-    with pytest.raises(TRLVersionError, match=r"GRPOTrainer\._step \(used to: r: the micro-step counter"):
+    with pytest.raises(TRLVersionError, match=r"GRPOTrainer\._step \(used to: rw: the micro-step counter"):
         trl_seam.check_trainer_attributes(trainer)
 
 
