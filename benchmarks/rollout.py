@@ -153,8 +153,8 @@ def run_worker(args: argparse.Namespace) -> None:
     from dapo_trl.training import trl_seam
     from dapo_trl.training.colocate_engine import VLLMColocateEngine
     from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-    from dapo_trl.training.rollout_stream import group_seed
     from dapo_trl.training.server_engine import VLLMServerEngine
+    from dapo_trl.training.stream_plan import group_seed
     from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
 
     quiet()

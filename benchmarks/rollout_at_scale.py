@@ -144,7 +144,8 @@ from dapo_trl import DAPOConfig  # noqa: E402
 from dapo_trl.training.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
 from dapo_trl.training.rollout_driver import RolloutDriver  # noqa: E402
 from dapo_trl.training.rollout_engine import GroupRequest, GroupResult  # noqa: E402
-from dapo_trl.training.rollout_stream import ServerStreamingRollout, group_seed  # noqa: E402
+from dapo_trl.training.rollout_stream import ServerStreamingRollout  # noqa: E402
+from dapo_trl.training.stream_plan import group_seed  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz

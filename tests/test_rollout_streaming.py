@@ -31,10 +31,9 @@ from dapo_trl.training.rollout_stream import (
     MAX_WAVES_PER_ROUND,
     RolloutDriver,
     ServerStreamingRollout,
-    group_seed,
-    plan_horizon,
 )
 from dapo_trl.training.server_engine import VLLMServerEngine
+from dapo_trl.training.stream_plan import group_seed, plan_horizon
 from dapo_trl.training.streams import PromptStream
 
 from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command

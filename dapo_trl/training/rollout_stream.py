@@ -27,10 +27,9 @@ all take the same decisions, as with rounds.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,73 +40,13 @@ from .batch_metrics import decided_groups, trained_batch_metrics
 from .dynamic_sampling import DynamicSampler, Filling, ScoredRound
 from .rollout_driver import RolloutDriver, done_prefix
 from .rollout_engine import GroupRequest, GroupResult
+from .stream_plan import StreamCursor, group_seed, plan_horizon, share_spans
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
-PLAN_CONFIDENCE_Z = 1.28  # groups admitted ahead: enough to fill the batch with ~90% odds at the running keep rate
 MAX_WAVES_PER_ROUND = 4  # a round is scored in at most this many passes (each a full forward: under ZeRO-3 a gather)
 MAX_TAIL_WAVES = 4  # plus at most this many short passes a step, for the batch's last groups
 ROW_VERSION = "dapo_sampled_version"  # per-row tensor while a batch is filled: the weights version that sampled it
-
-
-def group_seed(run_seed: int, key: tuple) -> int:
-    """The sampling seed of the group at `key`: the same in every run with this seed, and on resume."""
-    digest = hashlib.sha256(repr((run_seed, key)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
-
-
-def share_spans(group_count: int, group_size: int, index: int, processes: int) -> list[tuple[int, int, int]]:
-    """(group, first row, row stop) of each group that has rows in process `index`'s equal share of a wave of
-    `group_count` groups of `group_size` rows, in order (a group may straddle two processes)."""
-    share = group_count * group_size // processes
-    begin, end = index * share, (index + 1) * share
-    spans = []
-    for group in range(begin // group_size, -(-end // group_size)):
-        first, stop = max(begin, group * group_size), min(end, (group + 1) * group_size)
-        spans.append((group, first - group * group_size, stop - group * group_size))
-    return spans
-
-
-def plan_horizon(missing: float, keep_rate: float, z: float = PLAN_CONFIDENCE_Z) -> int:
-    """The fewest groups g with g p - z sqrt(g p (1 - p)) >= missing (p = keep_rate): enough to keep `missing` groups
-    at the one-sided normal bound. About missing / p when many are missing (a 512-group batch at p = 0.5: 1.04x), a
-    wider margin when few are (4 groups: 13, not 8), so a small batch rarely waits for a second planning."""
-    if missing <= 0:
-        return 0
-    p = min(max(keep_rate, 1e-3), 1.0)
-    spread = z * math.sqrt(p * (1 - p))
-    root = (spread + math.sqrt(spread**2 + 4 * p * missing)) / (2 * p)
-    return math.ceil(root**2 - 1e-9)
-
-
-class StreamCursor:
-    """The sampler's prompt stream with a look-ahead: the main process peeks at prompts it admits early; every
-    process takes them, in the same order, when a round consumes them. Drawn-but-untaken prompts are saved."""
-
-    def __init__(self, stream: Any):
-        self.stream = stream
-        self.lookahead: deque[tuple[int, Any]] = deque()
-        self.drawn = 0
-
-    def peek(self, count: int) -> list[tuple[int, Any]]:
-        """The next `count` (index, item) pairs without consuming them."""
-        while len(self.lookahead) < count:
-            (item,) = self.stream.draw(1)
-            self.lookahead.append((self.drawn, item))
-            self.drawn += 1
-        return [self.lookahead[i] for i in range(count)]
-
-    def take(self, count: int) -> list[tuple[int, Any]]:
-        taken = self.peek(count)
-        for _ in range(count):
-            self.lookahead.popleft()
-        return taken
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lookahead": list(self.lookahead), "drawn": self.drawn}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lookahead, self.drawn = deque(state["lookahead"]), state["drawn"]
 
 
 @dataclass

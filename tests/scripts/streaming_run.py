@@ -48,7 +48,7 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training.rollout_stream import group_seed
+from dapo_trl.training.stream_plan import group_seed
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False, "engine_lag": 0, "stream_only": False}
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
