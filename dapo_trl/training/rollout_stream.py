@@ -92,6 +92,7 @@ class StreamingRollout:
         self.group_size = sampler.group_size
         self.unit = self.process.count // math.gcd(self.group_size, self.process.count)  # groups per equal split
         self.keep_rate = 0.5  # running estimate, for how far ahead to admit (never for what is trained)
+        self._most: int | None = None  # the current round's largest wave (`least_wave`), set as it streams
         self._wait = 0.0
 
     @property
@@ -295,7 +296,7 @@ class StreamingRollout:
         the rows split equally across processes), or the round's whole rest; at most a quarter of the round
         (`least_wave`), so what a wave turns into Python lists for TRL is bounded however much finished at once."""
         size = ready if ready == remaining else ready - ready % self.unit
-        return min(size, getattr(self, "_most", size))
+        return size if self._most is None else min(size, self._most)
 
     def _wave_rows(self, groups: list, results: list[GroupResult]) -> tuple[list[dict[str, Any]], dict[str, list]]:
         """This process's slice of the wave's rows (each group's prompt row, group_size times) and completions: only
