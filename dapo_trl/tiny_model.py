@@ -11,7 +11,12 @@ the built-in arithmetic problems, so that RL starts from a policy that is someti
 writes a correct "Answer:" line, every group is all-wrong, and a newcomer sees keep rate 0, loss 0, grad norm 0.
 The warm start is deliberately short and half its targets end without DAPO's "Answer:" line (they say "So the
 result is N." instead): it knows some sums and uses the scored format about half the time, which leaves RL
-something visible to learn. Built once and cached (about 30 s on 2 CPU cores).
+something visible to learn.
+
+Both built-in models ship with the package (`dapo_trl/builtin_models/`, 1.7 MB): a first run loads them at once, and
+every machine gets the same weights (a warm start's floats depend on the CPU's kernels). The recipe below is what
+made them: `python -m dapo_trl.tiny_model --warm [--moe] --output dapo_trl/builtin_models/tiny[-moe] --overwrite`
+rebuilds one (a minute or two on 2 CPU cores; bump `TINY_MODEL_VERSION` with any change that alters the files).
 
 `builtin:tiny-moe` is the same recipe on a 2-layer Qwen3-MoE (8 experts, 2 routed per token, head_dim 32 so that
 vLLM-CPU serves it): the same tokenizer, the same warm start, for mixture-of-experts runs (routing replay, ZeRO-3
@@ -71,9 +76,18 @@ def default_tiny_model_dir(warm_start: bool = False, architecture: str = "dense"
     return root / f"tiny-{family}-v{TINY_MODEL_VERSION}{'-warm' if warm_start else ''}"
 
 
+PACKAGED_MODELS = Path(__file__).parent / "builtin_models"
+"""The warm-started built-in models, shipped with the package: `tiny` (dense) and `tiny-moe`."""
+
+
+def packaged_model_dir(architecture: str = "dense") -> Path:
+    """The shipped folder of a warm-started built-in model."""
+    return PACKAGED_MODELS / ("tiny" if architecture == "dense" else "tiny-moe")
+
+
 def resolve_builtin_model(name: str) -> str:
-    """The folder of a built-in model name (`BUILTIN_MODELS`: built warm-started once, then cached); other names
-    are returned as they are."""
+    """The folder of a built-in model name (`BUILTIN_MODELS`: the shipped warm-started build, or one built into the
+    cache where the package's copy is not this recipe's); other names are returned as they are."""
     if name not in BUILTIN_MODELS:
         return name
     return str(build_tiny_model(warm_start=True, architecture=BUILTIN_MODELS[name]))
@@ -144,11 +158,12 @@ def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
     _save_weights(model, out)
 
 
-def _warm_start_in_own_process(out: Path, seed: int, settings: WarmStart) -> None:
-    """Run the supervised pass as a plain one-process job, whatever launched us.
+def _build_in_own_process(out: Path, seed: int, settings: WarmStart, architecture: str) -> None:
+    """Run a warm-started build as a plain one-process job, whatever launched us.
 
-    Under `accelerate launch` every rank sees RANK / WORLD_SIZE / MASTER_ADDR: a Trainer built in-process would join
-    that process group, while the other ranks wait on the build lock, and the whole run would hang.
+    Under `accelerate launch` every rank sees RANK / WORLD_SIZE / MASTER_ADDR (and, under ZeRO-3, transformers
+    partitions any model it creates): a model or Trainer built in-process would join that process group while the
+    other ranks wait on the build lock, and the whole run would hang.
     """
     import subprocess
     import sys
@@ -158,11 +173,11 @@ def _warm_start_in_own_process(out: Path, seed: int, settings: WarmStart) -> Non
         for name, value in os.environ.items()
         if name not in _DISTRIBUTED_ENV and not name.startswith(("ACCELERATE_", "TORCHELASTIC_"))
     }
-    command = [sys.executable, "-m", "dapo_trl.tiny_model", "--warm-start-into", str(out), "--seed", str(seed)]
-    command += ["--settings", json.dumps(asdict(settings))]
+    command = [sys.executable, "-m", "dapo_trl.tiny_model", "--build-into", str(out), "--seed", str(seed)]
+    command += ["--settings", json.dumps(asdict(settings)), "--architecture", architecture]
     result = subprocess.run(command, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"the built-in model's warm start failed:\n{result.stderr[-4000:]}")
+        raise RuntimeError(f"the built-in model's warm-started build failed:\n{result.stderr[-4000:]}")
 
 
 _DISTRIBUTED_ENV = {
@@ -245,7 +260,7 @@ def _build_into(out: Path, seed: int, warm_start: WarmStart | None = None, archi
     model.generation_config.save_pretrained(out)
     _save_weights(model, out)
     if warm_start is not None:
-        _warm_start_in_own_process(out, seed, warm_start)
+        _warm_start(out, seed, warm_start)
     marker = {"version": TINY_MODEL_VERSION, "seed": seed, "vocab_size": vocab_size, "tokenizer_size": len(hf_tok)}
     marker["architecture"] = architecture
     marker["warm_start"] = asdict(warm_start) if warm_start is not None else None
@@ -321,15 +336,19 @@ def build_tiny_model(
     callers (e.g. every rank under ``accelerate launch``) never observe a half-written folder; a caller whose
     rename loses the race simply uses the winner's identical build. ``overwrite=True`` forces a rebuild (the old
     folder is briefly absent while swapped, so do not overwrite a folder other processes are reading).
-    ``warm_start=True`` adds the supervised pass of `WARM_START` (what `builtin:tiny` is); concurrent warm builds
-    of one folder wait for each other instead of all training. ``architecture="moe"`` builds the mixture-of-experts
+    ``warm_start=True`` adds the supervised pass of `WARM_START` (what `builtin:tiny` is): without ``output_dir``
+    that is the shipped build, else a build in its own process; concurrent warm builds of one folder wait for each
+    other instead of all training. ``architecture="moe"`` builds the mixture-of-experts
     variant (what `builtin:tiny-moe` is).
     """
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture={architecture!r}: the tiny models are {', '.join(ARCHITECTURES)}")
+    settings = WARM_START if warm_start else None
+    packaged = packaged_model_dir(architecture)
+    if output_dir is None and warm_start and not overwrite and _is_complete(packaged, seed, settings, architecture):
+        return packaged
     target = Path(output_dir) if output_dir is not None else default_tiny_model_dir(warm_start, architecture)
     target = target.expanduser().absolute()
-    settings = WARM_START if warm_start else None
     if not overwrite and _is_complete(target, seed, settings, architecture):
         return target
 
@@ -339,14 +358,17 @@ def build_tiny_model(
             return target  # built by another process while this one waited
         if settings is not None:
             logger.info(
-                "building the built-in tiny model in %s, once: a random init, then %d supervised steps on the "
-                "built-in problems (about 30 s on 2 CPU cores)",
+                "building the tiny model in %s, once: a random init, then %d supervised steps on the built-in "
+                "problems (one to two minutes on 2 CPU cores)",
                 target,
                 settings.steps,
             )
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
         try:
-            _build_into(tmp, seed, settings, architecture)
+            if settings is not None:
+                _build_in_own_process(tmp, seed, settings, architecture)
+            else:
+                _build_into(tmp, seed, settings, architecture)
             for _ in range(5):
                 if target.exists() and (overwrite or not _is_complete(target, seed, settings, architecture)):
                     _move_aside(target)  # stale/partial/explicitly overwritten folder
@@ -367,16 +389,17 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m dapo_trl.tiny_model", description=main.__doc__)
-    parser.add_argument("--output", help="folder to build into (default: the cache, as builtin:tiny uses)")
+    parser.add_argument("--output", help="folder to build into (default: the cache; --warm: the shipped build)")
     parser.add_argument("--warm", action="store_true", help="add the supervised warm start (what builtin:tiny is)")
     parser.add_argument("--moe", action="store_true", help="the mixture-of-experts variant (builtin:tiny-moe)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true", help="rebuild even if a finished build is there")
-    parser.add_argument("--warm-start-into", help=argparse.SUPPRESS)  # the build's own one-process warm start
+    parser.add_argument("--build-into", help=argparse.SUPPRESS)  # a warm-started build's own process
     parser.add_argument("--settings", help=argparse.SUPPRESS)
+    parser.add_argument("--architecture", default="dense", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.warm_start_into:
-        _warm_start(Path(args.warm_start_into), args.seed, WarmStart(**json.loads(args.settings)))
+    if args.build_into:
+        _build_into(Path(args.build_into), args.seed, WarmStart(**json.loads(args.settings)), args.architecture)
         return
     architecture = "moe" if args.moe else "dense"
     print(build_tiny_model(args.output, args.seed, args.overwrite, warm_start=args.warm, architecture=architecture))

@@ -38,11 +38,12 @@ def test_smoke_script_trains_two_steps_and_prints_metrics(tmp_path):
 
 
 def test_smoke_script_with_two_processes(tmp_path):
-    """On a fresh cache: both ranks want the warm-started model; one builds it alone, the other waits and reuses it
-    (the build's supervised pass once joined the launch's process group and hung)."""
+    """On an empty cache: both ranks load the shipped warm-started model (a build on first use once joined the
+    launch's process group and hung); the cache stays empty."""
     env = {"OUTPUT_DIR": str(tmp_path / "out"), "NUM_PROCESSES": "2", "DAPO_TRL_CACHE": str(tmp_path / "cache")}
     result = run_command(["./test_dapo.sh"], env=env, timeout=400)
     assert "DAPO metrics per logged step" in result.stdout
+    assert not (tmp_path / "cache").exists()
 
 
 def test_yaml_recipe_and_latest_without_a_checkpoint(tmp_path):

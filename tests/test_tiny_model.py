@@ -216,3 +216,25 @@ def test_warm_start_targets_are_the_builtin_problems_worked_and_answered() -> No
 def test_random_and_warm_builds_are_never_confused(tiny_dir: Path) -> None:
     assert _is_complete(tiny_dir, 0) and not _is_complete(tiny_dir, 0, WARM_START)
     assert default_tiny_model_dir(warm_start=True).name.endswith("-warm")
+
+
+@pytest.mark.parametrize("architecture", ["dense", "moe"])
+def test_the_shipped_builtin_models_are_this_recipes_build(
+    architecture: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """builtin:tiny and builtin:tiny-moe load from the package, never build (an empty cache stays empty); the shipped
+    files are what the recipe makes, all but the warm start's weights byte for byte (those depend on the CPU)."""
+    from dapo_trl.tiny_model import BUILTIN_MODELS, packaged_model_dir, resolve_builtin_model
+
+    monkeypatch.setenv("DAPO_TRL_CACHE", str(tmp_path / "cache"))
+    name = next(name for name, built in BUILTIN_MODELS.items() if built == architecture)
+    shipped = Path(resolve_builtin_model(name))
+    assert shipped == packaged_model_dir(architecture) and not (tmp_path / "cache").exists()
+    assert _is_complete(shipped, 0, WARM_START, architecture)
+    fresh = build_tiny_model(tmp_path / "fresh", architecture=architecture)
+    for file in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (shipped / file).read_bytes() == (fresh / file).read_bytes(), file
+    trained, initial = load_file(shipped / "model.safetensors"), load_file(fresh / "model.safetensors")
+    assert trained.keys() == initial.keys()
+    assert all(trained[key].shape == initial[key].shape for key in trained)
+    assert any(not torch.equal(trained[key], initial[key]) for key in trained)  # warm-started, not the random init
