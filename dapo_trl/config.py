@@ -9,10 +9,29 @@ import torch
 from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
+from .algorithm import POLICY_LOSSES, Aggregation
 from .config_checks import check_all
 
 # Share of max_completion_length used as the overlong buffer when none is given: 4096 / 20480 in the paper.
 DEFAULT_OVERLONG_BUFFER_SHARE = 0.2
+DEFAULT_LOSS_TYPE = "dapo"
+
+
+def loss_type_help() -> str:
+    """--loss_type's help, read from the loss table: its names (the default first), and what each averages over."""
+    ordered = sorted(POLICY_LOSSES, key=lambda name: name != DEFAULT_LOSS_TYPE)
+    names = ", ".join(f"{name!r} (default)" if name == DEFAULT_LOSS_TYPE else repr(name) for name in ordered)
+    averages = "; ".join(
+        f"{', '.join(name for name, loss in POLICY_LOSSES.items() if loss.aggregation is aggregation)}: "
+        f"{aggregation.value}"
+        for aggregation in Aggregation
+        if any(loss.aggregation is aggregation for loss in POLICY_LOSSES.values())
+    )
+    return (
+        f"Policy loss, a row of the loss table dapo_trl.algorithm.POLICY_LOSSES: {names}; a loss added with "
+        "register_policy_loss is accepted too. What each averages its per-token terms over (K = micro-batches per "
+        f"optimizer step): {averages}. Formulas and traits: docs/losses.md."
+    )
 
 
 def _accelerator_available() -> bool:
@@ -35,7 +54,28 @@ class DAPOConfig(GRPOConfig):
     Already DAPO in TRL 1.16: `loss_type="dapo"`, `epsilon=0.2`, `beta=0.0`, `temperature=1.0`, `learning_rate=1e-6`.
     """
 
-    # Overridden GRPOConfig / TrainingArguments defaults.
+    # Overridden GRPOConfig / TrainingArguments defaults, and help texts that say what DAPO does with the field.
+    loss_type: str = field(default=DEFAULT_LOSS_TYPE, metadata={"help": loss_type_help()})
+    model_init_kwargs: dict[str, Any] | str | None = field(
+        default=None,
+        metadata={
+            "help": "Keyword arguments of transformers' AutoModelForCausalLM.from_pretrained (JSON on the command "
+            'line: \'{"attn_implementation": "flash_attention_2"}\'). DAPOTrainer loads a model given as a hub id or '
+            "folder with them, and the reference model (beta > 0 or kl_in_reward, without LoRA). train_dapo.py loads "
+            "its model with them over the flags --model_revision, --dtype, --attn_implementation and "
+            "--trust_remote_code: a flag left at its default gives way to the same key here; a flag set to another "
+            "value than the key is refused."
+        },
+    )
+    resume_from_checkpoint: str | None = field(
+        default=None,
+        metadata={
+            "help": "Where train_dapo.py resumes from (DAPOTrainer.train(resume_from_checkpoint=...) takes the same "
+            "values): a checkpoint folder, or 'latest' (or 'true'): the newest complete checkpoint in output_dir, "
+            "and a fresh start when there is none yet, so the same command can be requeued after a preemption. A "
+            "checkpoint that is not complete is refused, naming what it lacks."
+        },
+    )
     epsilon_high: float | None = field(
         default=0.28,
         metadata={"help": "Upper clip bound epsilon_high of clip-higher (DAPO: 0.28). None means = epsilon."},

@@ -29,6 +29,9 @@ from .verl_import.reader import read_verl_input
 from .verl_import.translate import translate
 from .verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED
 
+# --allow-unsupported's example of a key that changes the training and has no counterpart here (tested as blocking).
+UNSUPPORTED_EXAMPLE = "algorithm.use_pf_ppo=True: policy-filtered PPO"
+
 
 # ---------------------------------------------------------------------------------------------- command line
 def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
@@ -52,8 +55,8 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--allow-unsupported",
         action="store_true",
-        help="write the recipe even when a key that changes the training (e.g. KL in the reward) cannot be "
-        "translated, and exit 0",
+        help="write the recipe even when a key that changes the training cannot be translated (e.g. "
+        f"{UNSUPPORTED_EXAMPLE}; report.md lists each such key), and exit 0",
     )
     return parser.parse_intermixed_args(argv)
 

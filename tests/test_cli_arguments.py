@@ -1,14 +1,16 @@
 """The training command line's flags (dapo_trl/cli/arguments.py): `DAPOParser` over the script, DAPOConfig and
-ModelConfig flags, YAML recipes through `--config` (the shipped ones included), and `--config` in --help.
+ModelConfig flags, YAML recipes through `--config` (the shipped ones included), `--config` in --help, and help texts
+that match the code (the loss table, the default model, `latest`, from_verl's unsupported example).
 
 The commands themselves, run end to end, are tests/test_cli.py's."""
 
 import os
+import re
 
 import pytest
 import yaml
 
-from dapo_trl.cli import RECIPE_HELP, DAPOParser
+from dapo_trl.cli import BUILTIN_TINY_MODEL, RECIPE_HELP, DAPOParser
 
 from .helpers import REPO
 
@@ -150,3 +152,53 @@ def test_help_lists_config_first():
     first_options = " ".join(options.split())
     assert first_options.startswith("-h, --help show this help message and exit --config RECIPE.yaml " + RECIPE_HELP)
     assert "configs/dapo_tiny.yaml" in RECIPE_HELP and (REPO / "configs" / "dapo_tiny.yaml").is_file()
+
+
+# ------------------------------------------------------------------------------------- help texts match the code
+def option_help(flag: str) -> str:
+    """--help's entry for one flag, whitespace normalised: its names, its help and its "(default: ...)"."""
+    options = " ".join(DAPOParser().format_help().split("\noptions:\n", 1)[1].split())
+    start = options.index(f"{flag} {flag[2:].upper()}, ")
+    return options[start : options.index(")", options.index(" (default: ", start)) + 1]
+
+
+def test_loss_type_help_lists_the_loss_table():
+    from dapo_trl.algorithm import POLICY_LOSSES
+
+    help_text = option_help("--loss_type")
+    assert set(re.findall(r"'(\w+)'", help_text)) == set(POLICY_LOSSES)
+    assert "'gmpo'" in help_text and "'dapo' (default)" in help_text
+    for loss in POLICY_LOSSES.values():  # what each averages over, as its row says
+        assert loss.aggregation.value in help_text
+
+
+def test_model_name_or_path_help_names_the_builtin_default():
+    from dapo_trl.tiny_model import BUILTIN_MODELS
+
+    _, _, model = parse(["--output_dir", "out"])
+    assert model.model_name_or_path == BUILTIN_TINY_MODEL and BUILTIN_TINY_MODEL in BUILTIN_MODELS
+    help_text = option_help("--model_name_or_path")
+    assert help_text.endswith(f"(default: {BUILTIN_TINY_MODEL})") and "(default: None)" not in help_text
+
+
+def test_resume_from_checkpoint_help_says_latest():
+    from dapo_trl.training.checkpoints import LATEST
+
+    help_text = option_help("--resume_from_checkpoint")
+    assert all(f"'{word}'" in help_text for word in LATEST) and "newest complete checkpoint" in help_text
+
+
+def test_allow_unsupported_example_is_refused_by_the_translator(capsys):
+    """--allow-unsupported's example is a key the translator blocks on (KL in the reward, the old one, is mapped)."""
+    from dapo_trl.from_verl import UNSUPPORTED_EXAMPLE, parse_arguments
+    from dapo_trl.verl_import.reader import read_verl_input
+    from dapo_trl.verl_import.translate import translate
+
+    with pytest.raises(SystemExit):
+        parse_arguments(["--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert UNSUPPORTED_EXAMPLE in help_text and "KL in the reward" not in help_text
+    override = UNSUPPORTED_EXAMPLE.split(":")[0]
+    script = REPO / "tests" / "data" / "verl" / "grpo_kl.sh"
+    t = translate(read_verl_input(script, {"HOME": "/home/user", "PWD": "/data"}, [override]))
+    assert override.split("=")[0] in {entry.key for entry in t.blocking}

@@ -1,6 +1,7 @@
 """The script's own flags (`DAPOScriptArguments`): data, rewards, tools, chat template and charts. Model flags come
-from TRL's ModelConfig, training flags from DAPOConfig; `DAPOParser` (TRL's `TrlParser`) reads all three from the
-command line or a YAML `--config` recipe."""
+from TRL's ModelConfig (`DAPOModelConfig`: the same fields, with the built-in tiny model as the default and help texts
+that say what train_dapo.py does with them), training flags from DAPOConfig; `DAPOParser` (TRL's `TrlParser`) reads
+all three from the command line or a YAML `--config` recipe."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ from trl import ModelConfig, ScriptArguments, TrlParser
 from ..config import DAPOConfig
 from ..data import BUILTIN_ARITHMETIC
 from ..rewards import REWARD_FUNCTIONS
+from ..tiny_model import BUILTIN_MODELS
 
 TOOL_NAMES = ("code_interpreter",)
+BUILTIN_TINY_MODEL = "builtin:tiny"
+QUANTIZATION_NEEDS = "a CUDA GPU, the bitsandbytes package and --use_peft true (QLoRA: only the LoRA adapters train)"
 
 
 @dataclass
@@ -141,6 +145,44 @@ class DAPOScriptArguments(ScriptArguments):
     )
 
 
+@dataclass
+class DAPOModelConfig(ModelConfig):
+    """TRL's `ModelConfig` flags, unchanged but for what --help says: the default model is the built-in tiny one
+    (train_dapo.py loads it when the flag is unset), and bitsandbytes quantization names what it needs
+    (`cli.train.quantization_config` refuses it without them)."""
+
+    model_name_or_path: str | None = field(
+        default=BUILTIN_TINY_MODEL,
+        metadata={
+            "help": f"Model to train: a hub id, a local folder, or a built-in model that needs no download "
+            f"({', '.join(BUILTIN_MODELS)})."
+        },
+    )
+    load_in_8bit: bool = field(
+        default=False,
+        metadata={"help": f"Load the base model's weights in 8 bits (bitsandbytes). Needs {QUANTIZATION_NEEDS}."},
+    )
+    load_in_4bit: bool = field(
+        default=False,
+        metadata={
+            "help": "Load the base model's weights in 4 bits (bitsandbytes; computed in --dtype, shaped by "
+            f"--bnb_4bit_quant_type, --use_bnb_nested_quant and --bnb_4bit_quant_storage). Needs {QUANTIZATION_NEEDS}."
+        },
+    )
+    bnb_4bit_quant_type: str = field(
+        default="nf4",
+        metadata={"help": "With --load_in_4bit: the 4-bit data type.", "choices": ["fp4", "nf4"]},
+    )
+    use_bnb_nested_quant: bool = field(
+        default=False,
+        metadata={"help": "With --load_in_4bit: quantize the quantization constants too (double quantization)."},
+    )
+    bnb_4bit_quant_storage: str | None = field(
+        default=None,
+        metadata={"help": "With --load_in_4bit: the dtype the packed 4-bit weights are stored in (default: uint8)."},
+    )
+
+
 RECIPE_HELP = (
     "A YAML recipe whose keys are any of the flags below without their dashes (max_steps: 4), such as "
     "configs/dapo_tiny.yaml or the recipe.yaml that python -m dapo_trl.from_verl writes; an 'env:' mapping in it "
@@ -149,14 +191,14 @@ RECIPE_HELP = (
 
 
 class DAPOParser(TrlParser):
-    """The command line's parser: TRL's `TrlParser` over (DAPOScriptArguments, DAPOConfig, ModelConfig), with
+    """The command line's parser: TRL's `TrlParser` over (DAPOScriptArguments, DAPOConfig, DAPOModelConfig), with
     abbreviations refused (a typo such as --epsilon_hi must fail, not silently set epsilon_high) and `--config`
     listed in --help.
 
     `parse_args_and_config` returns (script_args, training_args, model_args)."""
 
     def __init__(self) -> None:
-        super().__init__((DAPOScriptArguments, DAPOConfig, ModelConfig), allow_abbrev=False)
+        super().__init__((DAPOScriptArguments, DAPOConfig, DAPOModelConfig), allow_abbrev=False)
         # TrlParser reads --config itself and takes it out of the arguments before argparse sees them, but never
         # declares it, so --help did not list it. Declared here for the help, first after -h; SUPPRESS keeps it off
         # the parsed namespace, which HfArgumentParser would otherwise return as a fourth value.

@@ -13,18 +13,20 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from trl import ModelConfig, get_peft_config
+import torch
+from accelerate import PartialState
+from transformers.utils import is_bitsandbytes_available
+from trl import ModelConfig, get_peft_config, get_quantization_config
 
 from ..config import DAPOConfig
 from ..data import DatasetLoadError, load_prompt_dataset
 from ..training.checkpoints import IncompleteCheckpointError
-from .arguments import DAPOParser
+from .arguments import BUILTIN_TINY_MODEL, DAPOParser
 from .components import UserFacingError, build_tools, resolve_reward_function
 from .run_summary import print_summary, write_charts
 
 logger = logging.getLogger("dapo_trl")
 
-BUILTIN_TINY_MODEL = "builtin:tiny"
 TRL_DEPRECATED_CALLS = r"`(is_gradient_checkpointing|gradient_checkpointing_enable|gradient_checkpointing_disable)` is"
 
 
@@ -42,8 +44,83 @@ def resolve_chat_template(value: str) -> str:
     raise UserFacingError(f"--chat_template {value!r}: not a file nor a TRL template; TRL has {', '.join(names)}.")
 
 
+# The ModelConfig and DAPOConfig flags that are from_pretrained keywords too: (flag, keyword).
+FLAG_KEYWORDS = (
+    ("model_revision", "revision"),
+    ("trust_remote_code", "trust_remote_code"),
+    ("attn_implementation", "attn_implementation"),
+    ("dtype", "dtype"),
+)
+BNB_4BIT_FLAGS = ("bnb_4bit_quant_type", "use_bnb_nested_quant", "bnb_4bit_quant_storage")
+IGNORED_INIT_KWARGS = "The `model_init_kwargs` will be ignored"  # GRPOTrainer's warning for a model passed loaded
+
+
+def _is_default(owner: Any, name: str) -> bool:
+    return getattr(owner, name) == type(owner).__dataclass_fields__[name].default
+
+
+def from_pretrained_kwargs(model_args: ModelConfig, training_args: DAPOConfig) -> dict[str, Any]:
+    """from_pretrained's keywords as TRL's `trl/scripts/grpo.py` builds them: --model_revision, --trust_remote_code,
+    --attn_implementation and --dtype, then `--model_init_kwargs` over them. A flag left at its default gives way to
+    the same key (as in TRL); a flag set to another value than the key is refused, naming both. Flags at None are left
+    out (from_pretrained's own default)."""
+    given = dict(training_args.model_init_kwargs or {})
+    if "torch_dtype" in given:  # transformers' old name, which would lose to the dtype --dtype passes
+        if "dtype" in given:
+            raise UserFacingError(
+                "--model_init_kwargs sets both 'dtype' and 'torch_dtype' (its old name): keep 'dtype'."
+            )
+        given["dtype"] = given.pop("torch_dtype")
+    kwargs: dict[str, Any] = {}
+    for flag, keyword in FLAG_KEYWORDS:
+        owner = training_args if flag == "trust_remote_code" else model_args
+        value = getattr(owner, flag)
+        if keyword in given and given[keyword] != value and not _is_default(owner, flag):
+            raise UserFacingError(
+                f"--{flag} {value} and --model_init_kwargs' {keyword!r}: {given[keyword]!r} disagree: set "
+                f"{keyword} in one of them."
+            )
+        if value is not None:
+            kwargs[keyword] = value
+    kwargs.update(given)
+    return kwargs
+
+
+def quantization_config(model_args: ModelConfig, init_kwargs: dict[str, Any]) -> Any:
+    """--load_in_4bit / --load_in_8bit as TRL's scripts build them (`trl.get_quantization_config`: None without
+    them); refused, naming the flag and what to do instead, where bitsandbytes cannot train them."""
+    if not model_args.load_in_4bit:
+        shaping = [f"--{name}" for name in BNB_4BIT_FLAGS if not _is_default(model_args, name)]
+        if shaping:
+            raise UserFacingError(
+                f"{', '.join(shaping)}: shape 4-bit weights only; add --load_in_4bit true or drop them."
+            )
+    if not (model_args.load_in_4bit or model_args.load_in_8bit):
+        return None
+    flag = "--load_in_4bit" if model_args.load_in_4bit else "--load_in_8bit"
+    if not torch.cuda.is_available():
+        raise UserFacingError(
+            f"{flag}: bitsandbytes' 4-bit and 8-bit weights need a CUDA GPU, and this machine has none. Drop {flag} "
+            "to train the model unquantized in --dtype (with --use_peft true only LoRA adapters train, as in QLoRA)."
+        )
+    if not is_bitsandbytes_available():
+        raise UserFacingError(f"{flag} needs the bitsandbytes package: pip install bitsandbytes")
+    if not model_args.use_peft:
+        raise UserFacingError(
+            f"{flag} needs --use_peft true: quantized weights cannot be trained, only LoRA adapters on them (QLoRA)."
+        )
+    if model_args.load_in_4bit and model_args.dtype in (None, "auto"):
+        raise UserFacingError("--load_in_4bit computes in --dtype: set --dtype bfloat16, float16 or float32.")
+    if "quantization_config" in init_kwargs:
+        raise UserFacingError(f"{flag} and --model_init_kwargs' 'quantization_config' both quantize: keep one.")
+    return get_quantization_config(model_args)
+
+
 def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig) -> tuple[Any, Any]:
-    """Load the policy and tokenizer; an unreachable hub becomes one actionable message, not a traceback."""
+    """Load the policy and tokenizer; an unreachable hub becomes one actionable message, not a traceback.
+
+    The from_pretrained keywords (`from_pretrained_kwargs`) become `training_args.model_init_kwargs`, as in TRL's
+    script, so that a reference model TRL or DAPOTrainer loads is loaded as the policy was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..tiny_model import BUILTIN_MODELS, resolve_builtin_model
@@ -52,17 +129,18 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     if name in BUILTIN_MODELS:
         name = resolve_builtin_model(name)
         logger.info("using the built-in %s model at %s", model_args.model_name_or_path or BUILTIN_TINY_MODEL, name)
-    model_kwargs: dict[str, Any] = {
-        "revision": model_args.model_revision,
-        "trust_remote_code": training_args.trust_remote_code,
-    }
-    if model_args.dtype not in (None, "auto"):
-        model_kwargs["dtype"] = model_args.dtype
-    if model_args.attn_implementation is not None:
-        model_kwargs["attn_implementation"] = model_args.attn_implementation
+    init_kwargs = from_pretrained_kwargs(model_args, training_args)
+    model_kwargs = dict(init_kwargs)
+    if training_args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        model_kwargs["device_map"] = None  # as in TRL: "auto" fails under distributed training
+    quantization = quantization_config(model_args, init_kwargs)
+    if quantization is not None:
+        model_kwargs["quantization_config"] = quantization
+        if model_kwargs.get("device_map") is None:  # this process's GPU, as TRL's get_kbit_device_map (not in 1.16)
+            model_kwargs["device_map"] = {"": PartialState().local_process_index}
     try:
         tokenizer = AutoTokenizer.from_pretrained(
-            name, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+            name, revision=init_kwargs.get("revision"), trust_remote_code=init_kwargs.get("trust_remote_code", False)
         )
         model = AutoModelForCausalLM.from_pretrained(name, **model_kwargs)
     except OSError as error:
@@ -74,7 +152,17 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
         ) from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    training_args.model_init_kwargs = init_kwargs
     return model, tokenizer
+
+
+class DropIgnoredInitKwargsWarning(logging.Filter):
+    """GRPOTrainer warns that `model_init_kwargs` are ignored when its model comes loaded; train_dapo.py loaded the
+    model with them (`load_model_and_tokenizer`), and TRL loads the reference model with them: the warning is untrue
+    here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return IGNORED_INIT_KWARGS not in record.getMessage()
 
 
 def peft_config(model_args: ModelConfig, script_args: Any) -> Any:
@@ -101,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         from ..trainer import DAPOTrainer
+
+        logging.getLogger("trl.trainer.grpo_trainer").addFilter(DropIgnoredInitKwargsWarning())
 
         reward_funcs = [resolve_reward_function(name, script_args) for name in script_args.reward_funcs]
         model, tokenizer = load_model_and_tokenizer(model_args, training_args)
