@@ -160,7 +160,8 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Data",
         "The training set and how its rows become prompts: the README's [Data](../README.md#data).",
-        ("dataset_name", "prompt_column", "answer_column", "prompt_template", "skip_malformed_rows"),
+        ("dataset_name", "prompt_column", "answer_column", "prompt_template", "skip_malformed_rows")
+        + ("dataset_test_split", "dataset_streaming", "ignore_bias_buffers"),  # refused when set
         trl_fields="script",
     ),
     Group(
@@ -405,9 +406,9 @@ def render() -> str:
         lines += [f"## {group.title}", "", group.intro, ""]
         if group.trl_fields == "script":
             unused = [name for name in inherited_names(ScriptArguments, script) if name not in SCRIPT_ARGUMENTS_READ]
+            unread = f"; its {names(unused)} are accepted and not used by `train_dapo.py`" if unused else ""
             lines += [
-                f"TRL's [ScriptArguments]({SCRIPT_ARGUMENTS_DOCS}) adds {names(SCRIPT_ARGUMENTS_READ)}; its "
-                f"{names(unused)} are accepted and not used by `train_dapo.py`.",
+                f"TRL's [ScriptArguments]({SCRIPT_ARGUMENTS_DOCS}) adds {names(SCRIPT_ARGUMENTS_READ)}{unread}.",
                 "",
             ]
         if group.trl_fields == "model":

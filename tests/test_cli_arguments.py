@@ -202,3 +202,14 @@ def test_allow_unsupported_example_is_refused_by_the_translator(capsys):
     script = REPO / "tests" / "data" / "verl" / "grpo_kl.sh"
     t = translate(read_verl_input(script, {"HOME": "/home/user", "PWD": "/data"}, [override]))
     assert override.split("=")[0] in {entry.key for entry in t.blocking}
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("dataset_test_split", "validation"), ("dataset_streaming", "true"), ("ignore_bias_buffers", "true")],
+)
+def test_trls_script_flags_the_script_does_not_read_are_refused_when_set(tmp_path, flag, value):
+    """TRL's ScriptArguments lists them; train_dapo.py reads none of them, so setting one is an error naming it."""
+    with pytest.raises(ValueError, match=f"--{flag} is not read by train_dapo.py"):
+        parse(["--output_dir", str(tmp_path), f"--{flag}", value])
+    parse(["--output_dir", str(tmp_path)])  # their defaults are fine

@@ -143,6 +143,32 @@ class DAPOScriptArguments(ScriptArguments):
             "--plot false to skip."
         },
     )
+    # TRL's ScriptArguments fields that train_dapo.py has no use for: listed by --help as TRL lists them, refused when
+    # set, so that none of them does nothing silently.
+    dataset_test_split: str = field(
+        default="test",
+        metadata={"help": "Not read: validation sets come from --eval_dataset_name."},
+    )
+    dataset_streaming: bool = field(
+        default=False,
+        metadata={"help": "Not supported: the prompt set is loaded whole (DAPO-Math-17k is 17k rows); refused if set."},
+    )
+    ignore_bias_buffers: bool = field(
+        default=False, metadata={"help": "Not supported (a DDP option of TRL's DPO scripts); refused if set."}
+    )
+
+    def __post_init__(self) -> None:
+        unused = {
+            "dataset_test_split": (
+                self.dataset_test_split != "test",
+                "pass the validation sets to --eval_dataset_name",
+            ),
+            "dataset_streaming": (self.dataset_streaming, "leave it false: train_dapo.py loads the prompt set whole"),
+            "ignore_bias_buffers": (self.ignore_bias_buffers, "leave it false: the DAPO script has no such option"),
+        }
+        for name, (set_by_user, fix) in unused.items():
+            if set_by_user:
+                raise ValueError(f"--{name} is not read by train_dapo.py: {fix}.")
 
 
 @dataclass
