@@ -1,5 +1,25 @@
 #!/usr/bin/env bash
-# Full DAPO run with the paper's settings (DAPO, arXiv 2503.14476; verl run_dapo_qwen2.5_32b.sh).
+# Full DAPO run (DAPO, arXiv 2503.14476) with the settings of verl's DAPO recipe (verl-recipe
+# dapo/run_dapo_qwen2.5_32b.sh; tests/data/verl/dapo_recipe.sh has its keys), which are the paper's:
+#   a rollout of 512 prompts x 16 responses, trained in 16 optimizer updates of 512 responses (32 prompts) each;
+#   clip 0.2 / 0.28, token-level loss, no KL, no entropy bonus, dynamic sampling (up to 10 rounds), soft overlong
+#   penalty (20480 = 16384 + a 4096-token buffer), prompts up to 2048 tokens, lr 1e-6 constant after a linear
+#   warm-up of 10 rollout steps (verl's lr_warmup_steps=10; here in optimizer steps: 10 x 16 = 160), weight decay 0.1,
+#   gradient clipping 1.0, sampling at temperature 1.0, top_p 1.0.
+# What differs from that recipe unless you set it:
+#   - no validation: EVAL_DATASET=aime2024 validates as the paper reports it (avg@32 and pass@k on AIME 2024 at
+#     temperature 1.0, top_p 0.7; verl's recipe samples 1) before training and every EVAL_STEPS optimizer steps
+#     (default 80 = verl's test_freq of 5 rollout steps);
+#   - no dual-clip (the paper has none; the recipe sets clip_ratio_c=10.0: CLIP_RATIO_C=10.0);
+#   - one prompt batch per dynamic-sampling round (the recipe generates 3x: --filter_groups_oversample 3);
+#   - no token budget or sequence parallelism (the recipe: MAX_TOKENS_PER_MICROBATCH=22528 SEQUENCE_PARALLEL_SIZE=8);
+#   - checkpoints every SAVE_STEPS=50 optimizer steps (the recipe: every 5 rollout steps, 80).
+# Batch layout: GRADIENT_ACCUMULATION_STEPS and STEPS_PER_GENERATION are derived so that, on any number of processes,
+#   responses per update  = PER_DEVICE_BATCH_SIZE x processes x GRADIENT_ACCUMULATION_STEPS = 512
+#   responses per rollout = PER_DEVICE_BATCH_SIZE x processes x STEPS_PER_GENERATION        = 512 x 16
+# (processes: NUM_PROCESSES, else ACCELERATE_CONFIG's num_processes, else 1; PER_DEVICE_BATCH_SIZE, default 16, is
+# lowered to fit). Set GRADIENT_ACCUMULATION_STEPS yourself to choose the layout: STEPS_PER_GENERATION then defaults
+# to it x UPDATES_PER_ROLLOUT. `DRY_RUN=1 ./run_dapo.sh` prints the command.
 # Every knob is an environment variable; extra arguments go to train_dapo.py and win over these.
 #   MODEL_PATH=Qwen/Qwen2.5-32B ACCELERATE_CONFIG=configs/accelerate/zero3_1node_8gpu.yaml ./run_dapo.sh
 #   NNODES=2 NODE_RANK=$SLURM_NODEID MASTER_ADDR=node0 ACCELERATE_CONFIG=configs/accelerate/zero3_2nodes_16gpu.yaml \
@@ -11,13 +31,36 @@ cd "$(dirname "$0")"
 MODEL_PATH="${MODEL_PATH:-Qwen/Qwen2.5-32B}"
 DATASET="${DATASET:-BytedTsinghua-SIA/DAPO-Math-17k}"
 OUTPUT_DIR="${OUTPUT_DIR:-outputs/dapo-$(basename "$MODEL_PATH")}"
-# Batch: 16 responses per prompt; 512 prompts per step = PER_DEVICE_BATCH_SIZE * processes * steps / 16.
+# Batch (see the header): PROMPTS_PER_ROLLOUT prompts x NUM_GENERATIONS responses, in UPDATES_PER_ROLLOUT updates.
 NUM_GENERATIONS="${NUM_GENERATIONS:-16}"
+PROMPTS_PER_ROLLOUT="${PROMPTS_PER_ROLLOUT:-512}"
+UPDATES_PER_ROLLOUT="${UPDATES_PER_ROLLOUT:-16}"
+NUM_PROCESSES="${NUM_PROCESSES:-}"            # processes in all (all nodes); default: the accelerate config's, else 1
+ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"      # e.g. configs/accelerate/zero3_1node_8gpu.yaml
+processes="$NUM_PROCESSES"
+if [[ -z "$processes" && -n "$ACCELERATE_CONFIG" ]]; then
+  processes="$(sed -n 's/^num_processes:[[:space:]]*\([0-9][0-9]*\).*/\1/p' "$ACCELERATE_CONFIG" | head -n 1)"
+fi
+processes="${processes:-1}"
+if [[ -z "${GRADIENT_ACCUMULATION_STEPS:-}" ]]; then   # derive the paper's layout for this many processes
+  per_update=$((PROMPTS_PER_ROLLOUT * NUM_GENERATIONS / UPDATES_PER_ROLLOUT))   # responses per optimizer update
+  if (( PROMPTS_PER_ROLLOUT * NUM_GENERATIONS % UPDATES_PER_ROLLOUT || per_update % processes )); then
+    echo "run_dapo.sh: $PROMPTS_PER_ROLLOUT prompts x $NUM_GENERATIONS responses in $UPDATES_PER_ROLLOUT updates" \
+      "do not split evenly over $processes processes: set GRADIENT_ACCUMULATION_STEPS (and PER_DEVICE_BATCH_SIZE)" \
+      "or PROMPTS_PER_ROLLOUT" >&2
+    exit 2
+  fi
+  per_process=$((per_update / processes))
+  PER_DEVICE_BATCH_SIZE="${PER_DEVICE_BATCH_SIZE:-$(( per_process < 16 ? per_process : 16 ))}"
+  while (( per_process % PER_DEVICE_BATCH_SIZE )); do   # the largest batch <= the one asked for that divides it
+    PER_DEVICE_BATCH_SIZE=$((PER_DEVICE_BATCH_SIZE - 1))
+  done
+  GRADIENT_ACCUMULATION_STEPS=$((per_process / PER_DEVICE_BATCH_SIZE))
+fi
 PER_DEVICE_BATCH_SIZE="${PER_DEVICE_BATCH_SIZE:-16}"
-GRADIENT_ACCUMULATION_STEPS="${GRADIENT_ACCUMULATION_STEPS:-8}"
-STEPS_PER_GENERATION="${STEPS_PER_GENERATION:-$GRADIENT_ACCUMULATION_STEPS}"
+STEPS_PER_GENERATION="${STEPS_PER_GENERATION:-$((GRADIENT_ACCUMULATION_STEPS * UPDATES_PER_ROLLOUT))}"
 LEARNING_RATE="${LEARNING_RATE:-1e-6}"
-WARMUP_STEPS="${WARMUP_STEPS:-10}"
+WARMUP_STEPS="${WARMUP_STEPS:-$((10 * UPDATES_PER_ROLLOUT))}"   # optimizer steps: verl's 10 rollout steps
 WEIGHT_DECAY="${WEIGHT_DECAY:-0.1}"
 MAX_GRAD_NORM="${MAX_GRAD_NORM:-1.0}"
 NUM_TRAIN_EPOCHS="${NUM_TRAIN_EPOCHS:-1}"
@@ -49,8 +92,6 @@ SEQUENCE_PARALLEL_SIZE="${SEQUENCE_PARALLEL_SIZE:-1}"
 BF16="${BF16:-true}"
 REPORT_TO="${REPORT_TO:-tensorboard}"
 SAVE_STEPS="${SAVE_STEPS:-50}"
-NUM_PROCESSES="${NUM_PROCESSES:-}"            # processes in all (all nodes); default: the accelerate config's, else 1
-ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-}"      # e.g. configs/accelerate/zero3_1node_8gpu.yaml
 NNODES="${NNODES:-1}"
 NODE_RANK="${NODE_RANK:-0}"
 MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
@@ -64,6 +105,11 @@ VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
 # the next batch while the trainer trains, with weights ROLLOUT_MAX_STALENESS steps old (needs shared_storage sync).
 ROLLOUT_STREAMING="${ROLLOUT_STREAMING:-false}"
 ROLLOUT_MAX_STALENESS="${ROLLOUT_MAX_STALENESS:-0}"
+# Validation (off unless EVAL_DATASET is set): avg@EVAL_NUM_SAMPLES and pass@k before training and every EVAL_STEPS
+# optimizer steps, sampled at temperature 1.0 and top_p 0.7 (the paper's).
+EVAL_DATASET="${EVAL_DATASET:-}"                # e.g. aime2024 (several: "aime2024 aime2025")
+EVAL_STEPS="${EVAL_STEPS:-$((5 * UPDATES_PER_ROLLOUT))}"
+EVAL_NUM_SAMPLES="${EVAL_NUM_SAMPLES:-32}"
 # Preemption: SIGTERM or SIGUSR1 to this script abandons the step in progress, saves the last completed one and exits 0
 # (docs/reliability.md).
 PREEMPTION_GRACE_SECONDS="${PREEMPTION_GRACE_SECONDS:-300}"
@@ -85,6 +131,11 @@ args=(
   --preemption_grace_seconds "$PREEMPTION_GRACE_SECONDS"
 )
 [[ -n "$MAX_TOKENS_PER_MICROBATCH" ]] && args+=(--max_tokens_per_microbatch "$MAX_TOKENS_PER_MICROBATCH")
+if [[ -n "$EVAL_DATASET" ]]; then   # TRL's own eval pass at 1 response per prompt; avg@n is sampled apart
+  read -r -a eval_sets <<< "$EVAL_DATASET"
+  args+=(--eval_dataset_name "${eval_sets[@]}" --eval_strategy steps --eval_steps "$EVAL_STEPS" --val_before_train true
+         --eval_num_samples "$EVAL_NUM_SAMPLES" --eval_temperature 1.0 --eval_top_p 0.7 --num_generations_eval 1)
+fi
 
 if [[ -n "$VLLM_SERVER_HOST" ]]; then
   args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT"
