@@ -140,7 +140,7 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Validation",
         "avg@n and pass@k per data source, every `eval_steps` (TrainingArguments' `eval_strategy` / `eval_steps`): "
-        "the README's [Validation](../README.md#validation-avgn-and-passk).",
+        "[validation.md](validation.md).",
         (
             "eval_dataset_name",
             "eval_num_samples",
@@ -159,7 +159,7 @@ GROUPS: tuple[Group, ...] = (
     ),
     Group(
         "Data",
-        "The training set and how its rows become prompts: the README's [Data](../README.md#data).",
+        "The training set and how its rows become prompts: [data.md](data.md).",
         ("dataset_name", "prompt_column", "answer_column", "prompt_template", "skip_malformed_rows")
         + ("dataset_test_split", "dataset_streaming", "ignore_bias_buffers"),  # refused when set
         trl_fields="script",
