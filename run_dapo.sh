@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Full DAPO run (DAPO, arXiv 2503.14476) with the settings of verl's DAPO recipe (verl-recipe
-# dapo/run_dapo_qwen2.5_32b.sh; tests/data/verl/dapo_recipe.sh has its keys), which are the paper's:
+# Full DAPO run (DAPO, arXiv 2503.14476) with the paper's batch layout and the settings of verl's DAPO recipe, the
+# authors' published script (verl-recipe dapo/run_dapo_qwen2.5_32b.sh; tests/data/verl/dapo_recipe.sh has its keys):
 #   a rollout of 512 prompts x 16 responses, trained in 16 optimizer updates of 512 responses (32 prompts) each;
 #   clip 0.2 / 0.28, token-level loss, no KL, no entropy bonus, dynamic sampling (up to 10 rounds), soft overlong
 #   penalty (20480 = 16384 + a 4096-token buffer), prompts up to 2048 tokens, lr 1e-6 constant after a linear
-#   warm-up of 10 rollout steps (verl's lr_warmup_steps=10; here in optimizer steps: 10 x 16 = 160), weight decay 0.1,
-#   gradient clipping 1.0, sampling at temperature 1.0, top_p 1.0.
+#   warm-up of 10 rollout steps (the recipe's lr_warmup_steps=10; here in optimizer steps: 10 x 16 = 160), weight
+#   decay 0.1, gradient clipping 1.0, sampling at temperature 1.0, top_p 1.0.
 # What differs from that recipe unless you set it:
 #   - no validation: EVAL_DATASET=aime2024 validates as the paper reports it (avg@32 and pass@k on AIME 2024 at
 #     temperature 1.0, top_p 0.7; verl's recipe samples 1) before training and every EVAL_STEPS optimizer steps
