@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The generation node of examples/qwen3-30b-a3b-3x8: vLLM serving Qwen3-30B-A3B as 4 data-parallel replicas of 2
+# GPUs (tensor parallel 2: ~30 GB of bf16 weights per GPU, the rest KV cache) on port 8000, with vLLM's NCCL
+# weight-transfer engine that TRL's weight sync talks to (WEIGHT_SYNC=nccl: --weight-transfer-config, dev mode).
+# Run it first, from any directory:
+#   examples/qwen3-30b-a3b-3x8/serve.sh            (extra arguments go to `vllm serve`)
+# The training node 0 must reach this node, and this node the training node 0 (NCCL group, port 51216 by default).
+# Routing replay (recipe: routing_replay true, with a smaller batch): VLLM_USE_V2_MODEL_RUNNER=1 in the environment
+# and --enable-return-routed-experts as an argument (docs/moe.md#routing-replay---routing_replay).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+export MODEL_PATH="${MODEL_PATH:-Qwen/Qwen3-30B-A3B-Base}"   # the recipe's model_name_or_path
+export TP=2 DP=4                                            # 8 GPUs: 4 replicas of 2 GPUs each
+export PORT=8000 MAX_MODEL_LEN=22528                        # 2048 prompt + 20480 response tokens
+export WEIGHT_SYNC=nccl
+exec scripts/start_vllm_server.sh "$@"
