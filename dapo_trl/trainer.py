@@ -20,6 +20,7 @@ from .config import DAPOConfig
 from .moe.architecture import set_zero3_leaf_modules
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
+from .tiny_model import resolve_builtin_model
 from .tools.runtime import ToolRuntime
 from .training import batch_metrics, checkpoints, evaluation, rollout_setup, steps, streams, trl_seam
 from .training.batching import (
@@ -61,6 +62,7 @@ class DAPOTrainer(GRPOTrainer):
         processing_class: Any = None,
         **kwargs: Any,
     ):
+        model = resolve_builtin_model(model) if isinstance(model, str) else model  # "builtin:tiny" as on the CLI
         args = DAPOConfig.for_trainer(args, model)
         trl_seam.check_trl_classes(trl_seam.CLASS_NAMES + (trl_seam.WITH_VLLM if args.use_vllm else ()))
         env_factory = kwargs.get("environment_factory")

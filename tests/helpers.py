@@ -40,11 +40,22 @@ def offline_environment(extra: dict | None = None) -> dict:
     }
 
 
-def run_command(args: list[str], timeout: int = 600, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a command from the repo root, offline, failing the test with its output on a non-zero exit."""
-    result = subprocess.run(
-        args, cwd=REPO, env=offline_environment(env), capture_output=True, text=True, timeout=timeout
-    )
+def run_command(
+    args: list[str], timeout: int = 600, env: dict | None = None, warm: bool = True
+) -> subprocess.CompletedProcess:
+    """Run a command from the repo root, offline, failing the test with its output on a non-zero exit.
+
+    A Python script of this interpreter (alone or under `accelerate launch`) starts from the warm launcher
+    (tests/warm_launch.py: the imports done once per session) unless `warm=False` or DAPO_TEST_COLD=1."""
+    result = None
+    if warm and not os.environ.get("DAPO_TEST_COLD"):
+        from .warm_launch import run_warm
+
+        result = run_warm(args, REPO, offline_environment(env), timeout)
+    if result is None:
+        result = subprocess.run(
+            args, cwd=REPO, env=offline_environment(env), capture_output=True, text=True, timeout=timeout
+        )
     if result.returncode != 0:
         raise AssertionError(
             f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
