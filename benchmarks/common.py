@@ -1,5 +1,7 @@
 """Helpers shared by the benchmark scripts (run as `python benchmarks/<name>.py`, so this is importable)."""
 
+from __future__ import annotations
+
 import logging
 import warnings
 from importlib.metadata import PackageNotFoundError, version
@@ -108,3 +110,96 @@ def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
         Qwen2ForCausalLM(config).to(torch_dtype).save_pretrained(path)
         tokenizer.save_pretrained(path)
     return str(path), tokenizer
+
+
+class ForwardProbe:
+    """Which path each model forward and attention call of this process took, counted without device syncs.
+
+    Forwards (a pre-hook on the model): `packed` when fed position ids without an attention mask (how DAPOTrainer's
+    padding-free forwards call the model, `training/forwards.py`), else `padded`. Attention calls (the model's
+    attention function in transformers' `ALL_ATTENTION_FUNCTIONS`, wrapped while the probe is open): the mask each
+    got, `no mask` (causal), `padding mask` (flash attention: rows unpadded by it), `dense mask` (sdpa / eager: a
+    padding or packed block-diagonal mask) or the mask's type (`BlockMask`: flex attention). Flash attention kernels
+    (`modeling_flash_attention_utils`'s lazily imported functions, wrapped): `flash varlen` (flash_attn_varlen_func:
+    packed sequences from position ids, or rows unpadded by a mask) against `flash dense` (flash_attn_func: one
+    unpacked sequence per row). Activation checkpointing's recomputation counts its attention calls again.
+    """
+
+    def __init__(self, attn_implementation: str):
+        self.implementation = attn_implementation
+        self.forwards: dict[str, int] = {"packed": 0, "padded": 0}
+        self.attention: dict[str, int] = {}
+        self.kernels: dict[str, int] = {}
+        self._undo: list[Any] = []
+
+    def _count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
+
+    def watch(self, model: Any) -> None:
+        """Count `model`'s forwards (until `close`)."""
+
+        def classify(module: Any, args: tuple, kwargs: dict) -> None:
+            packed = kwargs.get("position_ids") is not None and kwargs.get("attention_mask") is None
+            self._count(self.forwards, "packed" if packed else "padded")
+
+        self._undo.append(model.register_forward_pre_hook(classify, with_kwargs=True).remove)
+
+    def open(self) -> ForwardProbe:
+        import torch
+        from transformers import modeling_flash_attention_utils as flash
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        interface = ALL_ATTENTION_FUNCTIONS
+        if self.implementation in interface:  # eager is each model's own function, not in the registry
+            original = interface[self.implementation]
+            local = self.implementation in interface._local_mapping
+
+            def attention(module, query, key, value, attention_mask, *args, **kwargs):
+                if attention_mask is None:
+                    kind = "no mask"
+                elif isinstance(attention_mask, torch.Tensor):  # (rows, width): flash unpads rows by it
+                    kind = "padding mask" if attention_mask.dim() == 2 else "dense mask"
+                else:
+                    kind = type(attention_mask).__name__
+                self._count(self.attention, kind)
+                return original(module, query, key, value, attention_mask, *args, **kwargs)
+
+            def restore() -> None:
+                if local:
+                    interface[self.implementation] = original
+                else:
+                    del interface[self.implementation]  # the local override only: the global function stays
+
+            interface[self.implementation] = attention
+            self._undo.append(restore)
+        lazy_import = flash.lazy_import_flash_attention
+
+        def counted(function: Any, name: str) -> Any:
+            if function is None:
+                return None
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                self._count(self.kernels, name)
+                return function(*args, **kwargs)
+
+            return call
+
+        def probed_import(*args: Any, **kwargs: Any) -> Any:
+            (dense, varlen, *rest), processing = lazy_import(*args, **kwargs)
+            return (counted(dense, "flash dense"), counted(varlen, "flash varlen"), *rest), processing
+
+        flash.lazy_import_flash_attention = probed_import
+        self._undo.append(lambda: setattr(flash, "lazy_import_flash_attention", lazy_import))
+        return self
+
+    def close(self) -> None:
+        while self._undo:
+            self._undo.pop()()
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "attn_implementation": self.implementation,
+            "forwards": dict(self.forwards),
+            "attention_calls": dict(self.attention),
+            "flash_kernels": dict(self.kernels),
+        }

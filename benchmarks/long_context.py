@@ -21,6 +21,9 @@ micro-step's peak (forwards, backwards, gradients); and the peak RSS. With SP = 
 long row. On CPU the child processes run with a fixed glibc mmap threshold so that RSS follows live tensors
 (`LIVE_RSS`).
 
+`benchmarks/gpu_check.py` runs this script's `--run-one` on one GPU with long-tailed response lengths, padding-free
+and padded, and with its attention probe (`common.ForwardProbe`) read: which forwards ran packed, which kernels ran.
+
 Run from the repository root:
 
     python benchmarks/long_context.py                                           # CPU, scaled down
@@ -74,8 +77,9 @@ def reset_peak_rss() -> None:
 def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     """One configuration in this process (or in each of the launched processes)."""
     import torch
-    from common import peak_memory_mb, quiet
+    from common import ForwardProbe, peak_memory_mb, quiet
     from datasets import Dataset
+    from packing import completion_lengths
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_trl import DAPOConfig, DAPOTrainer
@@ -87,11 +91,26 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     special = set(tokenizer.all_special_ids)
     normal_ids = [i for i in range(min(len(tokenizer), 700)) if i not in special]
 
+    calls = {"count": 0}
+
     def rollout(prompts: list, trainer: Any) -> dict[str, list]:
-        generator = torch.Generator().manual_seed(len(prompts))
         prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-        picks = torch.randint(len(normal_ids), (len(prompts), length), generator=generator).tolist()
-        completions = [[normal_ids[i] for i in row] for row in picks]  # exactly `length` tokens, no EOS
+        if options.get("mix", "exact") == "exact":  # exactly `length` tokens, no EOS
+            generator = torch.Generator().manual_seed(len(prompts))
+            picks = torch.randint(len(normal_ids), (len(prompts), length), generator=generator).tolist()
+            completions = [[normal_ids[i] for i in row] for row in picks]
+            return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
+        # "long-tail": packing.py's log-normal lengths, the first row exactly `length` (the padded width); the same
+        # rows for every trainer (seeded by the call), shorter rows ending with EOS
+        calls["count"] += 1
+        lengths = [length, *completion_lengths("long-tail", len(prompts) - 1, length, seed=calls["count"])]
+        generator = torch.Generator().manual_seed(calls["count"])
+        completions = []
+        for size in lengths:
+            ids = [normal_ids[i] for i in torch.randint(len(normal_ids), (size,), generator=generator).tolist()]
+            if size < length:
+                ids[-1] = tokenizer.eos_token_id
+            completions.append(ids)
         return {"prompt_ids": prompt_ids, "completion_ids": completions, "logprobs": None}
 
     rank = int(os.environ.get("RANK", "0"))
@@ -129,6 +148,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
             **common,
             max_filter_gen_batches=1,
             apply_overlong_penalty=False,
+            padding_free=options.get("padding_free", True),
             sequence_parallel_size=options.get("sequence_parallel_size", 1),
             max_tokens_per_microbatch=options.get("budget"),
         )
@@ -140,11 +160,16 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
         processing_class=tokenizer,
         rollout_func=rollout,
     )
-    counts = {"real": 0}
+    counts = {"real": 0, "fed": 0}
+    step_tokens: dict[int, int] = {}  # real tokens per optimizer step
     pad_id = tokenizer.pad_token_id
 
     def count_tokens(module: Any, args: tuple) -> None:
-        counts["real"] += int((args[0] != pad_id).sum())
+        real = int((args[0] != pad_id).sum())
+        counts["real"] += real
+        counts["fed"] += args[0].numel()
+        step = trainer.state.global_step
+        step_tokens[step] = step_tokens.get(step, 0) + real
 
     trainer.model.get_input_embeddings().register_forward_pre_hook(count_tokens)
     rises: dict[str, list[float]] = {"forward": [], "kept": [], "micro_step": []}
@@ -168,14 +193,20 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
         model = trainer.accelerator.unwrap_model(trainer.model)
         model.forward = measured(model.forward, "forward")
         trainer.training_step = measured(trainer.training_step, "micro_step")
+    probe = ForwardProbe(options["attn"])  # which forwards ran packed, which attention kernels ran
+    probe.watch(trainer.accelerator.unwrap_model(trainer.model))
     if options["device"] == "cuda":
         torch.cuda.reset_peak_memory_stats()
     try:
-        trainer.train()
+        with contextlib.closing(probe.open()):
+            trainer.train()
     except torch.OutOfMemoryError:
         return {"oom": True}
     step_times = [log["step_time"] for log in trainer.state.log_history if "step_time" in log]
     peak_mb = peak_memory_mb(options["device"])
+    timed = step_times[1:] or step_times  # the first step warms kernels and allocator up
+    timed_tokens = sum(tokens for step, tokens in step_tokens.items() if step >= len(step_times) - len(timed))
+    forwards = getattr(trainer, "_forwards", None)
     return {
         "oom": False,
         "peak_mb": peak_mb,
@@ -184,6 +215,13 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
         "micro_step_rise_mb": max(rises["micro_step"], default=None),
         "step_time": statistics.median(step_times[1:] or step_times),
         "tokens_per_s": counts["real"] / max(sum(step_times), 1e-9),
+        "timed_tokens_per_s": timed_tokens / max(sum(timed), 1e-9),
+        "real_tokens": counts["real"],
+        "fed_per_real": counts["fed"] / max(counts["real"], 1),
+        "steps": len(step_times),
+        "packing_mode": getattr(forwards, "packing", None),  # DAPOTrainer's choice: sequence, bins or None
+        "peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if options["device"] == "cuda" else None,
+        **probe.summary(),
     }
 
 

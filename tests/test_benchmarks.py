@@ -20,6 +20,10 @@ NEEDS_VLLM = {"rollout.py", "batch_invariance.py"}  # quick forms in tests/test_
 # script -> (quick arguments, lines its output must contain: the table header, and what the quick form checks)
 QUICK_FORMS: dict[str, tuple[list[str], list[str]]] = {
     "dynamic_sampling.py": (["--quick"], ["### 1. Sampling efficiency", "| 0.5 | discard |", "| 0.5 | carry |"]),
+    "gpu_check.py": (
+        ["--quick"],
+        ["| response tokens | attention | trainer |", "| 64 | sdpa | DAPOTrainer padding-free |", "checks: all passed"],
+    ),
     "long_context.py": (["--quick"], ["| response tokens | trainer |", "longest response trained: GRPOTrainer 128"]),
     "moe.py": (["--quick"], ["| configuration", "| moe + routing replay", "| DeepSeek-V3"]),
     "overhead.py": (["--quick"], ["| trainer | median step (s) |", "differ between the two configs: none"]),
