@@ -51,7 +51,7 @@ def run_command(
     if warm and not os.environ.get("DAPO_TEST_COLD"):
         from .warm_launch import run_warm
 
-        result = run_warm(args, REPO, offline_environment(env), timeout)
+        result = run_warm(args, REPO, offline_environment(env), timeout, server_env=offline_environment())
     if result is None:
         result = subprocess.run(
             args, cwd=REPO, env=offline_environment(env), capture_output=True, text=True, timeout=timeout

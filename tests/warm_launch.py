@@ -19,6 +19,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -142,6 +143,7 @@ class WarmLauncher:
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
+                stderr=open(Path(tempfile.gettempdir()) / f"dapo-warm-launch-{os.getpid()}.log", "w"),  # its own
                 text=True,
             )
             if json.loads(self._server.stdout.readline() or "{}") != {"ready": True}:
@@ -191,7 +193,9 @@ def _accelerate_processes(arguments: list[str], env: dict) -> list[tuple[list[st
     try:
         os.environ.clear()
         os.environ.update(env)
-        if args.use_deepspeed:
+        if args.use_deepspeed:  # as accelerate's launch_command sets it before its DeepSpeed launcher
+            fields = list(defaults.deepspeed_config.keys()) if defaults else []
+            args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mp_from_config_flag)
             _, current = prepare_deepspeed_cmd_env(args)
         elif args.multi_gpu:
             current = prepare_multi_gpu_env(args)
@@ -226,14 +230,14 @@ def _accelerate_processes(arguments: list[str], env: dict) -> list[tuple[list[st
     return processes
 
 
-def run_warm(command: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess | None:
+def run_warm(
+    command: list[str], cwd: Path, env: dict, timeout: float, server_env: dict
+) -> subprocess.CompletedProcess | None:
     """`subprocess.run(command, capture_output=True, text=True)` through the warm server, or None where `command`
-    is not one it runs."""
+    is not one it runs. `server_env`: the server's own environment (no test's settings: they are the children's)."""
     planned = launch_environments(command, env)
     if planned is None:
         return None
-    import tempfile
-
     with tempfile.TemporaryDirectory(prefix="warm-launch-") as folder:
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         out.touch()
@@ -250,7 +254,7 @@ def run_warm(command: list[str], cwd: Path, env: dict, timeout: float) -> subpro
             for argv, module, environment in planned
         ]
         started = time.monotonic()
-        codes = LAUNCHER.run(processes, env, timeout)
+        codes = LAUNCHER.run(processes, server_env, timeout)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if time.monotonic() - started >= timeout and any(code < 0 for code in codes):
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
