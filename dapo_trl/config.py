@@ -390,8 +390,8 @@ class DAPOConfig(GRPOConfig):
         default=300.0,
         metadata={
             "help": "After a preemption signal, the most seconds the way to the step's next safe point (a micro-batch, "
-            "or a generation round without streaming) and the checkpoint may take before the process exits without "
-            "them (code 128 + the signal). Set it below the scheduler's own deadline."
+            "or a generation round with colocated vLLM or transformers' generate) and the checkpoint may take before "
+            "the process exits without them (code 128 + the signal). Set it below the scheduler's own deadline."
         },
     )
 

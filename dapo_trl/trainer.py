@@ -220,6 +220,7 @@ class DAPOTrainer(GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, *args, **kwargs):
         turn = None if self._round is None else self._round.sampled_turn(prompt_ids)  # streamed: sampled already
         completion_ids, logprobs = turn or super()._generate_single_turn(prompt_ids, *args, **kwargs)
+        self._guard.check_round(completion_ids)  # a server round aborted for a preemption: the step is abandoned
         self._tool_runtime.on_turn(prompt_ids, completion_ids)
         return completion_ids, logprobs
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import requests
 
+from dapo_trl.training.preemption import AbandonedRound, is_abandoned_round
 from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
 from dapo_trl.training.server_engine import VLLMServerEngine
 from dapo_trl.training.server_progress import ServerProgress, token_counters, watch_generation
@@ -136,7 +137,7 @@ def rounds_client(base_url: str, timeout: float) -> SimpleNamespace:
     """TRL's VLLMClient as far as the timeouts see it: its session, base_url and a blocking `generate`."""
     session = requests.Session()
     client = SimpleNamespace(session=session, base_url=base_url)
-    client.generate = lambda: session.post(f"{base_url}/v1/completions", json={"n": 2}).json()
+    client.generate = lambda prompts=(), n=2: session.post(f"{base_url}/v1/completions", json={"n": n}).json()
     add_timeouts(client, timeout)
     watch_generation(client, timeout, VLLMServerError)
     return client
@@ -171,6 +172,59 @@ def test_a_frozen_server_fails_within_the_timeout_naming_its_url(clocked, client
     assert f"the vLLM server at {server.base_url} made no progress for" in message
     assert "vllm_request_timeout=1 s" in message
     assert 1.0 < seconds < 1.3 + 1.0 + 2.0  # timeout after the freeze, plus polls and a little slack
+
+
+def test_a_preemption_signal_abandons_a_round_in_flight_at_once(clocked):
+    """Rounds mode: a signal during the POST shuts its connection and `generate` returns `AbandonedRound` markers,
+    one per completion, with empty log-probs, long before the round (~10 s) or the timeout (60 s) ends; with the
+    flag already set, nothing is sent."""
+    server = clocked(tokens=400)
+    started, posts = threading.Event(), []
+    handler = server.httpd.RequestHandlerClass
+    post = handler.do_POST
+
+    def do_post(self):
+        posts.append(self.path)
+        started.set()  # generation has started: the "signal" arrives now
+        try:
+            post(self)
+        except (BrokenPipeError, ConnectionResetError):  # its answer, after the client shut the connection
+            pass
+
+    handler.do_POST = do_post
+    client = rounds_client(server.base_url, timeout=60.0)
+    client.generation_progress.abandon_when = started.is_set
+    start = time.monotonic()
+    answer = client.generate(prompts=[[1, 2], [3]], n=2)
+    seconds = time.monotonic() - start
+    assert seconds < 2.0 and len(posts) == 1
+    assert is_abandoned_round(answer["completion_ids"]) and len(answer["completion_ids"]) == 4
+    assert all(isinstance(row, AbandonedRound) for row in answer["completion_ids"])
+    assert answer["logprobs"] == [[]] * 4 and answer["prompt_ids"] == [[1, 2], [3]]
+    assert answer["logprob_token_ids"] is None
+    again = client.generate(prompts=[[1, 2]], n=3)  # flag still set: returned without a POST
+    assert len(posts) == 1 and len(again["completion_ids"]) == 3 and is_abandoned_round(again["completion_ids"])
+    print(f"signal to abandoned round: {seconds:.2f} s")
+
+
+def test_an_abandoned_round_passes_through_trls_vllm_generation():
+    """TRL 1.16's `VLLMGeneration.generate` (server branch, one process) hands the markers on as completions, with
+    TRL's own top-1 log-prob step after it working on the empty rows."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from dapo_trl.training.server_progress import abandoned_round
+
+    generation = VLLMGeneration.__new__(VLLMGeneration)
+    generation.mode, generation.enable_sleep_mode = "server", False
+    generation.accelerator = SimpleNamespace(is_main_process=True, process_index=0, num_processes=1)
+    generation.logprobs, generation.structured_outputs_regex, generation.generation_kwargs = 0, None, {}
+    generation.repetition_penalty, generation.temperature, generation.top_p, generation.top_k = 1.0, 1.0, 1.0, 0
+    generation.min_p, generation.max_completion_length = None, 8
+    generation.vllm_client = SimpleNamespace(generate=abandoned_round)
+    prompts = [[1, 2], [1, 2], [3], [3]]
+    _, completion_ids, logprobs, _ = generation.generate(prompts=prompts, images=None, num_generations=2)
+    assert is_abandoned_round(completion_ids) and len(completion_ids) == 4
+    assert [[lp[0] for lp in seq] for seq in logprobs] == [[]] * 4
 
 
 def test_progress_counts_moving_token_counters_and_answers_not_time():

@@ -382,6 +382,53 @@ def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(
     wait_healthy(url, server)  # the next test uses the server
 
 
+def test_a_preemption_signal_during_a_generation_round_abandons_the_step_at_once(
+    vllm_venv, model_dir, server_and_process, tmp_path
+):
+    """Rounds mode: the trainer freezes the server (SIGSTOP) at step 2's POST; SIGTERM then aborts that request,
+    every process gets the abandoned round from TRL's broadcast, checkpoint-1 is written and the run exits 0, within
+    seconds, not after the 60 s request timeout."""
+    from dapo_trl.training.checkpoints import complete_checkpoints
+
+    url, server = server_and_process
+    out, log_path = tmp_path / "out", tmp_path / "train.log"
+    command = [
+        f"{vllm_venv}/bin/python",
+        str(SCRIPTS / "vllm_run.py"),
+        "server",
+        str(out),
+        model_dir,
+        url,
+        "check_syncs=false",
+        "max_steps=200",
+        "vllm_request_timeout=60",
+        "rollout_streaming=false",
+        f"freeze_server={server.pid}",
+    ]
+    with open(log_path, "w") as log:
+        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "froze the server" not in log_path.read_text() or not requests_waiting_at(int(url.rsplit(":", 1)[1])):
+            assert trainer.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        signalled = time.monotonic()
+        trainer.send_signal(signal.SIGTERM)
+        returncode = trainer.wait(90)
+        took = time.monotonic() - signalled
+    finally:
+        server.send_signal(signal.SIGCONT)
+        if trainer.poll() is None:
+            trainer.kill()
+    output = log_path.read_text()
+    assert returncode == 0, output[-3000:]
+    assert "abandoned optimizer step 2 during a generation round" in output, output[-3000:]
+    assert [path.name for path in complete_checkpoints(out / "run")] == ["checkpoint-1"]
+    assert took < 20, f"SIGTERM took {took:.1f} s with a frozen server"
+    print(f"SIGTERM to exit: {took:.1f} s; " + re.findall(r"preempted: [^\n]*", output)[-1])
+    wait_healthy(url, server)  # the next test uses the server
+
+
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
 def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(
     vllm_venv, model_dir, server_and_process, tmp_path, streaming

@@ -3,11 +3,14 @@
 SLURM (`--signal`), Kubernetes and most schedulers give a job a signal and a grace period before they kill it; a DAPO
 step at the paper's scale (25-50 minutes) does not fit in one. Here SIGTERM and SIGUSR1 (`preemption_signals`) only
 raise a flag, which the processes agree on at "safe points" that every process reaches in the same order: before a
-generation batch, between dynamic-sampling rounds, while waiting for a streamed wave, before every training forward
-(each micro-batch and token-budget part), and at each optimizer step's end. At a safe point inside a step every
-process raises `StepAbandoned`; `RunGuard` then writes the checkpoint of the last completed optimizer step and
-`train()` returns, `trainer.preempted` is true, and `train_dapo.py` exits 0. The same command with
-`--resume_from_checkpoint latest` continues exactly: it regenerates the abandoned step from the same prompts and seeds.
+generation batch, between dynamic-sampling rounds, during a generation round (server mode: the main process aborts
+its request, and TRL hands every process `AbandonedRound` markers in place of completions), while waiting for a
+streamed wave, before every training forward (each micro-batch and token-budget part), and at each optimizer step's
+end. Colocated vLLM and transformers' generate finish their round first (there is no request to abort). At a safe
+point inside a step every process raises `StepAbandoned`; `RunGuard` then writes the checkpoint of the last
+completed optimizer step and `train()` returns, `trainer.preempted` is true, and `train_dapo.py` exits 0. The same
+command with `--resume_from_checkpoint latest` continues exactly: it regenerates the abandoned step from the same
+prompts and seeds.
 
 Weights, optimizer and LR schedule change only at a step's end, so mid-step they still are the last completed step's.
 What a step changes before its end (the RNG states, DAPO's run state: prompt stream, carried groups, streaming
@@ -86,6 +89,18 @@ class StepAbandoned(Exception):
     def __init__(self, where: str):
         super().__init__(f"optimizer step abandoned for a preemption signal {where}")
         self.where = where
+
+
+class AbandonedRound:
+    """In place of a completion: the round it belonged to was abandoned for a preemption (`watch_generation`)."""
+
+    def __repr__(self) -> str:
+        return "AbandonedRound()"
+
+
+def is_abandoned_round(rows: Any) -> bool:
+    """Whether a round's completions are `AbandonedRound` markers (every process gets the same ones)."""
+    return bool(rows) and isinstance(rows[0], AbandonedRound)
 
 
 class SafePoints:
@@ -339,8 +354,9 @@ class Preemption(TrainerCallback, SafePoints):
             f"error: the step in progress did not reach a safe point and its checkpoint was not written within "
             f"preemption_grace_seconds={self.grace_seconds:g} after {self.received.name}; exiting without a new "
             f"checkpoint. The newest complete checkpoint is {newest}. Give the run a longer grace period (the "
-            "scheduler's and --preemption_grace_seconds) than one save plus one generation round (streaming: one "
-            "wave) or micro-batch.",
+            "scheduler's and --preemption_grace_seconds) than one save plus one micro-batch (safe points come "
+            "before it, between dynamic-sampling rounds and during a generation round (server mode; colocated: "
+            "after the round), and while waiting for a streamed wave).",
             file=sys.stderr,
             flush=True,
         )

@@ -15,7 +15,15 @@ from transformers.trainer_utils import TrainOutput
 
 from . import trl_seam
 from .fail_together import FailTogether, launcher_store
-from .preemption import Preemption, SignalRelay, StepAbandoned, StepEndState, agreement, parse_signals
+from .preemption import (
+    Preemption,
+    SignalRelay,
+    StepAbandoned,
+    StepEndState,
+    agreement,
+    is_abandoned_round,
+    parse_signals,
+)
 from .vllm_backends import abort_requests
 
 logger = logging.getLogger(__name__)
@@ -38,6 +46,10 @@ class RunGuard:
             relay=SignalRelay(accelerator.process_index, store if accelerator.num_processes > 1 else None),
         )
         trainer.add_callback(self.preemption)
+        client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # server mode, main process
+        progress = getattr(client, "generation_progress", None)  # `watch_generation`'s: a round aborts when signalled
+        if progress is not None:
+            progress.abandon_when = self.preemption.requested
         self.fail_together = FailTogether(
             accelerator.process_index,
             accelerator.num_processes,
@@ -68,6 +80,12 @@ class RunGuard:
         """A point of a training step that every process reaches in the same order (`Preemption.safe_point`)."""
         if self.trainer.model.training:
             self.preemption.safe_point(where)
+
+    def check_round(self, completion_ids: list) -> None:
+        """After TRL's generation round, on every process: a round the main process abandoned for a preemption
+        (`watch_generation`: every process got its `AbandonedRound` markers from TRL's broadcast) abandons the step."""
+        if is_abandoned_round(completion_ids):
+            self.preemption.abandon("during a generation round")
 
     # ------------------------------------------------------------------------------ the last completed step
     def snapshot(self) -> StepEndState:

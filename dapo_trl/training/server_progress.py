@@ -21,10 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .preemption import AbandonedRound
+
 logger = logging.getLogger(__name__)
 
 PROGRESS_COUNTERS = ("vllm:generation_tokens_total", "vllm:prompt_tokens_total")
 MAX_POLL_SECONDS = 5.0  # how often the counters are read while requests are outstanding (less for short timeouts)
+ABANDON_POLL_SECONDS = 0.5  # at most this long between ticks while a request is being abandoned
 
 
 def token_counters(metrics_text: str) -> float | None:
@@ -48,7 +51,9 @@ class ServerProgress:
 
     `read_metrics()` returns the `/metrics` text, None when the server has no such endpoint, and raises when the
     server does not answer (each read bounded by its own timeout). `on_stall(message)` is called from the watchdog's
-    thread once per stall; the clock then restarts (a later request gets a full window).
+    thread once per stall; the clock then restarts (a later request gets a full window). While `abandon_when()` is
+    true (a preemption signal), `on_abandon()` is called on every tick, before any poll (a frozen server holds one
+    for up to 10 s): the requests outstanding are to be given up.
     """
 
     def __init__(
@@ -58,11 +63,14 @@ class ServerProgress:
         read_metrics: Callable[[], str | None],
         on_stall: Callable[[str], None] | None = None,
         poll_seconds: float | None = None,
+        on_abandon: Callable[[], None] | None = None,
     ):
         self.url = url
         self.stall_timeout = stall_timeout
         self.read_metrics = read_metrics
         self.on_stall = on_stall
+        self.abandon_when: Callable[[], bool] | None = None  # set later (the trainer's preemption flag)
+        self.on_abandon = on_abandon
         self.poll_seconds = poll_seconds or min(MAX_POLL_SECONDS, max(stall_timeout / 5, 0.05))
         self.counters_available = True  # until the server shows it has none
         self.stalls = 0
@@ -128,6 +136,11 @@ class ServerProgress:
                     self._wake.wait()
                 if self._closed:
                     return
+            abandon_when = self.abandon_when
+            if abandon_when is not None and self.on_abandon is not None and abandon_when():
+                self.on_abandon()  # on every tick: a connection opened since the last one is shut too
+                time.sleep(min(self.poll_seconds, ABANDON_POLL_SECONDS))
+                continue
             self._poll()
             stalled = self.stalled_for()
             if stalled > self.stall_timeout:
@@ -138,7 +151,15 @@ class ServerProgress:
                     self._last_progress = time.monotonic()
                 if self.on_stall is not None:
                     self.on_stall(message)
-            time.sleep(self.poll_seconds)
+            self._nap(self.poll_seconds)
+
+    def _nap(self, seconds: float) -> None:
+        """Sleep between polls, waking for `abandon_when()` within `ABANDON_POLL_SECONDS`."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if self.abandon_when is not None and self.on_abandon is not None and self.abandon_when():
+                return
+            time.sleep(min(left, ABANDON_POLL_SECONDS))
 
     def _poll(self) -> None:
         if not self.counters_available:
@@ -171,6 +192,10 @@ def watch_generation(client: Any, timeout: float, error: type[Exception]) -> Non
     /metrics and, when the server has made no progress for `timeout` seconds, shuts the request's connection and the
     call raises `error` saying so, naming the URL (not one that means "unreachable": a stalled server is not waited
     for as a restart). `vllm_backends.add_timeouts` must have mounted its adapter first.
+
+    A preemption signal (`client.generation_progress.abandon_when()`, set by `RunGuard`) also shuts the request's
+    connection, within ~0.5 s, and the call returns `abandoned_round` instead of raising: TRL's broadcast then hands
+    every process the markers (the others wait in it while the main process POSTs), and each abandons the step.
     """
     import requests
 
@@ -182,15 +207,28 @@ def watch_generation(client: Any, timeout: float, error: type[Exception]) -> Non
         return answer.text if answer.status_code == 200 else None
 
     stalled: list[str] = []
-    progress = ServerProgress(base_url, timeout, metrics, lambda message: (stalled.append(message), adapter.abort()))
+    abandoned: list[bool] = []
+
+    def abandon() -> None:
+        abandoned.append(True)
+        adapter.abort()
+
+    progress = ServerProgress(
+        base_url, timeout, metrics, lambda message: (stalled.append(message), adapter.abort()), on_abandon=abandon
+    )
 
     def watched(*args: Any, **kwargs: Any) -> Any:
+        if progress.abandon_when is not None and progress.abandon_when():
+            return abandoned_round(*args, **kwargs)  # preempted before the POST: no request is sent
         bounded, adapter.default_timeout = adapter.default_timeout, (timeout, None)  # connect bounded, reads not
         stalled.clear()
+        abandoned.clear()
         progress.begin()
         try:
-            return generate(*args, **kwargs)
+            return generate(*args, **kwargs)  # an answer that arrives anyway is used: the next safe point abandons
         except Exception as exc:
+            if abandoned:
+                return abandoned_round(*args, **kwargs)
             if stalled:
                 raise error(f"POST {base_url}/v1/completions: {stalled[0]}") from exc
             raise
@@ -199,4 +237,18 @@ def watch_generation(client: Any, timeout: float, error: type[Exception]) -> Non
             adapter.default_timeout = bounded
 
     client.generate = watched
-    client.generation_progress = progress
+    client.generation_progress = progress  # `abandon_when` is set by the trainer's `RunGuard`
+
+
+def abandoned_round(prompts: list | None = None, *args: Any, n: int = 1, **kwargs: Any) -> dict[str, Any]:
+    """What `VLLMClient.generate` answers for a round abandoned for a preemption: `AbandonedRound` markers, one per
+    completion, which TRL broadcasts to every process as it would the completions (all see them at the same point:
+    `DAPOTrainer._generate_single_turn` then abandons the step on all)."""
+    prompts = list(prompts or [])
+    rows = len(prompts) * n
+    return {
+        "prompt_ids": prompts,
+        "completion_ids": [AbandonedRound() for _ in range(rows)],
+        "logprobs": [[] for _ in range(rows)],
+        "logprob_token_ids": None,
+    }
