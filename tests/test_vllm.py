@@ -338,15 +338,14 @@ def requests_waiting_at(port: int) -> int:
     return waiting
 
 
-@pytest.mark.parametrize("streaming", [True], ids=["streaming"])
-def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(
-    vllm_venv, model_dir, server_and_process, tmp_path, streaming
-):
-    """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's ServerFault); once a request
-    waits unread at the server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request
-    timeout."""
+def signal_a_run_frozen_at_step_2(
+    vllm_venv: str, model_dir: str, server_and_process, out, streaming: bool, signum: int
+) -> tuple[int, float, str]:
+    """Train until tests/scripts/vllm_run.py's ServerFault has stopped the server (SIGSTOP) in step 2 and a request
+    waits unread at its socket, send `signum` to the trainer, and return (exit status, seconds from the signal to the
+    exit, output); the server is resumed and healthy again afterwards, for the next test."""
     url, server = server_and_process
-    out, log_path = tmp_path / "out", tmp_path / "train.log"
+    log_path = out.parent / "train.log"
     command = [
         f"{vllm_venv}/bin/python",
         str(SCRIPTS / "vllm_run.py"),
@@ -367,19 +366,31 @@ def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(
         while "froze the server" not in log_path.read_text() or not requests_waiting_at(int(url.rsplit(":", 1)[1])):
             assert trainer.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
             time.sleep(0.1)
-        interrupted = time.monotonic()
-        trainer.send_signal(signal.SIGINT)
+        signalled = time.monotonic()
+        trainer.send_signal(signum)
         returncode = trainer.wait(90)
-        took = time.monotonic() - interrupted
+        took = time.monotonic() - signalled
     finally:
         server.send_signal(signal.SIGCONT)
         if trainer.poll() is None:
             trainer.kill()
-    output = log_path.read_text()
+    wait_healthy(url, server)
+    return returncode, took, log_path.read_text()
+
+
+@pytest.mark.parametrize("streaming", [True], ids=["streaming"])
+def test_ctrl_c_with_a_frozen_server_ends_the_run_at_once(
+    vllm_venv, model_dir, server_and_process, tmp_path, streaming
+):
+    """The trainer stops the server (SIGSTOP) in step 2 (tests/scripts/vllm_run.py's ServerFault); once a request
+    waits unread at the server's socket, Ctrl-C ends the trainer within seconds, not after the 60 s request
+    timeout."""
+    returncode, took, output = signal_a_run_frozen_at_step_2(
+        vllm_venv, model_dir, server_and_process, tmp_path / "out", streaming, signal.SIGINT
+    )
     assert returncode != 0 and "KeyboardInterrupt" in output, output[-3000:]
     assert took < 10, f"Ctrl-C took {took:.1f} s with a frozen server"
     assert "cannot schedule new futures" not in output
-    wait_healthy(url, server)  # the next test uses the server
 
 
 def test_a_preemption_signal_during_a_generation_round_abandons_the_step_at_once(
@@ -390,43 +401,15 @@ def test_a_preemption_signal_during_a_generation_round_abandons_the_step_at_once
     seconds, not after the 60 s request timeout."""
     from dapo_trl.training.checkpoints import complete_checkpoints
 
-    url, server = server_and_process
-    out, log_path = tmp_path / "out", tmp_path / "train.log"
-    command = [
-        f"{vllm_venv}/bin/python",
-        str(SCRIPTS / "vllm_run.py"),
-        "server",
-        str(out),
-        model_dir,
-        url,
-        "check_syncs=false",
-        "max_steps=200",
-        "vllm_request_timeout=60",
-        "rollout_streaming=false",
-        f"freeze_server={server.pid}",
-    ]
-    with open(log_path, "w") as log:
-        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while "froze the server" not in log_path.read_text() or not requests_waiting_at(int(url.rsplit(":", 1)[1])):
-            assert trainer.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
-            time.sleep(0.1)
-        signalled = time.monotonic()
-        trainer.send_signal(signal.SIGTERM)
-        returncode = trainer.wait(90)
-        took = time.monotonic() - signalled
-    finally:
-        server.send_signal(signal.SIGCONT)
-        if trainer.poll() is None:
-            trainer.kill()
-    output = log_path.read_text()
+    out = tmp_path / "out"
+    returncode, took, output = signal_a_run_frozen_at_step_2(
+        vllm_venv, model_dir, server_and_process, out, False, signal.SIGTERM
+    )
     assert returncode == 0, output[-3000:]
     assert "abandoned optimizer step 2 during a generation round" in output, output[-3000:]
     assert [path.name for path in complete_checkpoints(out / "run")] == ["checkpoint-1"]
     assert took < 20, f"SIGTERM took {took:.1f} s with a frozen server"
     print(f"SIGTERM to exit: {took:.1f} s; " + re.findall(r"preempted: [^\n]*", output)[-1])
-    wait_healthy(url, server)  # the next test uses the server
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["rounds", "streaming"])
