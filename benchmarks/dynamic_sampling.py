@@ -67,6 +67,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
 from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs  # noqa: E402
 
 SEED = 0
 NUM_GENERATIONS = 4
@@ -187,7 +188,7 @@ def run_once(model_path: str, dataset: Dataset, steps: int, overrides: dict[str,
             filter_groups_enable=True,
             max_filter_gen_batches=0,
             apply_overlong_penalty=False,
-            activation_checkpointing=False,
+            **activation_checkpointing_kwargs(False),
             report_to="none",
             save_strategy="no",
             logging_steps=1,

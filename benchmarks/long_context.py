@@ -83,6 +83,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_trl import DAPOConfig, DAPOTrainer
+    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     quiet()
     work = Path(options["work"])
@@ -136,7 +137,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         bf16=options["dtype"] == "bf16",
         use_cpu=options["device"] == "cpu",
-        activation_checkpointing=options["checkpointing"],
+        **activation_checkpointing_kwargs(options["checkpointing"]),
         disable_tqdm=True,
         model_init_kwargs={"attn_implementation": options["attn"]},
     )

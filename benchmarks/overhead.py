@@ -77,6 +77,7 @@ from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
 from dapo_trl.training.batching import StepPlanner, loss_mask  # noqa: E402
 from dapo_trl.training.overlong import SoftOverlongPenalty  # noqa: E402
 from dapo_trl.training.steps import OptimizerSteps  # noqa: E402
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs  # noqa: E402
 
 SEED = 42
 GOAL_RATIO = 1.03
@@ -121,7 +122,7 @@ def make_config(kind: str, args: argparse.Namespace, output_dir: str) -> GRPOCon
         report_to="none",
         logging_steps=1,
         save_strategy="no",
-        activation_checkpointing=False,
+        **activation_checkpointing_kwargs(False),
         seed=SEED,
         disable_tqdm=True,
     )

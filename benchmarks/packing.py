@@ -66,6 +66,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
     from trl import GRPOConfig, GRPOTrainer
 
     from dapo_trl import DAPOConfig, DAPOTrainer
+    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     quiet()
     work = Path(options["work"])
@@ -111,7 +112,7 @@ def run_one(trainer_name: str, options: dict[str, Any]) -> dict[str, float]:
         seed=0,
         bf16=options["dtype"] == "bf16",
         use_cpu=options["device"] == "cpu",
-        activation_checkpointing=options["gradient_checkpointing"],
+        **activation_checkpointing_kwargs(options["gradient_checkpointing"]),
         disable_tqdm=True,
         model_init_kwargs={"attn_implementation": options["attn"]},
     )

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .tiny_tokenizer import _MODEL_MAX_LENGTH, ENDOFTEXT, IM_END, SPECIAL_TOKENS, save_tokenizer, train_tokenizer
+from .utils.transformers_compat import activation_checkpointing_kwargs
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +139,7 @@ def _warm_start(out: Path, seed: int, settings: WarmStart) -> None:
         disable_tqdm=True,
         max_length=_MODEL_MAX_LENGTH,
         dataloader_num_workers=0,
-        activation_checkpointing=False,  # a 170k-parameter model: recomputing activations would only cost time
+        **activation_checkpointing_kwargs(False),  # a 170k-parameter model: recomputing would only cost time
     )
     verbosity, progress_bars = hf_logging.get_verbosity(), is_progress_bar_enabled()
     hf_logging.set_verbosity_error()  # the pass is an implementation detail of the build: no logs, bars or warnings

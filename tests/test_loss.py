@@ -13,6 +13,7 @@ from trl import GRPOConfig, GRPOTrainer
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.rewards import dapo_math_reward
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 from . import reference_losses as ref
 from .helpers import SCRIPTS, python_command, run_command
@@ -33,7 +34,7 @@ def common_args(tmp_path, **overrides):
         num_generations=4,
         max_completion_length=16,
         report_to="none",
-        activation_checkpointing=False,
+        **activation_checkpointing_kwargs(False),
         bf16=False,
         use_cpu=True,
         epsilon_high=0.28,

