@@ -63,6 +63,19 @@ def run_command(
     return result
 
 
+def start_command(args: list[str], log: Path, env: dict | None = None) -> subprocess.Popen:
+    """`subprocess.Popen(args, stdout=log, stderr=STDOUT)` from the repo root, offline: through the warm launcher
+    for one Python process (its pid is the script's own, so signals reach it), else a plain Popen."""
+    if not os.environ.get("DAPO_TEST_COLD"):
+        from .warm_launch import popen_warm
+
+        process = popen_warm(args, REPO, offline_environment(env), log, server_env=offline_environment())
+        if process is not None:
+            return process
+    with open(log, "w") as output:
+        return subprocess.Popen(args, cwd=REPO, env=offline_environment(env), stdout=output, stderr=subprocess.STDOUT)
+
+
 def python_command(
     script: str, *args: str, num_processes: int = 1, deepspeed_config: str | None = None, python: str = sys.executable
 ) -> list[str]:

