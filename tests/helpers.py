@@ -45,8 +45,20 @@ def run_command(
 ) -> subprocess.CompletedProcess:
     """Run a command from the repo root, offline, failing the test with its output on a non-zero exit.
 
-    A Python script of this interpreter (alone or under `accelerate launch`) starts from the warm launcher
-    (tests/warm_launch.py: the imports done once per session) unless `warm=False` or DAPO_TEST_COLD=1."""
+    A Python script of any environment's interpreter (alone or under `accelerate launch`) starts from the warm
+    launcher (tests/warm_launch.py: the imports done once per session) unless `warm=False` or DAPO_TEST_COLD=1."""
+    result = run_unchecked(args, timeout, env, warm)
+    if result.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
+        )
+    return result
+
+
+def run_unchecked(
+    args: list[str], timeout: int = 600, env: dict | None = None, warm: bool = True
+) -> subprocess.CompletedProcess:
+    """`run_command` that returns whatever the exit status (for commands expected to fail)."""
     result = None
     if warm and not os.environ.get("DAPO_TEST_COLD"):
         from .warm_launch import run_warm
@@ -55,10 +67,6 @@ def run_command(
     if result is None:
         result = subprocess.run(
             args, cwd=REPO, env=offline_environment(env), capture_output=True, text=True, timeout=timeout
-        )
-    if result.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(args)} exited {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-6000:]}"
         )
     return result
 

@@ -7,14 +7,13 @@ import pytest
 
 from dapo_trl.cli import RECIPE_HELP
 
-from .helpers import REPO, offline_environment, python_command, run_command
+from .helpers import REPO, python_command, run_command, run_unchecked
 
 pytestmark = pytest.mark.e2e
 
 
 def run_failing(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    full_env = offline_environment(env)
-    result = subprocess.run(args, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=300)
+    result = run_unchecked(args, timeout=300, env=env)
     assert result.returncode != 0, result.stdout[-2000:]
     return result
 
@@ -115,14 +114,7 @@ TRAINING_COMMANDS = (["train_dapo.py"], ["-m", "dapo_trl.cli"])
 )
 def test_every_entry_point_prints_help(command):
     """argparse %-formats help strings: a bare % in any field's help used to crash --help."""
-    result = subprocess.run(
-        [sys.executable, *command, "--help"],
-        cwd=REPO,
-        env=offline_environment(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_command([sys.executable, *command, "--help"], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "usage:" in result.stdout and "--output" in result.stdout
     if command in TRAINING_COMMANDS:  # TrlParser reads --config without declaring it; DAPOParser lists it

@@ -1,14 +1,21 @@
 """Dynamic sampling end to end on prompts of known difficulty (see tests/scripts/dynamic_sampling_run.py)."""
 
 import json
-import subprocess
 from collections import Counter, defaultdict
 
 import numpy as np
 import pytest
 import torch
 
-from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command, step_metrics, trained_by_step
+from .helpers import (
+    SCRIPTS,
+    python_command,
+    read_jsonl,
+    run_command,
+    run_unchecked,
+    step_metrics,
+    trained_by_step,
+)
 
 pytestmark = pytest.mark.e2e
 SCRIPT = str(SCRIPTS / "dynamic_sampling_run.py")
@@ -61,7 +68,7 @@ def test_exhausted_rounds_raise_with_the_fix(tmp_path):
         "max_filter_gen_batches=2",
         "filter_groups_on_exhausted=error",
     )
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = run_unchecked(command, timeout=300)
     assert result.returncode != 0
     assert "kept 0 of the 2 groups a step needs after 2 rounds" in result.stderr
     assert "raise max_filter_gen_batches" in result.stderr
@@ -130,13 +137,7 @@ def test_kill_and_resume_sees_the_same_prompts(tmp_path, iterable):
     )
     full, crashed = tmp_path / "full", tmp_path / "crashed"
     run(full, 8, 4, *common)
-    result = subprocess.run(
-        python_command(SCRIPT, str(crashed), "8", "4", *common, "crash_after_save=2"),
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = run_unchecked(python_command(SCRIPT, str(crashed), "8", "4", *common, "crash_after_save=2"), timeout=300)
     assert result.returncode == 3, result.stderr[-2000:]
     checkpoint = crashed / "run" / "checkpoint-2"
     assert (checkpoint / "dapo_sampling_state.pt").exists()

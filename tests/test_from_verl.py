@@ -20,7 +20,7 @@ from dapo_trl.verl_import.translate import translate
 from dapo_trl.verl_import.translation import APPROXIMATED, MAPPED, NOT_NEEDED, UNSUPPORTED
 from dapo_trl.verl_import.yaml_config import read_verl_yaml
 
-from .helpers import REPO, offline_environment, python_command, run_command
+from .helpers import REPO, python_command, run_command, run_unchecked
 
 DATA = Path(__file__).resolve().parent / "data" / "verl"
 DAPO_SCRIPT = DATA / "dapo_recipe.sh"
@@ -44,24 +44,8 @@ def translated(script: Path, *extra: str, env: dict | None = None):
 def run_translator(script: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """The command line in a subprocess (its exit status and messages are part of the contract)."""
     env = [f"--env={name}={value}" for name, value in ENVIRONMENT.items()]
-    return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "dapo_trl.from_verl",
-            str(script),
-            "--output",
-            str(out),
-            "--ignore-environment",
-            *env,
-            *extra,
-        ],
-        cwd=REPO,
-        env=offline_environment(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [sys.executable, "-m", "dapo_trl.from_verl", str(script), "--output", str(out), "--ignore-environment"]
+    return run_unchecked([*command, *env, *extra], timeout=120)
 
 
 def parse_recipe(path: Path):
