@@ -2,7 +2,6 @@
 with that exception's message within seconds, also when the failing process stays alive (as a peer stuck in an NCCL
 collective would: gloo alone would let the others wait in theirs for its 30-minute timeout)."""
 
-import subprocess
 import threading
 import time
 
@@ -11,7 +10,7 @@ import torch.distributed as dist
 
 from dapo_trl.training.fail_together import FailTogether, PeerProcessFailed
 
-from .helpers import REPO, SCRIPTS, offline_environment, python_command
+from .helpers import SCRIPTS, python_command, run_unchecked
 
 
 @pytest.fixture
@@ -85,7 +84,8 @@ def test_one_process_failing_ends_both_with_its_message(tmp_path, fail_in, extra
     options = ("rollout_streaming=true", f"fail_in={fail_in}", "hold_failed=true", *extra)
     command = python_command(str(SCRIPTS / "streaming_run.py"), str(out), "4", "3", *options, num_processes=2)
     started = time.monotonic()
-    result = subprocess.run(command, cwd=REPO, env=offline_environment(), capture_output=True, text=True, timeout=120)
+    # The warm launcher stops the held process as torch elastic does; the first case runs under elastic itself.
+    result = run_unchecked(command, timeout=120, warm=fail_in != "reward")
     assert result.returncode != 0 and time.monotonic() - started < 60, result.stderr[-3000:]
     if fail_in == "engine":
         assert "TimeoutError: the engine did not answer" in (out / "error_rank1.txt").read_text()

@@ -31,7 +31,7 @@ from dapo_trl.training.preemption import (
 )
 from dapo_trl.training.steps import OptimizerSteps
 
-from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command
+from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command, run_unchecked
 
 ZERO3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
 
@@ -243,8 +243,8 @@ def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_
         command = python_command(
             script, str(killed), batch, "3", *every_step, "kill_while_writing=checkpoint-2/dapo_sampling_state.pt"
         )
-        result = subprocess.run(command, cwd=REPO, env=offline_environment(), capture_output=True, timeout=300)
-        assert result.returncode == -signal.SIGKILL
+        result = run_unchecked(command, timeout=300)
+        assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
         killed_at = len(read_jsonl(killed / "prompts_seen_rank0.jsonl"))
         run_command(python_command(script, str(killed), batch, "3", *every_step, "resume=latest"))
         assert read_jsonl(killed / "prompts_seen_rank0.jsonl")[killed_at]["step"] == 1  # resumed after step 1
