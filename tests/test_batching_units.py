@@ -263,5 +263,22 @@ def test_pack_rows_into_bins_of_the_longest_row():
     expected = batch["completion_ids"].float() * batch["completion_mask"]
     assert torch.equal(unpack_per_token(packed, values, 4), expected)
     aligned = pack_rows(ids, mask, 4, capacity=7, pad_token_id=-1, alignment=8)
-    assert aligned.input_ids.shape == (2, 8) and aligned.position_ids[0].tolist() == list(range(7)) + [0]
+    assert aligned.input_ids.shape == (2, 8) and aligned.position_ids[0].tolist() == list(range(8))  # tail continues
     assert torch.equal(unpack_per_token(aligned, aligned.labels[:, 1:].float(), 4), expected)
+
+
+def test_bins_of_one_row_each_read_as_unpacked_sequences_so_sdpa_needs_no_mask():
+    """transformers builds a dense packed-sequence mask when position ids restart inside a row of the batch (no mask
+    lets sdpa run its causal kernels, flash among them). A bin's tail of padding continues its last row's positions:
+    bins that each hold one row need no mask; a bin of two rows still gets one."""
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    batch = padded_rows([3, 1, 2], [4, 4, 1])  # real lengths 7, 5, 3: bins of 7 hold [7] and [5] (tail 2), [3]
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    one_each = pack_rows(ids[:2], mask[:2], 4, capacity=7)
+    assert one_each.position_ids.tolist() == [list(range(7)), list(range(7))]
+    assert find_packed_sequence_indices(one_each.position_ids) is None
+    shared = pack_rows(ids[1:], mask[1:], 4, capacity=8)  # 5 + 3 in one bin
+    assert shared.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert find_packed_sequence_indices(shared.position_ids) is not None

@@ -1,5 +1,6 @@
 """The user-facing commands end to end: test_dapo.sh, train_dapo.py flags and YAML, and their error messages."""
 
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ def run_failing(args: list[str], env: dict | None = None) -> subprocess.Complete
 DEPENDENCY_WARNINGS = ("[real_accelerator.py:213:get_accelerator] Setting accelerator to CPU",)  # DeepSpeed, no GPU
 
 
-def test_smoke_script_trains_two_steps_and_prints_metrics(tmp_path):
+def test_smoke_script_trains_two_steps_and_prints_metrics_and_charts(tmp_path):
     result = run_command(["./test_dapo.sh"], env={"OUTPUT_DIR": str(tmp_path), "PYTHONWARNINGS": "default"})
     output = result.stdout + result.stderr
     warned = [line for line in output.splitlines() if "warn" in line.lower()]
@@ -34,6 +35,37 @@ def test_smoke_script_trains_two_steps_and_prints_metrics(tmp_path):
     assert "step 2" in result.stdout
     assert (tmp_path / "model.safetensors").exists()
     assert list((tmp_path / "runs").glob("*/events.out.tfevents.*")), "TensorBoard is the default logger"
+    assert_charts_of_what_it_logged(tmp_path, result)
+
+
+def assert_charts_of_what_it_logged(tmp_path, result) -> None:
+    """The smoke run's charts: the panels, drawn from the series the trainer wrote to TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from .test_plot import check_png, read_series_file
+
+    plots = tmp_path / "plots"
+    assert f"charts: {plots}" in result.stdout.splitlines()
+    record = read_series_file(plots)
+    assert record["source"].startswith("TensorBoard events")  # --save_strategy no: no trainer_state.json
+    for panel in ("reward", "response_length", "dynamic_sampling", "entropy_and_clipping"):
+        check_png(plots / f"{panel}.png")
+    assert "rewards/dapo_math_reward/mean" in record["panels"]["reward"]["series"]
+    # what the trainer logged, read straight from its event file
+    (events,) = (tmp_path / "runs").glob("*/events.out.tfevents.*")
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    logged = [(event.step, event.value) for event in accumulator.Scalars("train/dynamic_sampling/keep_rate")]
+    plotted = record["panels"]["dynamic_sampling"]["series"]["dynamic_sampling/keep_rate"]
+    assert [step for step, _ in plotted] == [1, 2] == [step for step, _ in logged]
+    assert [value for _, value in plotted] == [value for _, value in logged]
+    # the warm-started built-in model solves some problems: kept groups, a real loss and gradient (a random model
+    # never does: keep rate 0, loss 0, grad norm 0, and a newcomer cannot tell a working trainer from a broken one)
+    assert all(value > 0 for _, value in plotted)
+    optimization = record["panels"]["optimization"]["series"]
+    assert all(value > 0 for _, value in optimization["grad_norm"])
+    assert any(value != 0 for _, value in optimization["loss"])
+    assert os.path.getsize(plots / "series.json") > 0
 
 
 def test_smoke_script_with_two_processes(tmp_path):

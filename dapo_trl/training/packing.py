@@ -46,7 +46,7 @@ class PackedRows:
     """Rows packed into bins (sequences of rows one after another): what the model needs, and the way back."""
 
     input_ids: torch.Tensor  # (bins, capacity) the rows' real tokens, then pad at a bin's end
-    position_ids: torch.Tensor  # (bins, capacity) restarting at 0 for each row (and for a bin's tail of padding)
+    position_ids: torch.Tensor  # (bins, capacity) restarting at 0 for each row; a bin's tail continues its last row
     labels: torch.Tensor  # (bins, capacity) token ids at attended completion positions, IGNORE_INDEX elsewhere
     token_mask: torch.Tensor  # (rows, width) bool: the padded layout's real tokens, row-major
     gather_index: torch.Tensor  # (real tokens,) for each of them in that order, its flat place in the bins
@@ -81,7 +81,7 @@ def pack_rows(
     token_mask = attention_mask.bool()
     lengths = token_mask.sum(dim=1).tolist()
     capacity = max(capacity or sum(lengths), max(lengths, default=1), 1)
-    capacity = -(-capacity // alignment) * alignment  # the extra tokens are tail padding, a block of its own
+    capacity = -(-capacity // alignment) * alignment  # the extra tokens are tail padding
     bins = token_budget_chunks(lengths, capacity)
     completion_column = torch.zeros_like(token_mask)
     completion_column[:, input_ids.size(1) - logits_to_keep :] = True
@@ -100,7 +100,11 @@ def pack_rows(
             positions[bin_index, span] = torch.arange(lengths[row], device=device)
             starts[row] = bin_index * capacity + offset
             offset += lengths[row]
-        positions[bin_index, offset:] = torch.arange(capacity - offset, device=device)  # the tail: its own block
+        # The tail of padding continues the last row's positions: never scored, and after every real token, so
+        # causal attention keeps it out of the rows. A bin holding one row then reads as one unpacked sequence, and
+        # a forward whose bins each hold one row needs no mask (sdpa runs its causal kernels, flash included).
+        last = lengths[rows[-1]]
+        positions[bin_index, offset:] = torch.arange(last, last + capacity - offset, device=device)
     gather_index = torch.cat(
         [torch.arange(starts[row], starts[row] + lengths[row], device=device) for row in range(len(lengths))]
     )
