@@ -2,7 +2,8 @@
 tokens, through the real streaming client, driver, rollout and dynamic sampler, on 2 processes.
 
     python benchmarks/rehearsal.py            # the paper's data volume: a 512-group batch, lengths to 20,480
-    python benchmarks/rehearsal.py --quick    # the same path at 16 groups, lengths to 2,048 (what the suite runs)
+    python benchmarks/rehearsal.py --quick    # the same path at 16 groups, lengths to 2,048
+    python benchmarks/rehearsal.py --quick --slowed   # what the suite runs: the server slowed 10x, a short timeout
 
 A synthetic server (its own process, so its work is not counted) speaks the vLLM endpoints the client uses:
 `/v1/models`, `/v1/completions` (n choices per group, each seeded by the request's seed: long-tailed lengths,
@@ -20,6 +21,11 @@ It prints, per process, the peak RSS growth over the process's baseline and its 
 event loop that reads the answers, the driver, the main thread), and for the main process its CPU seconds per
 million generated tokens. Goals at the paper's volume: RSS growth under 2 GB per process, main process under 1 CPU
 second per million tokens (an 8-replica 7B engine generates ~50k tokens/s).
+
+`--slowed`: the server generates each response at 5,000 tokens/s, and only 0.1 s of every second (paused 90% of the
+time, as a server slowed ~10x), counting its tokens in `/metrics` as it goes; the client's request timeout is 3 s,
+shorter than the longest response (~4 s slowed) and the batch. Timeouts are by progress (`vllm_request_timeout`:
+no token generated for that long), so the batch completes; a timeout on the whole request would fail it.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 16
+SLOWED_RATE, SLOWED_RUN, SLOWED_PAUSE, SLOWED_TIMEOUT = 5000.0, 0.1, 0.9, 3.0  # tokens/s per response; s; s; s
 MEDIAN_TOKENS, SIGMA = 3000, 0.8  # log-normal response lengths, DAPO-like long tail
 
 
@@ -69,10 +76,35 @@ def choice_json(seed: int, index: int, length: int, max_tokens: int) -> str:
     )
 
 
-def serve(port_file: str) -> None:
+def serve(port_file: str, slowed: bool = False) -> None:
     import http.server
+    import threading
 
     generated = [0]
+    running = threading.Event()
+    running.set()
+    lock = threading.Lock()
+
+    def alternate() -> None:  # --slowed: generate for SLOWED_RUN s, pause for SLOWED_PAUSE s, and again
+        while True:
+            running.set()
+            time.sleep(SLOWED_RUN)
+            running.clear()
+            time.sleep(SLOWED_PAUSE)
+
+    def generate(tokens: int) -> None:
+        """--slowed: `tokens` at SLOWED_RATE while running, counted in /metrics as they come."""
+        left, tick = float(tokens), 0.02
+        while left > 0:
+            if running.wait():
+                step = min(left, SLOWED_RATE * tick)
+                left -= step
+                with lock:
+                    generated[0] += step
+            time.sleep(tick)
+
+    if slowed:
+        threading.Thread(target=alternate, daemon=True).start()
 
     class Handler(http.server.BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -82,7 +114,8 @@ def serve(port_file: str) -> None:
 
         def do_GET(self):
             if self.path.endswith("/metrics"):
-                body = f"vllm:generation_tokens_total {float(generated[0])}\nvllm:num_requests_running 0.0\n"
+                with lock:
+                    body = f"vllm:generation_tokens_total {float(generated[0])}\nvllm:num_requests_running 0.0\n"
                 self._send(body.encode(), "text/plain")
             elif self.path.endswith("/v1/models"):
                 self._send(json.dumps({"data": [{"id": "synthetic"}]}).encode())
@@ -94,7 +127,13 @@ def serve(port_file: str) -> None:
             n, max_tokens, seed = request["n"], request["max_tokens"], request["seed"]
             lengths = lengths_for(seed, n, max_tokens)
             choices = ",".join(choice_json(seed, i, int(length), max_tokens) for i, length in enumerate(lengths))
-            generated[0] += int(lengths.sum())
+            if slowed:  # the n responses of a group decode side by side: as long as the longest
+                generate(int(lengths.max()))
+                with lock:
+                    generated[0] += int(lengths.sum() - lengths.max())
+            else:
+                with lock:
+                    generated[0] += int(lengths.sum())
             body = f'{{"id":"cmpl-{seed}","object":"text_completion","model":"synthetic","choices":[{choices}]}}'
             self._send(body.encode())
 
@@ -127,7 +166,7 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def worker(url: str, groups: int, max_tokens: int, out: str) -> None:
+def worker(url: str, groups: int, max_tokens: int, out: str, timeout: float = 600.0) -> None:
     from types import SimpleNamespace
 
     import torch
@@ -168,7 +207,7 @@ def worker(url: str, groups: int, max_tokens: int, out: str) -> None:
     round_groups = groups
     if state.is_main_process:
         sampling = RequestSampling(n=GROUP, max_tokens=max_tokens)
-        engine = VLLMServerEngine(url, sampling, max_in_flight=round_groups, timeout=600)
+        engine = VLLMServerEngine(url, sampling, max_in_flight=round_groups, timeout=timeout)
         held = round_groups * GROUP * max_tokens * 8  # the trainer's bound: one batch at full length
         driver = RolloutDriver(engine, round_groups, held)
         driver.loaded_externally(0)
@@ -179,7 +218,7 @@ def worker(url: str, groups: int, max_tokens: int, out: str) -> None:
         _broadcaster(state),
         0,
         1,
-        600,
+        2 * timeout + 60,  # the trainer's wave timeout
         scatter=_scatterer(state),
     )
     rollout.first_round_from_loader = False  # every group from the seeded prompt stream
@@ -229,22 +268,26 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=None, help="groups kept per batch (default 512; quick 16)")
     parser.add_argument("--max-tokens", type=int, default=None, help="longest response (default 20480; quick 2048)")
     parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument(
+        "--slowed", action="store_true", help=f"the server paused 90%% of the time, a {SLOWED_TIMEOUT:g} s timeout"
+    )
+    parser.add_argument("--timeout", type=float, default=600.0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", nargs=2, metavar=("URL", "OUT"), help=argparse.SUPPRESS)
     parser.add_argument("--serve", metavar="PORT_FILE", help=argparse.SUPPRESS)
     options = parser.parse_args()
     groups = options.groups or (16 if options.quick else 512)
     max_tokens = options.max_tokens or (2048 if options.quick else 20480)
     if options.serve:
-        serve(options.serve)
+        serve(options.serve, options.slowed)
         return
     if options.worker:
-        worker(*options.worker[:1], groups, max_tokens, options.worker[1])
+        worker(*options.worker[:1], groups, max_tokens, options.worker[1], options.timeout)
         return
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
         port_file = os.path.join(out, "port")
-        server = subprocess.Popen([sys.executable, __file__, "--serve", port_file])
+        server = subprocess.Popen([sys.executable, __file__, "--serve", port_file, *(["--slowed"] * options.slowed)])
         try:
             while not os.path.exists(port_file) or not Path(port_file).read_text():
                 time.sleep(0.05)
@@ -254,6 +297,7 @@ def main() -> None:
                 str(options.processes), "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(29700 + os.getpid() % 200), __file__,
                 "--groups", str(groups), "--max-tokens", str(max_tokens), "--worker", url, out,
+                "--timeout", str(SLOWED_TIMEOUT if options.slowed else 600.0),
             ]  # fmt: skip
             environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
             subprocess.run(command, check=True, env=environment)
@@ -277,6 +321,13 @@ def main() -> None:
         per_million = record["cpu_seconds"] / millions if millions else float("nan")
         print(f"| {record['rank']} | {record['rss_growth_mb']:.0f} | {record['cpu_seconds']:.2f} | {per_million:.3f} |")
     print("goals at the paper's volume: RSS growth < 2048 MB per process; main process < 1 CPU s per million tokens")
+    if options.slowed:
+        longest = max_tokens / SLOWED_RATE * (SLOWED_RUN + SLOWED_PAUSE) / SLOWED_RUN
+        print(
+            f"slowed server: generating {SLOWED_RUN:g} s of every {SLOWED_RUN + SLOWED_PAUSE:g} s, the longest "
+            f"response ~{longest:.1f} s, request timeout {SLOWED_TIMEOUT:g} s: the batch completed in "
+            f"{main_record['wall_seconds']:.1f} s"
+        )
 
 
 if __name__ == "__main__":
