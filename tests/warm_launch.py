@@ -228,7 +228,10 @@ class WarmPopen:
 
     def send_signal(self, signum: int) -> None:
         if self.poll() is None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:  # it ended as the signal was sent, as Popen.send_signal allows
+                pass
 
     def kill(self) -> None:
         if self.poll() is None:
