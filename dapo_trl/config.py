@@ -88,6 +88,15 @@ class DAPOConfig(GRPOConfig):
             "on, as in GRPOConfig (which sets this old name, so every GRPOConfig warns about it)."
         },
     )
+    ddp_timeout: int | None = field(
+        default=None,
+        metadata={
+            "help": "Seconds a process may wait in a collective before the run fails (the process group's timeout). "
+            "Unset: 7200 with a vLLM server (the other processes wait in TRL's broadcast while the main process "
+            "generates a whole round: 25-50 minutes at the paper's settings; a stalled server fails sooner, through "
+            "vllm_request_timeout), else transformers' 1800."
+        },
+    )
     report_to: None | str | list[str] = field(
         default="tensorboard",
         metadata={"help": "Loggers to report to: 'tensorboard' (default), 'wandb', 'none', or a list."},
@@ -435,6 +444,8 @@ class DAPOConfig(GRPOConfig):
                 self.gradient_checkpointing = True
             elif self.activation_checkpointing is None:
                 self.activation_checkpointing = True
+        if self.ddp_timeout is None:  # before GRPOConfig's __post_init__; the process group reads it later
+            self.ddp_timeout = 7200 if self.use_vllm and self.vllm_mode == "server" else 1800
         if self.entropy_coeff is not None:
             if self.entropy_coef not in (0.0, self.entropy_coeff):
                 raise ValueError(

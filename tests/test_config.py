@@ -24,6 +24,15 @@ def test_dapo_defaults(tmp_path):
     assert config.filter_groups_enable and config.max_filter_gen_batches == 10
 
 
+def test_the_process_group_outwaits_a_round_of_a_vllm_server(tmp_path):
+    """With a vLLM server the other processes wait in TRL's broadcast for a whole generation round (25-50 minutes at
+    the paper's settings): transformers' 1800 s would end the run there. A value the user sets is kept."""
+    server = make(tmp_path, use_vllm=True, vllm_mode="server")
+    assert server.ddp_timeout == 7200 and server.ddp_timeout_delta.total_seconds() == 7200
+    assert make(tmp_path).ddp_timeout == 1800  # every process generates: nobody waits for a round
+    assert make(tmp_path, use_vllm=True, vllm_mode="server", ddp_timeout=600).ddp_timeout == 600
+
+
 def test_tensorboard_is_the_default_logger(tmp_path):
     assert DAPOConfig(output_dir=str(tmp_path)).report_to == ["tensorboard"]
 
