@@ -156,6 +156,7 @@ def run_worker(args: argparse.Namespace) -> None:
     from dapo_trl.training.server_engine import VLLMServerEngine
     from dapo_trl.training.stream_plan import group_seed
     from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
+    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     quiet()
     torch.set_num_threads(2 if colocated(args.worker) else 1)  # colocated: engine and trainer share both cores
@@ -280,7 +281,7 @@ def run_worker(args: argparse.Namespace) -> None:
         vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=2.0,
         dataloader_num_workers=0,
-        **no_checkpointing(DAPOConfig),
+        **activation_checkpointing_kwargs(False),
         **arm,
     )
     trainer = BenchTrainer(
@@ -299,16 +300,6 @@ def run_worker(args: argparse.Namespace) -> None:
         if engine is not None:
             engine.close()
     os._exit(0)  # the streaming driver's threads are daemons; nothing else to wait for
-
-
-def no_checkpointing(config_class: type) -> dict:
-    """Activation checkpointing off, under the field name this transformers has."""
-    fields = config_class.__dataclass_fields__
-    return (
-        {"activation_checkpointing": False}
-        if "activation_checkpointing" in fields
-        else {"gradient_checkpointing": False}
-    )
 
 
 # --------------------------------------------------------------------------------------------- the driver

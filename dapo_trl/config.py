@@ -11,6 +11,7 @@ from trl import GRPOConfig
 
 from .algorithm import POLICY_LOSSES, Aggregation
 from .config_checks import check_all
+from .utils.transformers_compat import activation_checkpointing_field
 
 # Share of max_completion_length used as the overlong buffer when none is given: 4096 / 20480 in the paper.
 DEFAULT_OVERLONG_BUFFER_SHARE = 0.2
@@ -440,10 +441,9 @@ class DAPOConfig(GRPOConfig):
     def _derive_platform_defaults(self) -> None:
         """Fields GRPOConfig's own __post_init__ must already see: the entropy alias and CPU-only defaults."""
         if self.gradient_checkpointing is None:  # GRPOConfig's default (on), under the name transformers wants
-            if not hasattr(self, "activation_checkpointing"):  # transformers before the rename
-                self.gradient_checkpointing = True
-            elif self.activation_checkpointing is None:
-                self.activation_checkpointing = True
+            name = activation_checkpointing_field()  # gradient_checkpointing itself before the rename
+            if getattr(self, name) is None:
+                setattr(self, name, True)
         if self.ddp_timeout is None:  # before GRPOConfig's __post_init__; the process group reads it later
             self.ddp_timeout = 7200 if self.use_vllm and self.vllm_mode == "server" else 1800
         if self.entropy_coeff is not None:

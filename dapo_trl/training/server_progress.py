@@ -136,8 +136,7 @@ class ServerProgress:
                     self._wake.wait()
                 if self._closed:
                     return
-            abandon_when = self.abandon_when
-            if abandon_when is not None and self.on_abandon is not None and abandon_when():
+            if self._abandoning():
                 self.on_abandon()  # on every tick: a connection opened since the last one is shut too
                 time.sleep(min(self.poll_seconds, ABANDON_POLL_SECONDS))
                 continue
@@ -157,9 +156,14 @@ class ServerProgress:
         """Sleep between polls, waking for `abandon_when()` within `ABANDON_POLL_SECONDS`."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
-            if self.abandon_when is not None and self.on_abandon is not None and self.abandon_when():
+            if self._abandoning():
                 return
             time.sleep(min(left, ABANDON_POLL_SECONDS))
+
+    def _abandoning(self) -> bool:
+        """A preemption was signalled and the requests outstanding are to be given up (`on_abandon`)."""
+        abandon_when = self.abandon_when
+        return abandon_when is not None and self.on_abandon is not None and abandon_when()
 
     def _poll(self) -> None:
         if not self.counters_available:

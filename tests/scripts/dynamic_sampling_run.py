@@ -31,12 +31,13 @@ import torch
 from accelerate import PartialState
 from datasets import Dataset
 from denominator_run import full_parameters
-from script_args import leave_together, no_activation_checkpointing, parse_overrides
+from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.steps import SkipEmptySteps
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 NUM_GENERATIONS = 4
 SCRIPT_OPTIONS = {"constant_from_step": None, "reward": "parity"}
@@ -202,7 +203,7 @@ def main() -> None:
         filter_groups_enable=True,
         max_filter_gen_batches=0,
         apply_overlong_penalty=False,
-        **no_activation_checkpointing(),
+        **activation_checkpointing_kwargs(False),
         report_to="none",
         save_strategy="no",
         logging_steps=1,

@@ -63,7 +63,7 @@ def budget_case(loss_type: str) -> str:
 
 def trainer_for(out: Path, model_dir: Path, **settings) -> DAPOTrainer:
     """A trainer in training mode over the tiny model, its loss over half the fixed batch per process."""
-    from script_args import no_activation_checkpointing
+    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     config = DAPOConfig(
         output_dir=str(out / "run"),
@@ -71,7 +71,7 @@ def trainer_for(out: Path, model_dir: Path, **settings) -> DAPOTrainer:
         num_generations=4,
         max_completion_length=COMPLETION_LEN,
         report_to="none",
-        **no_activation_checkpointing(),
+        **activation_checkpointing_kwargs(False),
         apply_overlong_penalty=False,
         **{"epsilon": EPSILON_LOW, "epsilon_high": EPSILON_HIGH, **settings},
     )

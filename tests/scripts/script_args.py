@@ -15,13 +15,6 @@ def parse_overrides(arguments: list[str]) -> dict:
     return {key: parse_value(value) for key, value in (argument.split("=", 1) for argument in arguments)}
 
 
-def no_activation_checkpointing() -> dict:
-    """Activation checkpointing off, under the field name the installed transformers has."""
-    from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
-
-    return activation_checkpointing_kwargs(False)
-
-
 def leave_together(accelerator) -> None:
     """train_dapo.py's teardown (every rank waits for the others, then the process groups go: see
     `dapo_trl.cli.train.leave_together`); then the script leaves without running interpreter shutdown, where a gloo
