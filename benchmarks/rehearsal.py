@@ -96,11 +96,11 @@ def serve(port_file: str, slowed: bool = False) -> None:
         """--slowed: `tokens` at SLOWED_RATE while running, counted in /metrics as they come."""
         left, tick = float(tokens), 0.02
         while left > 0:
-            if running.wait():
-                step = min(left, SLOWED_RATE * tick)
-                left -= step
-                with lock:
-                    generated[0] += step
+            running.wait()  # paused: no token until the next running window
+            step = min(left, SLOWED_RATE * tick)
+            left -= step
+            with lock:
+                generated[0] += step
             time.sleep(tick)
 
     if slowed:

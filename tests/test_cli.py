@@ -146,8 +146,7 @@ TRAINING_COMMANDS = (["train_dapo.py"], ["-m", "dapo_trl.cli"])
 )
 def test_every_entry_point_prints_help(command):
     """argparse %-formats help strings: a bare % in any field's help used to crash --help."""
-    result = run_command([sys.executable, *command, "--help"], timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_command([sys.executable, *command, "--help"], timeout=120)  # a non-zero exit fails with its output
     assert "usage:" in result.stdout and "--output" in result.stdout
     if command in TRAINING_COMMANDS:  # TrlParser reads --config without declaring it; DAPOParser lists it
         assert "[--config RECIPE.yaml]" in result.stdout
