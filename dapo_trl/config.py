@@ -360,6 +360,17 @@ class DAPOConfig(GRPOConfig):
             "older versions from disk)."
         },
     )
+    rollout_in_flight_weight_updates: bool = field(
+        default=False,
+        metadata={
+            "help": "With rollout_max_staleness >= 1 and a vLLM server: load each weights version while requests "
+            "run, instead of after the old version's requests drain. The server is paused with its requests and "
+            "their KV cache kept (vLLM >= 0.31's /pause?mode=keep, VLLM_SERVER_DEV_MODE=1), reloaded and resumed; "
+            "a response may then hold tokens of several versions (its row is as old as its first token), and the "
+            "importance weight corrects each token by the log-prob the engine sampled it with. Shared storage only "
+            "(docs/rollout.md)."
+        },
+    )
     rollout_max_in_flight_groups: int | None = field(
         default=None,
         metadata={

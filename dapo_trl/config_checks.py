@@ -177,6 +177,11 @@ def check_rollout(config: DAPOConfig) -> None:
     if config.rollout_lookahead_rounds < 0:
         raise ValueError(f"rollout_lookahead_rounds={config.rollout_lookahead_rounds} must be >= 0.")
     if not config.rollout_streaming:
+        if config.rollout_in_flight_weight_updates:
+            raise ValueError(
+                "rollout_in_flight_weight_updates=true updates the weights under the streaming rollout's requests: "
+                "also pass --rollout_streaming true --rollout_max_staleness 1 (with a vLLM server)."
+            )
         if config.rollout_max_staleness > 0:
             raise ValueError(
                 "rollout_max_staleness > 0 overlaps streamed generation with training: also pass "
@@ -209,12 +214,22 @@ def check_rollout(config: DAPOConfig) -> None:
             "rollout_streaming scores each round in parts as they finish, and the adaptive KL controller would "
             "update once per part: use kl_in_reward_controller='fixed' with streaming."
         )
+    if config.rollout_in_flight_weight_updates and config.rollout_max_staleness < 1:
+        raise ValueError(
+            "rollout_in_flight_weight_updates=true loads a version while the previous one's requests run, which only "
+            "happens when generation overlaps training: pass --rollout_max_staleness 1 (or more)."
+        )
     if config.rollout_max_staleness > 0:
         if config.use_vllm and config.vllm_weight_sync != "shared_storage":
             raise ValueError(
                 "rollout_max_staleness > 0 needs --vllm_weight_sync shared_storage: the server loads the weights "
                 "of k versions ago (one version per generation batch), which the trainer writes to "
                 "vllm_weight_sync_dir/v<version> (NCCL only pushes the current ones)."
+            )
+        if config.rollout_in_flight_weight_updates and not (config.use_vllm and config.vllm_mode == "server"):
+            raise ValueError(
+                "rollout_in_flight_weight_updates=true pauses a vLLM server with its requests kept while it loads a "
+                "version: pass --use_vllm true --vllm_mode server (with --vllm_weight_sync shared_storage)."
             )
         if config.use_vllm and not config.vllm_importance_sampling_correction:
             raise ValueError(

@@ -23,7 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
 
@@ -50,6 +50,8 @@ class DriverStats:
     generated_tokens: int = 0
     cancelled_groups: int = 0
     discarded_tokens: int = 0  # completed, then not used (admitted ahead for a batch that was already full)
+    loads_in_flight: int = 0  # weights versions loaded while requests ran (in-flight weight updates)
+    switched_groups: int = 0  # completed groups that a newer version took over inside
 
 
 class RolloutDriver:
@@ -259,9 +261,12 @@ class RolloutDriver:
                 if self._closed:
                     return
                 if load:
+                    self.stats.loads_in_flight += bool(self._in_flight)
                     self._loaded, self._loading, self._external = None, True, None
                 else:
                     self._planned.popleft()
+                    if request.version != self._loaded:  # an older plan, started under the loaded version
+                        request = replace(request, version=self._loaded)
                     self._in_flight[request.key] = request
                     self._sent_after[request.key] = self.recoveries
                     self._starting, self._cancel_after_start = request, False
@@ -405,12 +410,15 @@ class RolloutDriver:
         if self._error is not None or not self._planned:
             return None, False
         request = self._planned[0]
-        if self._loaded == request.version:
+        # In-flight weight updates: a request planned for an older version starts under the loaded one (its rows
+        # are then fresher than the bound), and a newer version loads while requests run (the engine pauses them).
+        in_flight = self._loaded is not None and getattr(self.engine, "updates_in_flight", False)
+        if self._loaded == request.version or (in_flight and self._loaded > request.version):
             held = self.max_held_bytes is not None and self._held_bytes >= self.max_held_bytes
             if held and request.key not in self._wanted:
                 return None, False  # finished groups wait to be taken: look ahead no further (memory)
             return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
-        if self._in_flight or request.version > self._published:
+        if (self._in_flight and not in_flight) or request.version > self._published:
             return None, False  # a new version waits for the old one's requests to end, and to be published
         return request, True
 
@@ -433,6 +441,7 @@ class RolloutDriver:
                 self._held_bytes += result.nbytes
                 self.stats.completed_groups += 1
                 self.stats.generated_tokens += result.tokens
+                self.stats.switched_groups += result.switches is not None
             self._cond.notify_all()
 
     def _update_busy(self) -> None:
@@ -454,4 +463,6 @@ def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
         "rollout/generated_tokens": float(stats.generated_tokens),
         "rollout/cancelled_groups": float(stats.cancelled_groups),
         "rollout/discarded_tokens": float(stats.discarded_tokens),
+        "rollout/weight_loads_in_flight": float(stats.loads_in_flight),
+        "rollout/groups_switched_in_flight": float(stats.switched_groups),
     }

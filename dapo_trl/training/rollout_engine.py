@@ -35,9 +35,12 @@ class GroupResult:
     A mixture-of-experts engine may add each completion's `routed_experts` (vLLM's array per sequence: prompt and
     completion tokens but the last, x decoder layers x top-k expert indices, in the engine's small integer type),
     which routing replay needs.
+
+    `version` is the version that sampled its first tokens. With in-flight weight updates a newer version may take
+    over inside a response: `switches` then lists each such point as (completion, first token, version).
     """
 
-    __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds", "routed_experts")
+    __slots__ = ("key", "version", "token_ids", "token_logprobs", "lengths", "seconds", "routed_experts", "switches")
 
     def __init__(
         self,
@@ -49,7 +52,7 @@ class GroupResult:
         routed_experts: list[np.ndarray] | None = None,
     ):
         self.key, self.version, self.seconds = key, version, seconds
-        self.routed_experts = routed_experts
+        self.routed_experts, self.switches = routed_experts, None
         if routed_experts is not None and len(routed_experts) != len(completion_ids):
             raise ValueError(f"group {key}: {len(routed_experts)} routings for {len(completion_ids)} completions")
         self.lengths = np.array([len(ids) for ids in completion_ids], dtype=np.int64)
@@ -72,7 +75,7 @@ class GroupResult:
         """A result from flat arrays already (an engine that decodes into arrays: no per-token Python objects)."""
         result = cls.__new__(cls)
         result.key, result.version, result.seconds = key, version, seconds
-        result.routed_experts = routed_experts
+        result.routed_experts, result.switches = routed_experts, None
         result.lengths = np.asarray(lengths, dtype=np.int64)
         result.token_ids = np.asarray(token_ids, dtype=np.int32)
         result.token_logprobs = np.asarray(token_logprobs, dtype=np.float32)
@@ -89,7 +92,7 @@ class GroupResult:
         result = GroupResult.__new__(GroupResult)
         result.key, result.version, result.seconds, result.lengths = self.key, self.version, self.seconds, self.lengths
         result.token_ids, result.token_logprobs = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32)
-        result.routed_experts = None
+        result.routed_experts, result.switches = None, None
         return result
 
     def rows(self, start: int, stop: int) -> tuple[list[list[int]], list[list[float]], list]:
@@ -112,10 +115,19 @@ class GroupResult:
     def logprobs(self) -> list[list[float]]:
         return self._split(self.token_logprobs)
 
+    def token_versions(self, completion: int) -> np.ndarray:
+        """The weights version that sampled each token of completion `completion`."""
+        versions = np.full(int(self.lengths[completion]), self.version, dtype=np.int64)
+        for index, first, version in self.switches if self.switches is not None else ():
+            if index == completion:
+                versions[first:] = version
+        return versions
+
     @property
     def nbytes(self) -> int:
         routed = sum(routing.nbytes for routing in self.routed_experts or ())
-        return self.token_ids.nbytes + self.token_logprobs.nbytes + self.lengths.nbytes + routed
+        switches = 0 if self.switches is None else self.switches.nbytes
+        return self.token_ids.nbytes + self.token_logprobs.nbytes + self.lengths.nbytes + routed + switches
 
 
 Callback = Callable[[GroupRequest, "GroupResult | BaseException"], None]

@@ -179,7 +179,16 @@ def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
     local_root, server_root = rollout_weights_dirs(args)
     timeout = args.vllm_request_timeout
-    return VLLMServerEngine(base_url, sampling, max_in_flight, timeout, server_root, reload_server_weights, local_root)
+    return VLLMServerEngine(
+        base_url,
+        sampling,
+        max_in_flight,
+        timeout,
+        server_root,
+        reload_server_weights,
+        local_root,
+        in_flight_updates=args.rollout_in_flight_weight_updates,
+    )
 
 
 def publish_weights(trainer: Any, rollout: StreamingRollout, version: int) -> None:

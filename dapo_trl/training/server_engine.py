@@ -10,12 +10,10 @@ store), and a path (a proxy's `/proxy/vllm`) prefixes every endpoint.
 from __future__ import annotations
 
 import asyncio
-import base64
+import contextlib
 import http.client
-import io
 import json
 import os
-import re
 import ssl
 import threading
 import time
@@ -24,10 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..utils.http import checked_service_path
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
+from .server_answers import StreamedAnswer, group_result
 from .server_progress import ServerProgress
 
 READ_AT_ONCE = 4  # answers whose bodies are read at the same time
@@ -43,6 +40,12 @@ class VLLMServerEngine:
     may still hold KV blocks for a moment), then asks the dev-mode server to reload `weights_root/v{version}` (as the
     server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
     previous weights must not be reused).
+
+    In-flight weight updates (`in_flight_updates`): answers are streamed (`server_answers.StreamedAnswer`), and a
+    version loaded while requests run pauses the server with them kept (`/pause?mode=keep`: their KV cache stays),
+    reloads, marks in every running answer where the new version takes over, and resumes them (`/resume`): no
+    request restarts and no slot waits for the others to drain. The KV cache they continue from was written by the
+    old weights; the engine's per-token log-probs, which the importance weight divides by, are the new weights' over it.
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
@@ -60,6 +63,7 @@ class VLLMServerEngine:
         weights_server_root: str | Path | None = None,
         reload: Callable[[str, str, float], None] | None = None,
         weights_local_root: str | Path | None = None,
+        in_flight_updates: bool = False,
     ):
         self.base_url = base_url.strip().rstrip("/")
         self._host, self._port, self._path, self._ssl = _server_address(self.base_url)
@@ -80,6 +84,9 @@ class VLLMServerEngine:
         # are a few answers', not every running group's (16 x 20k tokens of JSON is ~30 MB).
         self._reading = asyncio.Semaphore(READ_AT_ONCE)
         self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
+        self.updates_in_flight = in_flight_updates  # the driver may load a version while requests run
+        self._answers: dict[int, StreamedAnswer] = {}  # id(request) -> its streamed answer (in-flight updates)
+        self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
         self.progress = ServerProgress(self.base_url, timeout, self._metrics_text, self._fail_running)
@@ -151,7 +158,8 @@ class VLLMServerEngine:
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
         """The JSON body of one group's request (override to change sampling per group)."""
-        return self.sampling.payload(self.model, request)
+        payload = self.sampling.payload(self.model, request)
+        return {**payload, "stream": True} if self.updates_in_flight else payload
 
     def load_weights(self, version: int) -> None:
         if self._reload is None or self.weights_server_root is None:
@@ -164,8 +172,58 @@ class VLLMServerEngine:
                 f"weights version {version} is not in {local.parent}: a resumed run with rollout_max_staleness k "
                 "needs the k versions before its checkpoint (saved in checkpoint/rollout_weights)"
             )
+        if self.updates_in_flight and self.running():
+            self._load_in_flight(version)
+            return
         self.wait_server_idle()
         self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout)
+
+    def _load_in_flight(self, version: int) -> None:
+        """Pause the server with our requests kept, reload, mark the switch in every answer, resume."""
+        self.progress.progressed()  # the counters stand still while it is paused: that is no stall
+        self._post_control("/pause?mode=keep")
+        try:
+            # vLLM refuses a prefix-cache reset while kept requests hold blocks: cached prompt prefixes written by the
+            # old weights may be reused, as the kept requests' own KV cache is (docs/rollout.md measures the gap).
+            self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout, False)
+            asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
+        except BaseException:
+            with contextlib.suppress(Exception):  # a server that lost its weights is dead; this error says why
+                self._post_control("/resume")
+            raise
+        self._post_control("/resume")
+        self.progress.progressed()
+
+    async def _fence(self, version: int, quiet: float = 0.05) -> None:
+        """Once what the paused server sent has arrived (no answer of ours received a byte for `quiet` seconds),
+        every running answer's later tokens are `version`'s."""
+        while True:
+            before = self._received
+            await asyncio.sleep(quiet)
+            if self._received == before:
+                break
+        for answer in self._answers.values():
+            answer.fence(version)
+
+    def _post_control(self, path: str) -> None:
+        """POST to a dev-mode control endpoint (`/pause`, `/resume`); an error answer names the endpoint."""
+        if self._ssl is None:
+            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
+        else:
+            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=self._ssl)
+        try:
+            connection.request("POST", self._path + path)
+            answer = connection.getresponse()
+            status, body = answer.status, answer.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise EngineUnavailable(f"POST {self.base_url}{path}: cannot reach the vLLM server ({exc})") from exc
+        finally:
+            connection.close()
+        if status != 200:
+            raise RuntimeError(
+                f"POST {self.base_url}{path}: HTTP {status}: {body[:500]!r} (in-flight weight updates need vLLM >= "
+                "0.31 served with VLLM_SERVER_DEV_MODE=1)"
+            )
 
     def wait_server_idle(self, poll: float = 0.05, recover_within: float = 0.0) -> None:
         """Return once none of our connections is open and the server reports no running or waiting request: a
@@ -241,10 +299,17 @@ class VLLMServerEngine:
 
     # ------------------------------------------------------------------------------------------- the event loop
     def _launch(self, request: GroupRequest, done: Callback) -> None:
+        if self.updates_in_flight:  # registered before a fence can run on this loop
+            self._answers[id(request)] = StreamedAnswer(self.sampling.n, request.version)
         task = self._loop.create_task(self._run(request, done))
         with self._queued_lock:
             self._tasks[id(request)], self._queued = task, self._queued - 1
-        task.add_done_callback(lambda _: self._tasks.pop(id(request), None))
+
+        def forget(_: asyncio.Task) -> None:
+            self._tasks.pop(id(request), None)
+            self._answers.pop(id(request), None)
+
+        task.add_done_callback(forget)
 
     def _cancel(self, request_id: int) -> None:
         task = self._tasks.get(request_id)
@@ -255,12 +320,16 @@ class VLLMServerEngine:
         started, answered = time.monotonic(), False
         self.progress.begin()
         try:
+            answer = self._answers.get(id(request))
             async with self._connections:
-                status, raw = await self._post("/v1/completions", self.request_payload(request))
+                status, raw = await self._post("/v1/completions", self.request_payload(request), answer)
             answered = True
             if status != 200:
                 raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
-            result: GroupResult | BaseException = _group_result(request, raw, time.monotonic() - started)
+            seconds = time.monotonic() - started
+            result: GroupResult | BaseException = (
+                group_result(request, raw, seconds) if answer is None else answer.result(request.key, seconds)
+            )
         except asyncio.CancelledError:
             stalled = self._stalled.pop(id(request), None)
             if stalled is None:
@@ -280,8 +349,9 @@ class VLLMServerEngine:
             self.progress.end(answered)
         done(request, result)
 
-    async def _post(self, path: str, payload: dict[str, Any]) -> tuple[int, bytes]:
-        """One HTTP/1.1 POST on a connection of its own (closed after the answer, or when the task is cancelled)."""
+    async def _post(self, path: str, payload: dict[str, Any], answer: StreamedAnswer | None) -> tuple[int, bytes]:
+        """One HTTP/1.1 POST on a connection of its own (closed after the answer, or when the task is cancelled); a
+        streamed answer's body goes to `answer` as it arrives (then b"" is returned for it)."""
         reader, writer = await asyncio.open_connection(self._host, self._port, ssl=self._ssl)
         try:
             body = json.dumps(payload).encode()
@@ -292,10 +362,20 @@ class VLLMServerEngine:
             writer.write(head.encode() + body)
             await writer.drain()
             status_line = await reader.readline()  # the answer begins (vLLM answers once the group is done)
+            if answer is not None and status_line.split(b" ")[1:2] == [b"200"]:
+                return await _read_response(reader, status_line, self._streamed_into(answer))
             async with self._reading:
                 return await _read_response(reader, status_line)
         finally:
             writer.close()
+
+    def _streamed_into(self, answer: StreamedAnswer) -> Callable[[bytes], None]:
+        def feed(data: bytes) -> None:
+            self._received += len(data)
+            self.progress.progressed()  # tokens of ours arrive: the server makes progress
+            answer.feed(data)
+
+        return feed
 
 
 def _server_address(base_url: str) -> tuple[str, int, str, ssl.SSLContext | None]:
@@ -329,8 +409,11 @@ def _untrusted(call: str, exc: ssl.SSLCertVerificationError) -> str:
     )
 
 
-async def _read_response(reader: asyncio.StreamReader, status_line: bytes) -> tuple[int, bytes]:
-    """(status, body) of an HTTP/1.1 response after its status line: Content-Length, chunked, or read to the end."""
+async def _read_response(
+    reader: asyncio.StreamReader, status_line: bytes, feed: Callable[[bytes], None] | None = None
+) -> tuple[int, bytes]:
+    """(status, body) of an HTTP/1.1 response after its status line: Content-Length, chunked, or read to the end.
+    With `feed`, the body is handed to it piece by piece as it arrives instead (and b"" returned)."""
     if not status_line:
         raise ConnectionResetError("the server closed the connection before answering")
     parts = status_line.split(b" ", 2)
@@ -340,92 +423,20 @@ async def _read_response(reader: asyncio.StreamReader, status_line: bytes) -> tu
     while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
         name, _, value = line.decode("latin-1").partition(":")
         headers[name.strip().lower()] = value.strip()
+    chunks: list[bytes] = []
+    keep = chunks.append if feed is None else feed
     if "content-length" in headers:
-        return int(parts[1]), await reader.readexactly(int(headers["content-length"]))
-    if headers.get("transfer-encoding", "").lower() == "chunked":
-        chunks = []
+        keep(await reader.readexactly(int(headers["content-length"])))
+    elif headers.get("transfer-encoding", "").lower() == "chunked":
         while True:
             line = await reader.readline()
             if not line:
                 raise ValueError("the connection closed inside a chunked HTTP body")
             if not (size := int(line.split(b";")[0].strip() or b"0", 16)):
-                return int(parts[1]), b"".join(chunks)
-            chunks.append(await reader.readexactly(size))
+                break
+            keep(await reader.readexactly(size))
             await reader.readline()
-    return int(parts[1]), await reader.read()
-
-
-_TOKEN_IDS = re.compile(rb'"token_ids"\s*:\s*\[')
-_TOKEN_LOGPROBS = re.compile(rb'"token_logprobs"\s*:\s*\[')
-_ROUTED_EXPERTS = re.compile(rb'"routed_experts"\s*:\s*(null|"[^"]*")')
-
-
-def _group_result(request: GroupRequest, raw: bytes, seconds: float) -> GroupResult:
-    """A group's answer as flat arrays. The main process reads every generated token of a step here (~25M at the
-    paper's 512 x 16 x ~3k), and vLLM's JSON spends ~100 bytes a token on text, token strings, offsets and top
-    log-probs nobody reads: the two number lists that matter are cut out of the bytes and parsed by numpy, with no
-    Python object per token (`_number_lists`); an answer laid out otherwise is read with `json` instead."""
-    fast = _number_lists(raw, _TOKEN_IDS, np.int64), _number_lists(raw, _TOKEN_LOGPROBS, np.float64)
-    if fast[0] is None or fast[1] is None or [len(ids) for ids in fast[0]] != [len(lp) for lp in fast[1]]:
-        return _group_result_from_json(request, raw, seconds)
-    (ids, logprobs), routings = fast, _ROUTED_EXPERTS.findall(raw)
-    if len(routings) not in (0, len(ids)):
-        return _group_result_from_json(request, raw, seconds)
-    routed = _routed_experts([{"routed_experts": json.loads(value)} for value in routings]) if routings else None
-    lengths = np.array([len(part) for part in ids], dtype=np.int64)
-    token_ids = np.concatenate(ids).astype(np.int32) if ids else np.zeros(0, dtype=np.int32)
-    token_logprobs = np.concatenate(logprobs) if logprobs else np.zeros(0)
-    token_logprobs[np.isnan(token_logprobs)] = -np.inf  # a missing log-prob (null)
-    return GroupResult.from_arrays(
-        request.key, request.version, token_ids, token_logprobs.astype(np.float32), lengths, seconds, routed
-    )
-
-
-def _number_lists(raw: bytes, key: re.Pattern, dtype: Any) -> list[np.ndarray] | None:
-    """Every JSON number list that follows `key` in `raw`, parsed in C (None if one is not a plain number list)."""
-    lists = []
-    for match in key.finditer(raw):
-        end = raw.find(b"]", match.end())
-        if end < 0:
-            return None
-        text = raw[match.end() : end].replace(b"null", b"nan").replace(b"Infinity", b"inf")
-        if not text.strip():
-            lists.append(np.zeros(0, dtype=dtype))
-            continue
-        values = np.fromstring(text, dtype=dtype, sep=",")  # malformed text stops short: counted below
-        if len(values) != text.count(b",") + 1:
-            return None
-        lists.append(values)
-    return lists
-
-
-def _group_result_from_json(request: GroupRequest, raw: bytes, seconds: float) -> GroupResult:
-    """`_group_result` through `json` (an answer not laid out as vLLM's, or malformed: then the error says why)."""
-    choices = json.loads(raw)["choices"]
-    lengths = np.array([len(choice["token_ids"]) for choice in choices], dtype=np.int64)
-    token_ids = np.concatenate([np.asarray(choice["token_ids"], dtype=np.int32) for choice in choices] or [[]])
-    logprobs = np.concatenate([_sampled_logprobs(choice) for choice in choices] or [[]]).astype(np.float32)
-    if len(logprobs) != len(token_ids):
-        raise ValueError(f"{len(logprobs)} log-probs for {len(token_ids)} tokens")
-    routed = _routed_experts(choices)
-    return GroupResult.from_arrays(request.key, request.version, token_ids, logprobs, lengths, seconds, routed)
-
-
-def _sampled_logprobs(choice: dict[str, Any]) -> np.ndarray:
-    """The sampled tokens' log-probs of one OpenAI completion choice (`logprobs=0`); a missing one (None) is -inf."""
-    logprobs = choice.get("logprobs") or {}
-    values = logprobs.get("token_logprobs")
-    if values is None:
-        raise ValueError("the vLLM server returned no token log-probs (needs logprobs=0 support)")
-    array = np.array(values, dtype=np.float64)  # None -> nan, in C
-    array[np.isnan(array)] = -np.inf
-    return array
-
-
-def _routed_experts(choices: list[dict[str, Any]]) -> list[np.ndarray] | None:
-    """Each choice's routed experts, when the server returns them (`vllm serve --enable-return-routed-experts`):
-    base64 of a .npy array (tokens of prompt and completion but the last, decoder layers, top-k); else None."""
-    encoded = [choice.get("routed_experts") for choice in choices]
-    if any(value is None for value in encoded):
-        return None
-    return [np.load(io.BytesIO(base64.b64decode(value)), allow_pickle=False) for value in encoded]
+    else:
+        while data := await reader.read(1 << 16):
+            keep(data)
+    return int(parts[1]), b"".join(chunks)

@@ -1,0 +1,280 @@
+"""In-flight weight updates (`rollout_in_flight_weight_updates`): a version is loaded while requests run, the server
+pausing them with their KV cache kept, and every token carries the version that sampled it.
+
+A stand-in vLLM server streams tokens that encode the version loaded when each was generated (1000 x version +
+position), and honours `/pause?mode=keep`, `/collective_rpc` (the reload) and `/resume` as vLLM does: nothing is
+generated while paused. So the versions the engine assigns can be checked token by token, whatever the timing. The
+real server's test is in tests/test_vllm.py.
+"""
+
+import contextlib
+import http.client
+import http.server
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from dapo_trl.training.rollout_driver import RolloutDriver
+from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.server_answers import StreamedAnswer
+from dapo_trl.training.server_engine import VLLMServerEngine
+
+from .test_rollout_streaming import serve
+
+N, MAX_TOKENS = 3, 40
+
+
+def event(index: int, token: int, logprob: float) -> bytes:
+    choice = {"index": index, "text": "x", "logprobs": {"token_logprobs": [logprob]}, "token_ids": [token]}
+    return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
+
+
+class PausableServer(http.server.BaseHTTPRequestHandler):
+    """vLLM's streaming completions and dev-mode controls, one token per choice every 5 ms while not paused."""
+
+    protocol_version = "HTTP/1.1"
+    loaded = [0]
+    paused = threading.Event()
+    step = threading.Lock()  # held while a step's tokens are written: /pause returns between steps, as vLLM's does
+    calls: list = []
+
+    def do_GET(self):
+        body = {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {}
+        self._json(body)
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+        PausableServer.calls.append((self.path, self.loaded[0]))
+        if self.path.startswith("/pause"):
+            assert self.path == "/pause?mode=keep"
+            with self.step:
+                self.paused.set()
+            return self._json({"status": "paused"})
+        if self.path == "/resume":
+            self.paused.clear()
+            return self._json({"status": "resumed"})
+        if self.path == "/collective_rpc":
+            self.loaded[0] = int(body["kwargs"]["weights_path"].rsplit("/v", 1)[1])
+            return self._json({})
+        assert body["stream"] is True and body["n"] == N
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        with contextlib.suppress(OSError):  # a cancelled request's client is gone
+            self._stream(body["max_tokens"])
+
+    def _stream(self, max_tokens: int) -> None:
+        for position in range(max_tokens):
+            while self.paused.is_set():
+                time.sleep(0.001)
+            with self.step:
+                if self.paused.is_set():
+                    continue
+                for index in range(N):
+                    self._chunk(event(index, 1000 * self.loaded[0] + position, -0.1 * (self.loaded[0] + 1)))
+            time.sleep(0.005)
+        self._chunk(b"data: [DONE]\n\n")
+        self._chunk(b"")
+
+    def _chunk(self, data: bytes) -> None:
+        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+        self.wfile.flush()
+
+    def _json(self, payload):
+        data = json.dumps(payload).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def server_engine(tmp_path):
+    PausableServer.loaded[0], PausableServer.calls = 0, []
+    PausableServer.paused.clear()
+    for version in range(3):
+        (tmp_path / f"v{version}").mkdir()
+        (tmp_path / f"v{version}" / "model.safetensors").write_bytes(b"")
+    server = serve(PausableServer)
+
+    def reload(base_url, weights, timeout, reset_prefix_cache=True):
+        PausableServer.calls.append(("reload", reset_prefix_cache))
+        connection = http.client.HTTPConnection("127.0.0.1", server.server_port)
+        payload = json.dumps({"method": "reload_weights", "kwargs": {"weights_path": weights}})
+        connection.request("POST", "/collective_rpc", payload)
+        connection.getresponse().read()
+        connection.close()
+
+    engine = VLLMServerEngine(
+        f"http://127.0.0.1:{server.server_port}",
+        RequestSampling(n=N, max_tokens=MAX_TOKENS),
+        8,
+        10,
+        "/server/weights",
+        reload,
+        tmp_path,
+        in_flight_updates=True,
+    )
+    yield engine
+    engine.close()
+    server.shutdown()
+
+
+def assert_versions_are_the_samplers(result) -> None:
+    """Each token's version, as the engine assigned it, is the one the server generated it with."""
+    for completion, ids in enumerate(result.completion_ids):
+        assert result.token_versions(completion).tolist() == [token // 1000 for token in ids]
+        assert [token % 1000 for token in ids] == list(range(MAX_TOKENS))  # nothing restarted or lost
+
+
+def test_a_version_loaded_mid_response_tags_each_token_with_the_version_that_sampled_it(server_engine):
+    answers, finished = {}, threading.Event()
+
+    def done(request, result):
+        answers[request.key] = result
+        if len(answers) == 3:
+            finished.set()
+
+    early = [GroupRequest(("stream", n), [5, 6], n, version=0) for n in range(2)]
+    for request in early:
+        server_engine.start(request, done)
+    wait_for(lambda: server_engine._received > 2000 or answers)  # both are well into their responses
+    assert not answers, answers
+    server_engine.load_weights(1)
+    late = GroupRequest(("stream", 2), [5, 6], 2, version=1)
+    server_engine.start(late, done)
+    assert finished.wait(20)
+    for key in ("stream", 0), ("stream", 1):
+        result = answers[key]
+        assert not isinstance(result, BaseException), result
+        assert result.version == 0 and result.switches is not None  # a switch inside every completion
+        assert_versions_are_the_samplers(result)
+        assert set(result.token_logprobs.tolist()) == {np.float32(-0.1), np.float32(-0.2)}
+    assert answers["stream", 2].version == 1 and answers["stream", 2].switches is None
+    assert_versions_are_the_samplers(answers["stream", 2])
+    paths = [path for path, _ in PausableServer.calls]
+    assert paths[paths.index("/pause?mode=keep") :][:3] == ["/pause?mode=keep", "reload", "/collective_rpc"]
+    assert ("reload", False) in PausableServer.calls  # no prefix-cache reset under kept requests (vLLM refuses it)
+    assert "/resume" in paths
+
+
+def test_with_nothing_running_a_version_loads_as_before(server_engine, monkeypatch):
+    monkeypatch.setattr(server_engine, "server_requests", lambda: 0)
+    server_engine.load_weights(2)
+    assert [path for path, _ in PausableServer.calls] == ["reload", "/collective_rpc"]  # no pause
+    assert ("reload", True) in PausableServer.calls
+
+
+# ------------------------------------------------------------------------------------------ parsing the stream
+def test_a_fence_inside_an_event_gives_the_whole_event_to_the_old_version():
+    answer = StreamedAnswer(2, version=0)
+    first, second, third = event(0, 7, -0.5), event(1, 8, -0.25), event(0, 9, -1.0)
+    answer.feed(first + second[:10])
+    answer.fence(1)
+    answer.feed(second[10:] + third + b"data: [DONE]\n\n")
+    result = answer.result(("stream", 0), 0.0)
+    assert result.completion_ids == [[7, 9], [8]] and answer.done
+    assert result.token_versions(0).tolist() == [0, 1] and result.token_versions(1).tolist() == [0]
+
+
+def test_a_completion_that_begins_after_the_switch_is_the_new_versions_from_its_first_token():
+    answer = StreamedAnswer(2, version=4)
+    answer.feed(event(0, 7, -0.5))
+    answer.fence(5)
+    answer.feed(event(1, 8, -0.25) + event(0, 9, -1.0))
+    result = answer.result(("stream", 0), 0.0)
+    assert result.version == 4
+    assert result.token_versions(0).tolist() == [4, 5] and result.token_versions(1).tolist() == [5]
+    assert result.switches.tolist() == [[0, 1, 5], [1, 0, 5]]
+
+
+def test_events_not_laid_out_as_vllms_are_read_with_json_and_an_error_event_fails():
+    answer = StreamedAnswer(1, version=0)
+    tokens = {"choices": [{"token_ids": [3, 4], "index": 0, "logprobs": {"token_logprobs": [None, -1]}}]}
+    finish_only = {"choices": [{"index": 0, "token_ids": None, "logprobs": None, "finish_reason": "length"}]}
+    answer.feed(b"".join(b"data: " + json.dumps(part).encode() + b"\n\n" for part in (tokens, finish_only)))
+    result = answer.result(("stream", 0), 0.0)
+    assert result.completion_ids == [[3, 4]] and result.logprobs == [[-np.inf, -1.0]]
+    failing = StreamedAnswer(1, version=0)
+    with pytest.raises(RuntimeError, match="reported an error mid-answer"):
+        failing.feed(b'data: {"error": {"message": "out of memory"}}\n\n')
+        failing.result(("stream", 0), 0.0)
+
+
+# ---------------------------------------------------------------------------------------------------- the driver
+class HeldEngine:
+    """A `GroupEngine` with in-flight updates whose groups run until released; records what ran under which version."""
+
+    updates_in_flight = True
+
+    def __init__(self):
+        self.loaded: int | None = None
+        self.events: list = []
+        self.running: dict = {}
+        self.lock = threading.Lock()
+
+    def start(self, request, done):
+        with self.lock:
+            self.events.append(("start", request.key, request.version, self.loaded))
+            self.running[request.key] = (request, done)
+
+    def cancel(self, request):
+        with self.lock:
+            self.running.pop(request.key, None)
+
+    def load_weights(self, version):
+        with self.lock:
+            self.events.append(("load", version, sorted(self.running)))
+            self.loaded = version
+
+    def finish(self, key):
+        from dapo_trl.training.rollout_engine import GroupResult
+
+        with self.lock:
+            request, done = self.running.pop(key)
+        done(request, GroupResult(key, request.version, [[1, 2]] * 2, [[-0.1, -0.2]] * 2))
+
+    def close(self):
+        pass
+
+
+def wait_for(condition, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_driver_loads_a_published_version_while_the_old_ones_requests_run():
+    engine = HeldEngine()
+    driver = RolloutDriver(engine, max_in_flight=8)
+    old = [GroupRequest(("stream", n), [5], n, version=0) for n in range(3)]
+    driver.plan(old)
+    driver.publish(0)
+    wait_for(lambda: len(engine.running) == 3)
+    driver.plan([GroupRequest(("stream", n), [5], n, version=1) for n in range(3, 5)])
+    driver.publish(1)
+    wait_for(lambda: len(engine.running) == 5)
+    load = [event for event in engine.events if event[0] == "load"]
+    assert load == [("load", 0, []), ("load", 1, [("stream", 0), ("stream", 1), ("stream", 2)])]
+    assert [event[2:] for event in engine.events if event[0] == "start"][-2:] == [(1, 1), (1, 1)]
+    # A group planned for version 0 and admitted after version 1 loaded starts under version 1 (fresher rows).
+    driver.plan([GroupRequest(("stream", 9), [5], 9, version=0)])
+    wait_for(lambda: ("stream", 9) in engine.running)
+    assert engine.running["stream", 9][0].version == 1
+    for key in list(engine.running):
+        engine.finish(key)
+    keys = [("stream", n) for n in (0, 1, 2, 3, 4, 9)]
+    assert driver.ready_prefix(keys, 6, timeout=5) == 6
+    assert [result.version for result in driver.take(keys)] == [0, 0, 0, 1, 1, 1]
+    stats = driver.take_metrics()
+    assert stats.loads_in_flight == 1
+    driver.close()
