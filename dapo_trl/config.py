@@ -371,6 +371,16 @@ class DAPOConfig(GRPOConfig):
             "(docs/rollout.md)."
         },
     )
+    rollout_in_flight_kv_cache: str = field(
+        default="recompute",
+        metadata={
+            "help": "With rollout_in_flight_weight_updates: what the paused requests continue from. 'recompute' "
+            "(vLLM's default): their KV cache is dropped and recomputed by the new weights when they resume, so "
+            "every later token is exactly the new version's, at the cost of one prefill of each running context. "
+            "'keep': the KV cache the old weights wrote is reused (no prefill); later tokens then carry a small "
+            "mismatch that the importance weight absorbs (measured in docs/rollout.md)."
+        },
+    )
     rollout_max_in_flight_groups: int | None = field(
         default=None,
         metadata={

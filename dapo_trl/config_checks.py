@@ -214,6 +214,10 @@ def check_rollout(config: DAPOConfig) -> None:
             "rollout_streaming scores each round in parts as they finish, and the adaptive KL controller would "
             "update once per part: use kl_in_reward_controller='fixed' with streaming."
         )
+    if config.rollout_in_flight_kv_cache not in ("recompute", "keep"):
+        raise ValueError(
+            f"rollout_in_flight_kv_cache={config.rollout_in_flight_kv_cache!r} must be 'recompute' or 'keep'."
+        )
     if config.rollout_in_flight_weight_updates and config.rollout_max_staleness < 1:
         raise ValueError(
             "rollout_in_flight_weight_updates=true loads a version while the previous one's requests run, which only "

@@ -117,7 +117,14 @@ GROUPS: tuple[Group, ...] = (
     Group(
         "Streaming rollout and staleness",
         "Dynamic sampling group by group on vLLM, and generation overlapped with training: [rollout.md](rollout.md).",
-        ("rollout_streaming", "rollout_max_staleness", "rollout_max_in_flight_groups", "rollout_lookahead_rounds"),
+        (
+            "rollout_streaming",
+            "rollout_max_staleness",
+            "rollout_in_flight_weight_updates",
+            "rollout_in_flight_kv_cache",
+            "rollout_max_in_flight_groups",
+            "rollout_lookahead_rounds",
+        ),
     ),
     Group(
         "Batching and long context",

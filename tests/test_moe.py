@@ -28,7 +28,7 @@ from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks, encode_routi
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.packing import pack_rows, padding_free_per_token
 from dapo_trl.training.rollout_engine import GroupResult
-from dapo_trl.training.server_engine import _routed_experts
+from dapo_trl.training.server_answers import _routed_experts
 
 from .helpers import tiny_config
 

@@ -861,7 +861,7 @@ def test_an_answer_is_read_into_the_arrays_json_gives():
 
     import numpy as np
 
-    from dapo_trl.training.server_engine import _group_result, _group_result_from_json
+    from dapo_trl.training.server_answers import group_result, group_result_from_json
 
     buffer = io.BytesIO()
     np.save(buffer, np.arange(6, dtype=np.int32).reshape(3, 1, 2))
@@ -873,11 +873,11 @@ def test_an_answer_is_read_into_the_arrays_json_gives():
     ]  # fmt: skip
     request = GroupRequest(("stream", 1), [1, 2], 3, 0)
     for raw in (json.dumps({"choices": choices}).encode(), json.dumps({"choices": choices}, indent=1).encode()):
-        fast, slow = _group_result(request, raw, 0.0), _group_result_from_json(request, raw, 0.0)
+        fast, slow = group_result(request, raw, 0.0), group_result_from_json(request, raw, 0.0)
         assert fast.completion_ids == slow.completion_ids == [[5, 6, 7], [8]]
         assert fast.logprobs == slow.logprobs and fast.logprobs[0][1] == float("-inf")
         assert [r.tolist() for r in fast.routed_experts] == [r.tolist() for r in slow.routed_experts]
     plain = [{"token_ids": [4], "logprobs": {"token_logprobs": [-1.0]}}]
     renamed = json.dumps({"choices": plain}).replace('"token_ids"', '"ids"').encode()
     with pytest.raises(KeyError):  # not vLLM's layout: json reads it, and says what is missing
-        _group_result(request, renamed, 0.0)
+        group_result(request, renamed, 0.0)

@@ -252,18 +252,48 @@ def test_streaming_rollout_against_a_real_server(vllm_venv, model_dir, shared_se
     assert gap <= 1e-5  # the engine's sampling log-probs, which feed the importance weight, repeat to float32 noise
 
 
+def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
+    vllm_venv, model_dir, shared_server, tmp_path
+):
+    """In-flight weight updates on the real server (tests/scripts/vllm_in_flight.py): a version loaded while groups
+    run switches inside every response, nothing restarts, and each token's assigned version is the one that sampled
+    it: before the switch the engine's log-probs are version 0's to float32 noise; after it, with the KV cache
+    recomputed (vLLM's default) version 1's to float32 noise, and with the old KV cache kept, nearer version 1's
+    than version 0's (the gap the importance weight absorbs, printed and recorded in docs/rollout.md)."""
+    script = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_in_flight.py"), str(tmp_path), model_dir, shared_server]
+    print(run_command(script, timeout=300).stdout[-3000:])
+    report = json.loads((tmp_path / "in_flight.json").read_text())
+    for mode in ("recompute", "keep"):
+        tokens = report[mode]["tokens"]
+        assert report[mode]["switched_completions"] == 8, report  # 2 groups x 4: each switched inside
+        assert tokens["sampled_by_v0"]["count"] and tokens["sampled_by_v1"]["count"], report
+        assert tokens["sampled_by_v0"]["gap_to_v0_max"] <= 1e-4 < tokens["sampled_by_v0"]["gap_to_v1_max"], report
+    after = report["recompute"]["tokens"]["sampled_by_v1"]
+    assert after["gap_to_v1_max"] <= 1e-4 < after["gap_to_v0_max"], report
+    kept = report["keep"]["tokens"]["sampled_by_v1"]
+    assert kept["gap_to_v1_mean"] < kept["gap_to_v0_mean"], report
+
+
 def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollout(
     vllm_venv, model_dir, shared_server, tmp_path
 ):
     """verl's DAPO recipe (train_prompt_bsz 512, mini-batch 32: 16 updates per rollout), translated by
     `python -m dapo_trl.from_verl`, plus the flags that overlap generation with training (streaming, k = 1, its
     importance weight, shared-storage versions), runs through train_dapo.py against the real server, shrunk to the
-    tiny model: two generation batches of 16 optimizer updates each, the second sampled by the first's version."""
+    tiny model: two generation batches of 16 optimizer updates each, the second sampled by the first's version, with
+    in-flight weight updates (answers streamed, versions loaded under running requests)."""
     recipe = tmp_path / "recipe"
     translate = [f"{vllm_venv}/bin/python", "-m", "dapo_trl.from_verl", str(REPO / "tests/data/verl/dapo_recipe.sh")]
     run_command([*translate, "--output", str(recipe), "--ignore-environment", "--env=HOME=/home/user"])
     assert "steps_per_generation: 16" in (recipe / "recipe.yaml").read_text()
-    overlap = ["--rollout_streaming", "true", "--rollout_max_staleness", "1"]
+    overlap = [
+        "--rollout_streaming",
+        "true",
+        "--rollout_max_staleness",
+        "1",
+        "--rollout_in_flight_weight_updates",
+        "true",
+    ]
     overlap += ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", "token_truncate"]
     overlap += ["--vllm_weight_sync", "shared_storage", "--vllm_server_base_url", shared_server]
     reward = tmp_path / "parity.py"  # the random tiny model never answers: a reward with spread

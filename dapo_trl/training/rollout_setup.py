@@ -188,6 +188,7 @@ def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
         reload_server_weights,
         local_root,
         in_flight_updates=args.rollout_in_flight_weight_updates,
+        keep_kv_cache=args.rollout_in_flight_kv_cache == "keep",
     )
 
 

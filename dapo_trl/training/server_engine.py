@@ -42,10 +42,11 @@ class VLLMServerEngine:
     previous weights must not be reused).
 
     In-flight weight updates (`in_flight_updates`): answers are streamed (`server_answers.StreamedAnswer`), and a
-    version loaded while requests run pauses the server with them kept (`/pause?mode=keep`: their KV cache stays),
-    reloads, marks in every running answer where the new version takes over, and resumes them (`/resume`): no
-    request restarts and no slot waits for the others to drain. The KV cache they continue from was written by the
-    old weights; the engine's per-token log-probs, which the importance weight divides by, are the new weights' over it.
+    version loaded while requests run pauses the server with them kept (`/pause?mode=keep`), reloads, marks in every
+    running answer where the new version takes over, and resumes them (`/resume`): no request restarts and no slot
+    waits for the others to drain. vLLM 0.31 drops the kept requests' KV cache at the pause (and recomputes it with
+    the new weights when they resume) unless `keep_kv_cache` (`clear_cache=false`): then they continue from the KV
+    cache the old weights wrote, and the importance weight absorbs the mismatch.
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
@@ -64,6 +65,7 @@ class VLLMServerEngine:
         reload: Callable[[str, str, float], None] | None = None,
         weights_local_root: str | Path | None = None,
         in_flight_updates: bool = False,
+        keep_kv_cache: bool = False,
     ):
         self.base_url = base_url.strip().rstrip("/")
         self._host, self._port, self._path, self._ssl = _server_address(self.base_url)
@@ -85,6 +87,7 @@ class VLLMServerEngine:
         self._reading = asyncio.Semaphore(READ_AT_ONCE)
         self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
         self.updates_in_flight = in_flight_updates  # the driver may load a version while requests run
+        self.keep_kv_cache = keep_kv_cache  # paused requests continue from the old weights' KV cache
         self._answers: dict[int, StreamedAnswer] = {}  # id(request) -> its streamed answer (in-flight updates)
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
@@ -181,10 +184,10 @@ class VLLMServerEngine:
     def _load_in_flight(self, version: int) -> None:
         """Pause the server with our requests kept, reload, mark the switch in every answer, resume."""
         self.progress.progressed()  # the counters stand still while it is paused: that is no stall
-        self._post_control("/pause?mode=keep")
+        self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
         try:
-            # vLLM refuses a prefix-cache reset while kept requests hold blocks: cached prompt prefixes written by the
-            # old weights may be reused, as the kept requests' own KV cache is (docs/rollout.md measures the gap).
+            # The pause cleared the prefix cache, or kept it with the running requests' KV cache (vLLM refuses a reset
+            # while they hold blocks): either way, no reset now.
             self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout, False)
             asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         except BaseException:

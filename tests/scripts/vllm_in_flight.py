@@ -1,0 +1,113 @@
+"""In-flight weight updates against a real vLLM server: versions switch inside responses, checked token by token.
+
+Usage: python vllm_in_flight.py OUT MODEL_DIR BASE_URL
+The server runs MODEL_DIR in float32 and dev mode (as tests/test_vllm.py starts it). Two weights versions are written
+to shared storage: 0, the model's own, and 1, every parameter moved by 2% noise. For each KV-cache mode
+(`rollout_in_flight_kv_cache`: recompute, keep), groups of 4 responses of 96 tokens (EOS ignored) start under version
+0; once they are well under way the engine loads version 1 with them running (`VLLMServerEngine(in_flight_updates=
+True)`: pause with requests kept, reload, resume). Every generated token is then re-scored by the trainer's model
+under both versions (teacher forcing, the whole context), and OUT/in_flight.json gets, per mode and per version the
+engine assigned, the largest and mean gap between the engine's sampling log-prob and each re-score. Tokens before the
+switch were sampled by version 0: their gap to version 0 is float32 noise. Tokens after it: with `recompute` the
+server recomputed the KV cache with version 1, so their gap to version 1 is float32 noise too; with `keep` they were
+sampled over the KV cache version 0 wrote for the earlier tokens, and their gap to a full version-1 re-score is what
+the importance weight absorbs.
+"""
+
+import json
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.server_engine import VLLMServerEngine
+from dapo_trl.training.vllm_backends import reload_server_weights, save_weights
+
+GROUPS, N, TOKENS, PROMPT = 2, 4, 96, [5, 6, 7, 8, 9]
+MODES = ("recompute", "keep")
+
+
+def token_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def switch_inside_responses(root: Path, base_url: str, model, moved, keep_kv_cache: bool) -> dict:
+    """Start groups under version 0, load version 1 while they run, and measure each token against both versions."""
+    sampling = RequestSampling(n=N, max_tokens=TOKENS, extra={"ignore_eos": True})
+    engine = VLLMServerEngine(
+        base_url, sampling, GROUPS, 120, root, reload_server_weights, root, True, keep_kv_cache=keep_kv_cache
+    )
+    engine.load_weights(0)  # nothing runs: the usual reload
+    results, finished = {}, threading.Event()
+
+    def done(request, result):
+        results[request.key] = result
+        if len(results) == GROUPS:
+            finished.set()
+
+    for group in range(GROUPS):
+        engine.start(GroupRequest(("stream", group), PROMPT, 100 + group, version=0), done)
+    deadline = time.monotonic() + 120
+    while engine._received < GROUPS * N * 40 * 200 and not results:  # ~40 tokens into every response
+        assert time.monotonic() < deadline, "the server generated nothing"
+        time.sleep(0.01)
+    assert not results, f"the groups ended before the switch: {results}"
+    started = time.monotonic()
+    engine.load_weights(1)
+    pause_seconds = time.monotonic() - started
+    assert finished.wait(300), "the groups did not finish after the switch"
+    engine.close()
+    report = {"pause_reload_resume_seconds": pause_seconds, "switched_completions": 0, "tokens": {}}
+    gaps = {0: {0: [], 1: []}, 1: {0: [], 1: []}}  # assigned version -> re-scored under version -> gaps
+    for result in results.values():
+        if isinstance(result, BaseException):
+            raise result
+        for completion, ids in enumerate(result.completion_ids):
+            versions = result.token_versions(completion)
+            report["switched_completions"] += int(len(set(versions.tolist())) > 1)
+            engine_logprobs = torch.tensor(result.logprobs[completion])
+            for version, weights in ((0, model), (1, moved)):
+                gap = (engine_logprobs - token_logprobs(weights, PROMPT, ids)).abs()
+                for assigned in (0, 1):
+                    gaps[assigned][version].extend(gap[torch.from_numpy(versions == assigned)].tolist())
+    for assigned, by_version in gaps.items():
+        report["tokens"][f"sampled_by_v{assigned}"] = {
+            "count": len(by_version[0]),
+            **{
+                f"gap_to_v{version}_{stat}": (max(values) if stat == "max" else sum(values) / len(values))
+                if values
+                else None
+                for version, values in by_version.items()
+                for stat in ("max", "mean")
+            },
+        }
+    return report
+
+
+def main(out: Path, model_dir: str, base_url: str) -> None:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    moved = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        for parameter in moved.parameters():
+            parameter.add_(0.02 * parameter.abs().mean() * torch.randn_like(parameter))
+    root = Path(tempfile.mkdtemp(prefix="in-flight-"))
+    save_weights(model.named_parameters(), root / "v0")
+    save_weights(moved.named_parameters(), root / "v1")
+    report = {mode: switch_inside_responses(root, base_url, model, moved, mode == "keep") for mode in MODES}
+    (out / "in_flight.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    output = Path(sys.argv[1])
+    output.mkdir(parents=True, exist_ok=True)
+    main(output, sys.argv[2], sys.argv[3])
