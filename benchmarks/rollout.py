@@ -20,6 +20,8 @@ Arms:
 - `stream k=0`: `rollout_streaming=true`: groups admitted as slots free (the next round before the current one
   drains), scored in prompt order as they finish; the same batches as rounds.
 - `stream k=1`, `stream k=2`: `rollout_max_staleness` k: the next batches are generated while the trainer trains.
+- `stream k=1 in-flight`: k=1 with `rollout_in_flight_weight_updates`: a new version loads while requests run (the
+  server paused with them kept, their KV cache recomputed on resume), instead of after the old version's drain.
 - `colocate rounds`, `colocate stream k=0` (only when asked for with `--arms`): vLLM colocated in the trainer's
   process, which runs on both cores (no server), as rounds and streamed.
 
@@ -29,7 +31,7 @@ share waiting for generation, generated tokens per step and the tokens generated
 dropped groups, cancelled or discarded groups admitted ahead). For the rounds arm, T_gen / T_train (generation and
 scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max(T_gen, T_train).
 
-    python benchmarks/rollout.py            # 4 arms x 3 runs of 1 + 6 steps, L = 256: about 25 minutes on 2 cores
+    python benchmarks/rollout.py            # 5 arms x 3 runs of 1 + 6 steps, L = 256: about 30 minutes on 2 cores
     python benchmarks/rollout.py --quick    # 1 run of 1 + 4 steps, L = 192: about 6 minutes
     python benchmarks/rollout.py --quick --arms "colocate rounds" "colocate stream k=0"
     python benchmarks/rollout.py --smoke --server URL --model-path DIR   # every server arm runs: a check, no figure
@@ -37,6 +39,7 @@ scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max
 `--server URL` uses a running `vllm serve` server (started with tests/test_vllm.py's flags, serving `--model-path`)
 instead of starting one; the trainers reload weights into it. `--smoke` is the suite's check (tests/test_vllm.py):
 1 run of 1 + 1 steps, the built-in tiny model, responses up to 32 tokens, 2 groups of 4, rounds and streaming k=1
+with in-flight weight updates
 (streaming k=0 runs in tests/test_vllm.py's own tests): a few minutes of CPU, figures meaningless.
 
 The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
@@ -74,10 +77,15 @@ ARMS = {
     "stream k=0": {"rollout_streaming": True},
     "stream k=1": {"rollout_streaming": True, "rollout_max_staleness": 1},
     "stream k=2": {"rollout_streaming": True, "rollout_max_staleness": 2},
+    "stream k=1 in-flight": {
+        "rollout_streaming": True,
+        "rollout_max_staleness": 1,
+        "rollout_in_flight_weight_updates": True,
+    },
     "colocate rounds": {"vllm_mode": "colocate"},
     "colocate stream k=0": {"vllm_mode": "colocate", "rollout_streaming": True},
 }
-SERVER_ARMS = ["rounds", "stream k=0", "stream k=1", "stream k=2"]
+SERVER_ARMS = ["rounds", "stream k=0", "stream k=1", "stream k=2", "stream k=1 in-flight"]
 
 
 def colocated(arm: str) -> bool:
@@ -127,7 +135,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.steps, args.warmup, args.runs, args.model = 1, 1, 1, "tiny"
         args.max_tokens, args.groups, args.generations = 32, 2, 4
         if args.arms == SERVER_ARMS:
-            args.arms = ["rounds", "stream k=1"]
+            args.arms = ["rounds", "stream k=1 in-flight"]
     if args.server and args.model_path is None:
         parser.error("--server needs --model-path: the model directory the server serves (the trainers train it)")
     if args.steps is None:
@@ -194,7 +202,10 @@ def run_worker(args: argparse.Namespace) -> None:
             if colocated(args.worker):
                 return ExactLengthColocateEngine(trl_seam.vllm_backend(self).llm, sampling, 600.0)
             local, server = rollout_weights_dirs(self.args)
-            return ExactLengthEngine(args.server, sampling, max_in_flight, 600.0, server, reload_server_weights, local)
+            in_flight = {"in_flight_updates": self.args.rollout_in_flight_weight_updates}
+            return ExactLengthEngine(
+                args.server, sampling, max_in_flight, 600.0, server, reload_server_weights, local, **in_flight
+            )
 
         def _generate_and_score_completions(self, inputs):
             start = time.perf_counter()
@@ -514,6 +525,13 @@ def main(argv: list[str] | None = None) -> int:
         busy = 100 * (k1["busy"] or 0.0)
         print(
             f"rollout: streaming k=1 runs {ratio:.2f}x the steps/hour of rounds (k=0: {ratio0:.2f}x), "
+            f"engine busy {busy:.0f}%"
+        )
+    if {"stream k=1", "stream k=1 in-flight"} <= set(summary):
+        ratio = summary["stream k=1 in-flight"]["steps_per_hour"] / summary["stream k=1"]["steps_per_hour"]
+        busy = 100 * (summary["stream k=1 in-flight"]["busy"] or 0.0)
+        print(
+            f"in-flight: k=1 with in-flight weight updates runs {ratio:.2f}x the steps/hour of k=1, "
             f"engine busy {busy:.0f}%"
         )
     if {"colocate rounds", "colocate stream k=0"} <= set(summary):

@@ -181,8 +181,9 @@ SCORE_PASS_S = 3.0  # fixed cost of one scoring pass (ZeRO-3 parameter gather, r
 UPDATE_S = 1.0  # fixed cost of one optimizer update (gradient reduce-scatter, AdamW, unhidden gathers, Trainer)
 WEIGHT_SYNC_S = 10.0  # trainer side of a weight sync (NCCL at k=0 and rounds; a shared-storage write at k=1)
 
-ARMS = ("rounds", "stream k=0", "stream k=1")
-LAG = {"rounds": 0, "stream k=0": 0, "stream k=1": 1}
+ARMS = ("rounds", "stream k=0", "stream k=1", "stream k=1 in-flight", "stream k=1 in-flight keep")
+LAG = {"rounds": 0, "stream k=0": 0, "stream k=1": 1, "stream k=1 in-flight": 1, "stream k=1 in-flight keep": 1}
+IN_FLIGHT = {"stream k=1 in-flight": "recompute", "stream k=1 in-flight keep": "keep"}  # rollout_in_flight_kv_cache
 WAITING, RUNNING, FINISHED, DROPPED = 0, 1, 2, 3
 
 
@@ -234,7 +235,7 @@ class SimResult(GroupResult):
     __slots__ = ("correct",)
 
     def __init__(self, key: tuple, version: int, lengths: np.ndarray, correct: np.ndarray):  # no token arrays
-        self.key, self.version, self.seconds, self.routed_experts = key, version, 0.0, None
+        self.key, self.version, self.seconds, self.routed_experts, self.switches = key, version, 0.0, None, None
         self.lengths, self.correct = lengths, correct
         self.token_ids = np.zeros(0, dtype=np.int32)
         self.token_logprobs = np.zeros(0, dtype=np.float32)
@@ -307,7 +308,7 @@ class Replica:
         self.waiting: deque[Sequence] = deque()
         self.unfinished = 0  # waiting + running sequences (the load balancer's measure)
         self.busy_s = self.kv_token_s = self.generated = 0.0
-        self.preemptions = 0
+        self.preemptions = self.recomputed = 0
         self._tie = 0
         self._next_at: float | None = None  # next_event's answer until the replica changes
 
@@ -409,6 +410,17 @@ class Replica:
                 self.waiting.appendleft(sequence)
                 self.preemptions += 1
 
+    def recompute_running(self) -> None:
+        """vLLM's `/pause?mode=keep` with its cache cleared: every running sequence goes back to the head of the queue
+        in start order, keeping what it generated; on resume its prompt and those tokens are prefilled again."""
+        running = [sequence for sequence in self.started if sequence.state == RUNNING]
+        for sequence in running:
+            self._stop(sequence, WAITING)
+        self.started = []
+        self.waiting.extendleft(reversed(running))
+        self.recomputed += len(running)
+        self.schedule()
+
     def schedule(self) -> None:
         """Start waiting sequences first-come first-served while a slot is free and their context fits."""
         while self.waiting and self.running < MAX_NUM_SEQS:
@@ -455,8 +467,10 @@ class Replica:
 class SimEngine:
     """`GroupEngine` on the virtual clock: `--engine-gpus` replicas behind one server. Advances only when told."""
 
-    def __init__(self, workload: Workload, replicas: int):
+    def __init__(self, workload: Workload, replicas: int, in_flight_kv: str | None = None):
         self.workload = workload
+        # In-flight weight updates: a version loads while groups run (the driver asks this engine whether it may).
+        self.updates_in_flight, self.in_flight_kv = in_flight_kv is not None, in_flight_kv
         self.replicas = [Replica() for _ in range(replicas)]
         self.now = 0.0
         self.version: int | None = None
@@ -489,6 +503,8 @@ class SimEngine:
         for replica in self.replicas:
             replica.sync(self.now)
             replica.load_debt += WEIGHT_LOAD_S
+            if self.in_flight_kv == "recompute":  # vLLM's pause clears the cache: running contexts are prefilled again
+                replica.recompute_running()
             replica._next_at = None
         self.version = version
         self.loads.append(version)
@@ -651,7 +667,7 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
     )
     dataset = [{"prompt": index} for index in range(DATASET_PROMPTS)]
     sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
-    engine = SimEngine(workload, args.engine_gpus)
+    engine = SimEngine(workload, args.engine_gpus, IN_FLIGHT.get(arm))
     trainer = TrainerModel(args.trainer_gpus)
     round_groups = PROMPTS_PER_STEP * config.filter_groups_oversample
     in_flight = config.rollout_max_in_flight_groups or round_groups  # as DAPOTrainer builds the driver
@@ -853,6 +869,13 @@ def main(argv: list[str] | None = None) -> int:
         f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%; "
         f"a step = one rollout = {args.updates} optimizer update{'s' if args.updates > 1 else ''}"
     )
+    for arm in IN_FLIGHT:
+        row = results[arm]
+        print(
+            f"in-flight ({IN_FLIGHT[arm]} KV): streaming k=1 with in-flight weight updates runs "
+            f"{row['steps_per_hour'] / base:.2f}x the steps/hour of rounds "
+            f"({row['steps_per_hour'] / k1['steps_per_hour']:.2f}x k=1 without), engine busy {100 * row['busy']:.0f}%"
+        )
     return 0 if same else 1
 
 

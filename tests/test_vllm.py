@@ -324,7 +324,7 @@ def test_the_vllm_benchmarks_quick_forms_run_against_the_server(vllm_venv, model
     rollout = [f"{vllm_venv}/bin/python", "benchmarks/rollout.py", "--smoke", "--server", shared_server]
     rollout += ["--model-path", model_dir, "--vllm-venv", vllm_venv, "--work", str(tmp_path / "rollout")]
     result = run_command(rollout, timeout=600)
-    assert "| rounds |" in result.stdout and "| stream k=1 |" in result.stdout, result.stdout[-3000:]
+    assert "| rounds |" in result.stdout and "| stream k=1 in-flight |" in result.stdout, result.stdout[-3000:]
 
 
 @pytest.mark.parametrize("streaming", [True], ids=["streaming"])  # rounds: tests/test_server_progress.py's stand-in
