@@ -251,16 +251,16 @@ class RolloutDriver:
             if recover:
                 self._wait_for_engine()
             with self._cond:
-                request = None
-                while not self._closed and request is None and not self._recovering:
+                request = load = None
+                while not self._closed and request is None and load is None and not self._recovering:
                     request, load = self._next_admission()
-                    if request is None:
+                    if request is None and load is None:
                         self._cond.wait(0.5)
                 if self._recovering and not self._closed:
                     continue
                 if self._closed:
                     return
-                if load:
+                if load is not None:
                     self.stats.loads_in_flight += bool(self._in_flight)
                     self._loaded, self._loading, self._external = None, True, None
                 else:
@@ -271,8 +271,8 @@ class RolloutDriver:
                     self._sent_after[request.key] = self.recoveries
                     self._starting, self._cancel_after_start = request, False
                     self._update_busy()
-            if load:
-                self._load(request.version)
+            if load is not None:
+                self._load(load)
             else:
                 self._start(request)
             if self._error is not None:
@@ -405,22 +405,29 @@ class RolloutDriver:
             self._error, self._loading, self._starting = exc, False, None
             self._cond.notify_all()
 
-    def _next_admission(self) -> tuple[GroupRequest | None, bool]:
-        """(request, whether its weights must be loaded first), or (None, _) when nothing can start now."""
-        if self._error is not None or not self._planned:
-            return None, False
+    def _next_admission(self) -> tuple[GroupRequest | None, int | None]:
+        """(request, None) to start it now, (None, version) to load that version first, or (None, None) when nothing
+        can start now."""
+        if self._error is not None:
+            return None, None
+        # In-flight weight updates: the newest published version loads at once, whatever runs (the engine pauses
+        # it), and a request planned for an older version starts under the loaded one: its rows are then fresher
+        # than the bound asks, never staler.
+        in_flight = getattr(self.engine, "updates_in_flight", False)
+        if in_flight and self._published > (-1 if self._loaded is None else self._loaded):
+            return None, self._published
+        if not self._planned:
+            return None, None
         request = self._planned[0]
-        # In-flight weight updates: a request planned for an older version starts under the loaded one (its rows
-        # are then fresher than the bound), and a newer version loads while requests run (the engine pauses them).
-        in_flight = self._loaded is not None and getattr(self.engine, "updates_in_flight", False)
-        if self._loaded == request.version or (in_flight and self._loaded > request.version):
+        fresher = in_flight and self._loaded is not None and self._loaded > request.version
+        if self._loaded == request.version or fresher:
             held = self.max_held_bytes is not None and self._held_bytes >= self.max_held_bytes
             if held and request.key not in self._wanted:
-                return None, False  # finished groups wait to be taken: look ahead no further (memory)
-            return (request, False) if len(self._in_flight) < self.max_in_flight else (None, False)
-        if (self._in_flight and not in_flight) or request.version > self._published:
-            return None, False  # a new version waits for the old one's requests to end, and to be published
-        return request, True
+                return None, None  # finished groups wait to be taken: look ahead no further (memory)
+            return (request, None) if len(self._in_flight) < self.max_in_flight else (None, None)
+        if self._in_flight or request.version > self._published:
+            return None, None  # a new version waits for the old one's requests to end, and to be published
+        return None, request.version
 
     def _on_done(self, request: GroupRequest, result: GroupResult | BaseException) -> None:
         with self._cond:

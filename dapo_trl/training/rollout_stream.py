@@ -135,8 +135,8 @@ class StreamingRollout:
         self.generation += 1
         if self.driver is not None:
             version = self.version
-            self.driver.withdraw(
-                keep=lambda item: item.version == version and item.key[0] == "stream" and item.key not in consumed
+            self.driver.withdraw(  # (with in-flight weight updates a group may have started under a newer version)
+                keep=lambda item: item.version >= version and item.key[0] == "stream" and item.key not in consumed
             )
             if self.staleness > 0:  # generate the next batch while this one trains
                 ahead, cap = self._horizon(len(inputs) * self.process.count, 0), args.max_filter_gen_batches
