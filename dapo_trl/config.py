@@ -5,16 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-from transformers.utils import is_torch_bf16_gpu_available
 from trl import GRPOConfig
 
 from .algorithm import POLICY_LOSSES, Aggregation
 from .config_checks import check_all
-from .utils.transformers_compat import activation_checkpointing_field
+from .config_derived import derive_dapo_fields, derive_platform_defaults
 
-# Share of max_completion_length used as the overlong buffer when none is given: 4096 / 20480 in the paper.
-DEFAULT_OVERLONG_BUFFER_SHARE = 0.2
 DEFAULT_LOSS_TYPE = "dapo"
 
 
@@ -33,14 +29,6 @@ def loss_type_help() -> str:
         "register_policy_loss is accepted too. What each averages its per-token terms over (K = micro-batches per "
         f"optimizer step): {averages}. Formulas and traits: docs/losses.md."
     )
-
-
-def _accelerator_available() -> bool:
-    """Whether torch sees a GPU-like device (CUDA, ROCm, XPU, MPS, NPU, ...)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None:
-        return accelerator.is_available()
-    return torch.cuda.is_available()
 
 
 @dataclass
@@ -440,9 +428,9 @@ class DAPOConfig(GRPOConfig):
         return args
 
     def __post_init__(self):
-        self._derive_platform_defaults()
+        derive_platform_defaults(self)
         super().__post_init__()
-        self._derive_dapo_fields()
+        derive_dapo_fields(self)
         check_all(self)
 
     def accuracy_reward_index(self, reward_func_names: list[str]) -> int:
@@ -457,43 +445,6 @@ class DAPOConfig(GRPOConfig):
                 f"{reward_func_names}."
             )
         return reward_func_names.index(self.accuracy_reward_name)
-
-    # ------------------------------------------------------------------------------------------- derived fields
-    def _derive_platform_defaults(self) -> None:
-        """Fields GRPOConfig's own __post_init__ must already see: the entropy alias and CPU-only defaults."""
-        if self.gradient_checkpointing is None:  # GRPOConfig's default (on), under the name transformers wants
-            name = activation_checkpointing_field()  # gradient_checkpointing itself before the rename
-            if getattr(self, name) is None:
-                setattr(self, name, True)
-        if self.ddp_timeout is None:  # before GRPOConfig's __post_init__; the process group reads it later
-            self.ddp_timeout = 7200 if self.use_vllm and self.vllm_mode == "server" else 1800
-        if self.entropy_coeff is not None:
-            if self.entropy_coef not in (0.0, self.entropy_coeff):
-                raise ValueError(
-                    f"entropy_coeff={self.entropy_coeff} and entropy_coef={self.entropy_coef} disagree: "
-                    "set only one of them (entropy_coeff is an alias of entropy_coef)."
-                )
-            self.entropy_coef = self.entropy_coeff
-        if not self.use_cpu and not _accelerator_available():
-            # Without use_cpu, TrainingArguments ignores the process group that `accelerate launch --multi_gpu`
-            # created on a CPU-only machine and silently trains each process alone.
-            self.use_cpu = True
-        if self.bf16 is None and not self.fp16 and (self.use_cpu or not is_torch_bf16_gpu_available()):
-            # GRPOConfig turns bf16 on unconditionally, which makes TrainingArguments refuse a CPU-only machine.
-            self.bf16 = False
-
-    def _derive_dapo_fields(self) -> None:
-        """Every DAPO field computed from others, in one place: the overlong buffer default and dual-clip's delta."""
-        if self.overlong_buffer_len is None and self.max_completion_length:
-            self.overlong_buffer_len = max(1, int(self.max_completion_length * DEFAULT_OVERLONG_BUFFER_SHARE))
-        if self.clip_ratio_c is not None:
-            if self.delta is not None and self.delta != self.clip_ratio_c:
-                raise ValueError(
-                    "clip_ratio_c and delta both bound the importance ratio: set only clip_ratio_c (dual-clip)."
-                )
-            # With clip_ratio_c > 1 + epsilon_high (checked below), TRL's upper ratio bound `delta` is exactly
-            # verl's dual-clip: for A < 0 the loss becomes |A| * min(c, max(r, clip(r))), for A > 0 nothing changes.
-            self.delta = self.clip_ratio_c
 
     # ------------------------------------------------------------------------------------- checks, by feature
     # Each check fails at configuration time, naming the field and the fix, instead of deep inside training.

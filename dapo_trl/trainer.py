@@ -30,14 +30,14 @@ from .training.batching import (
     loss_mask,
     process_share,
 )
-from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, check_regroupable, gather_rows, row_padding
+from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
 from .training.forwards import TokenForwards
 from .training.policy_loss import PolicyLossStep
 from .training.reference import build_reference_model, needs_own_reference
-from .training.replayed_routing import record_replay_metrics, replayed_routing_for, replaying_round
+from .training.replayed_routing import replayed_routing_for, replaying_round
 from .training.rollout_engine import GroupEngine
 from .training.rollout_stream import ROLLOUT_STATE_FILE
-from .training.round_scoring import RoundScoring
+from .training.round_scoring import RoundScoring, complete_round_rows
 from .training.run_guard import RunGuard
 from .training.shaping import GenerationRecord, ShapingColumns
 from .training.vllm_backends import backend_for
@@ -251,30 +251,13 @@ class DAPOTrainer(GRPOTrainer):
                 rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
             finally:
                 self._round = None
-            self._score_round_rows(output, scoring, replayed)
+            complete_round_rows(self, output, scoring, replayed)
         return ScoredRound(
             gather_rows(self.accelerator, output, trl_seam.tokenizer(self).pad_token_id),
             rewards_per_func[:, self.accuracy_reward_index],
             (rewards_per_func, self.reward_weights),  # the columns TRL just weighted (the shaping column shown)
             scoring.row_stats,
         )
-
-    def _score_round_rows(self, output: dict[str, Any], scoring: RoundScoring, replayed: Any) -> None:
-        """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
-        may train them a step later, and with routing replay their routing and its metrics."""
-        if replayed is not None:
-            output.update(replayed.row_tensors(output))
-        check_regroupable(output)  # before any forward of the rows
-        if self.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
-            input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
-            attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
-            with torch.no_grad():
-                keep = output["completion_ids"].size(1)
-                output["old_per_token_logps"] = trl_seam.per_token_log_probs(
-                    self, self.model, input_ids, attention_mask, keep
-                )
-        if replayed is not None:
-            record_replay_metrics(self, output, scoring)
 
     # -------------------------------------------------------------------------------------- streaming rollout
     def _score_wave(self, rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
@@ -290,18 +273,6 @@ class DAPOTrainer(GRPOTrainer):
             if batch_metrics.replaced(name):
                 del values[before.get(name, 0) :]
         return scored
-
-    def check_off_policy_correction(self, args: DAPOConfig) -> None:
-        """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
-        importance weight (vllm_importance_sampling_*) only from vLLM's sampling log-probs, so another engine at
-        k >= 1 would train them uncorrected: refused."""
-        if args.rollout_max_staleness >= 1 and not args.use_vllm:
-            raise ValueError(
-                f"rollout_max_staleness={args.rollout_max_staleness} with an engine of your own "
-                "(build_rollout_engine) would train stale rows without the off-policy correction: TRL computes the "
-                "importance weight only from vLLM's log-probs. Stream from a vLLM server (--use_vllm true "
-                "--vllm_mode server --vllm_weight_sync shared_storage), or set --rollout_max_staleness 0."
-            )
 
     @property
     def colocated_rollout_engines(self) -> bool:
@@ -356,14 +327,9 @@ class DAPOTrainer(GRPOTrainer):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
         are rotated away only once this one is complete (`training.checkpoints`)."""
         folder = trl_seam.checkpoint_folder(self, trial)
-        with checkpoints.complete_save(
-            self, folder, self._checkpointed_state, self._save_rollout_versions, self._process_state
-        ):
+        versions = partial(rollout_setup.save_rollout_versions, self.args, self._rollout)  # older weights, k >= 1
+        with checkpoints.complete_save(self, folder, self._checkpointed_state, versions, self._process_state):
             super()._save_checkpoint(model, trial)
-
-    def _save_rollout_versions(self, folder: str) -> None:  # the older weights a resumed run samples from
-        if self._rollout is not None:
-            rollout_setup.save_rollout_versions(self.args, self._rollout, folder)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         with checkpoints.cpu_loads_unindexed(self.args.device):  # transformers 5.17 on CPU with several processes

@@ -41,7 +41,7 @@ def build_streaming_rollout(
             "rollout_streaming needs vLLM: pass --use_vllm true with --vllm_mode server (and the server's "
             "--vllm_server_host / --vllm_server_port) or --vllm_mode colocate."
         )
-    trainer.check_off_policy_correction(args)
+    check_off_policy_correction(args)
     if getattr(trainer, "environment_factories", None):
         raise ValueError(
             "rollout_streaming does not run TRL environments (environment_factory) yet: turn it off, or pass the "
@@ -95,6 +95,19 @@ def build_streaming_rollout(
     if driver is not None:  # at train end only a colocated engine must be free (the caller may generate with it next)
         trainer.add_callback(CloseRollout(driver, partial(wait_for_engine, rollout, server=False)))
     return rollout
+
+
+def check_off_policy_correction(args: DAPOConfig) -> None:
+    """rollout_max_staleness >= 1 trains rows sampled by older weights; TRL corrects them with the truncated
+    importance weight (vllm_importance_sampling_*) only from vLLM's sampling log-probs, so another engine at k >= 1
+    would train them uncorrected: refused."""
+    if args.rollout_max_staleness >= 1 and not args.use_vllm:
+        raise ValueError(
+            f"rollout_max_staleness={args.rollout_max_staleness} with an engine of your own "
+            "(build_rollout_engine) would train stale rows without the off-policy correction: TRL computes the "
+            "importance weight only from vLLM's log-probs. Stream from a vLLM server (--use_vllm true "
+            "--vllm_mode server --vllm_weight_sync shared_storage), or set --rollout_max_staleness 0."
+        )
 
 
 def held_bytes_bound(trainer: Any, args: DAPOConfig, batch_groups: int) -> int:

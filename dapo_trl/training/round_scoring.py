@@ -13,6 +13,10 @@ from typing import Any
 
 import torch
 
+from . import trl_seam
+from .dynamic_sampling import check_regroupable
+from .replayed_routing import record_replay_metrics
+
 
 @dataclass
 class RoundScoring:
@@ -43,3 +47,21 @@ class RoundScoring:
         """The prepared completions, once: a tool loop's later turns are sampled afresh."""
         prepared, self.prepared = self.prepared, None
         return prepared
+
+
+def complete_round_rows(trainer: Any, output: dict[str, Any], scoring: RoundScoring, replayed: Any) -> None:
+    """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
+    may train them a step later, and with routing replay their routing and its metrics."""
+    if replayed is not None:
+        output.update(replayed.row_tensors(output))
+    check_regroupable(output)  # before any forward of the rows
+    if trainer.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
+        input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
+        attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
+        with torch.no_grad():
+            keep = output["completion_ids"].size(1)
+            output["old_per_token_logps"] = trl_seam.per_token_log_probs(
+                trainer, trainer.model, input_ids, attention_mask, keep
+            )
+    if replayed is not None:
+        record_replay_metrics(trainer, output, scoring)

@@ -48,7 +48,13 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.training import rollout_setup
 from dapo_trl.training.stream_plan import group_seed
+
+# The fake engine's k >= 1 runs test which rows make each batch (selection, versions, resume), not the loss's
+# correction (its log-probs are no policy's): the refusal of k >= 1 for an engine of your own is lifted here;
+# test_streaming_refuses_k1_for_an_engine_of_your_own checks the refusal users get.
+rollout_setup.check_off_policy_correction = lambda args: None
 
 ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False, "engine_lag": 0, "stream_only": False}
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
@@ -126,11 +132,6 @@ class FakeGenerationTrainer(RecordingTrainer):
     @property
     def tool_call_ids(self) -> list[int] | None:
         return self.processing_class(TOOL_CALL, add_special_tokens=False)["input_ids"] if self.tools else None
-
-    def check_off_policy_correction(self, args):
-        """Lifted for the fake engine: its k >= 1 runs test which rows make each batch (selection, versions, resume),
-        not the loss's correction (its log-probs are no policy's); test_streaming_refuses_k1_for_an_engine_of_your_own
-        checks the refusal users get."""
 
     def build_rollout_engine(self, max_in_flight):
         eos, max_tokens = self.processing_class.eos_token_id, self.args.max_completion_length
