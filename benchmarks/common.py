@@ -116,7 +116,7 @@ class ForwardProbe:
     """Which path each model forward and attention call of this process took, counted without device syncs.
 
     Forwards (a pre-hook on the model): `packed` when fed position ids without an attention mask (how DAPOTrainer's
-    padding-free forwards call the model, `training/forwards.py`), else `padded`. Attention calls (the model's
+    padding-free forwards call the model, `training/step/forwards.py`), else `padded`. Attention calls (the model's
     attention function in transformers' `ALL_ATTENTION_FUNCTIONS`, wrapped while the probe is open): the mask each
     got, `no mask` (causal), `padding mask` (flash attention: rows unpadded by it), `dense mask` (sdpa / eager: a
     padding or packed block-diagonal mask) or the mask's type (`BlockMask`: flex attention). Flash attention kernels

@@ -23,7 +23,7 @@ A header with the card (`torch.cuda.get_device_name`), its memory, torch / CUDA 
 flash-attn versions, then a markdown table, one row per run: real tokens per second over the steps after the first
 (TRL's `step_time`), the ratio to GRPOTrainer's in the same run (same L and attention), peak GPU memory
 (`torch.cuda.max_memory_allocated`) and its ratio to GRPOTrainer's, tokens fed per real token, the share of training
-forwards that ran packed (position ids restarting per row, no attention mask: `training/packing.py`), the packing
+forwards that ran packed (position ids restarting per row, no attention mask: `training/step/packing.py`), the packing
 mode DAPOTrainer chose (`sequence`: one sequence per forward, for varlen kernels; `bins`: rows packed into bins as
 wide as the longest row, with a dense block-diagonal mask, for sdpa / eager), and the attention path the calls took:
 `flash varlen` (flash_attn_varlen_func, the packed kernel: transformers 5 derives cu_seqlens from the restarting

@@ -5,7 +5,7 @@ What is measured
 The built-in tiny models' architectures (random init: `build_tiny_model(architecture="dense" | "moe")`, same
 tokenizer, hidden 64, 2 layers; the MoE routes each token to 2 of 8 experts of width 32, the dense MLP is 128 wide)
 run DAPOTrainer's padding-free training pass: `--rows` rows of `--tokens` real tokens packed into bins
-(`training.packing.padding_free_per_token`, TRL's fused log-prob head, sdpa), forward and backward, `--repeats`
+(`training.step.packing.padding_free_per_token`, TRL's fused log-prob head, sdpa), forward and backward, `--repeats`
 times after one warm-up. Configurations: dense; MoE; MoE with the router auxiliary loss from router loads
 (`algorithm.router_aux`); MoE replaying a routing (`moe.routing_replay`, the hooks installed). Each runs in a process
 of its own, so its peak resident memory (ru_maxrss, CPU; the CUDA allocator's peak on a GPU) is its own; the
@@ -52,7 +52,7 @@ def worker(config: str, rows: int, tokens: int, repeats: int, cache: str) -> dic
     from dapo_trl.algorithm.router_aux import router_load
     from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks
     from dapo_trl.tiny_model import build_tiny_model
-    from dapo_trl.training.packing import padding_free_per_token
+    from dapo_trl.training.step.packing import padding_free_per_token
 
     quiet()
     torch.manual_seed(0)

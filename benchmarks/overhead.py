@@ -74,9 +74,9 @@ from dapo_trl.algorithm import soft_overlong_penalty  # noqa: E402
 from dapo_trl.data import make_arithmetic_dataset  # noqa: E402
 from dapo_trl.rewards import dapo_math_reward  # noqa: E402
 from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
-from dapo_trl.training.batching import StepPlanner, loss_mask  # noqa: E402
-from dapo_trl.training.overlong import SoftOverlongPenalty  # noqa: E402
-from dapo_trl.training.steps import OptimizerSteps  # noqa: E402
+from dapo_trl.training.sampling.overlong import SoftOverlongPenalty  # noqa: E402
+from dapo_trl.training.step.batching import StepPlanner, loss_mask  # noqa: E402
+from dapo_trl.training.step.steps import OptimizerSteps  # noqa: E402
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs  # noqa: E402
 
 SEED = 42

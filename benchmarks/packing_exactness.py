@@ -24,7 +24,7 @@ from common import build_model  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
-from dapo_trl.training.packing import VARLEN_ATTENTION, pack_rows, unpack_per_token  # noqa: E402
+from dapo_trl.training.step.packing import VARLEN_ATTENTION, pack_rows, unpack_per_token  # noqa: E402
 
 ROWS = [(64, 1024), (10, 5), (33, 700), (1, 300), (50, 1), (20, 90)]  # (prompt, completion) real lengths
 

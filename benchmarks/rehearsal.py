@@ -175,12 +175,12 @@ def worker(url: str, groups: int, max_tokens: int, out: str, timeout: float = 60
     from accelerate.utils import gather_object
 
     from dapo_trl import DAPOConfig
-    from dapo_trl.training.dynamic_sampling import DynamicSampler, Process, ScoredRound
-    from dapo_trl.training.rollout_driver import RolloutDriver
-    from dapo_trl.training.rollout_engine import RequestSampling
-    from dapo_trl.training.rollout_setup import _broadcaster, _scatterer
-    from dapo_trl.training.rollout_stream import ServerStreamingRollout
-    from dapo_trl.training.server_engine import VLLMServerEngine
+    from dapo_trl.training.rollout.rollout_driver import RolloutDriver
+    from dapo_trl.training.rollout.rollout_engine import RequestSampling
+    from dapo_trl.training.rollout.rollout_setup import _broadcaster, _scatterer
+    from dapo_trl.training.rollout.rollout_stream import ServerStreamingRollout
+    from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+    from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, Process, ScoredRound
 
     PartialState()  # the process group accelerate launch set up
     rank, processes = dist.get_rank(), dist.get_world_size()

@@ -37,10 +37,10 @@ scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max
     python benchmarks/rollout.py --smoke --server URL --model-path DIR   # every server arm runs: a check, no figure
 
 `--server URL` uses a running `vllm serve` server (started with tests/test_vllm.py's flags, serving `--model-path`)
-instead of starting one; the trainers reload weights into it. `--smoke` is the suite's check (tests/test_vllm.py):
-1 run of 1 + 1 steps, the built-in tiny model, responses up to 32 tokens, 2 groups of 4, rounds and streaming k=1
-with in-flight weight updates
-(streaming k=0 runs in tests/test_vllm.py's own tests): a few minutes of CPU, figures meaningless.
+instead of starting one; the trainers reload weights into it. `--smoke` is the suite's check (tests/test_vllm.py),
+its arms run in this process: 1 run of 1 + 1 steps, the built-in tiny model, responses up to 32 tokens, 2 groups of
+4, rounds and streaming k=1 with in-flight weight updates (streaming k=0 runs in tests/test_vllm.py's own tests): a
+few minutes of CPU, figures meaningless.
 
 The last line reads `rollout: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy NN%`.
 """
@@ -159,11 +159,11 @@ def run_worker(args: argparse.Namespace) -> None:
 
     from dapo_trl import DAPOConfig, DAPOTrainer
     from dapo_trl.training import trl_seam
-    from dapo_trl.training.colocate_engine import VLLMColocateEngine
-    from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-    from dapo_trl.training.server_engine import VLLMServerEngine
-    from dapo_trl.training.stream_plan import group_seed
-    from dapo_trl.training.vllm_backends import reload_server_weights, rollout_weights_dirs
+    from dapo_trl.training.rollout.colocate_engine import VLLMColocateEngine
+    from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+    from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+    from dapo_trl.training.rollout.stream_plan import group_seed
+    from dapo_trl.training.rollout.vllm_backends import reload_server_weights, rollout_weights_dirs
     from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     quiet()
@@ -462,6 +462,10 @@ def main(argv: list[str] | None = None) -> int:
                     "--model-path",
                     model,
                 ]
+                if args.smoke:  # a check, no figure: the arm runs in this process (no interpreter start, no pinning)
+                    run_worker(parse_args(command[command.index("--worker") :]))
+                    results[arm].append(summarise(json.loads((out / "result.json").read_text()), args.warmup))
+                    continue
                 env = {
                     **os.environ,
                     "OMP_NUM_THREADS": "2" if colocated(arm) else "1",

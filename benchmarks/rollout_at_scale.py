@@ -11,16 +11,17 @@ the next version after the last update, and `rollout_max_staleness` counts these
 
 What is the project's code (run unmodified)
 -------------------------------------------
-- `dapo_trl.training.dynamic_sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds, the batch cut.
-- `dapo_trl.training.rollout_stream.ServerStreamingRollout` (`StreamingRollout`'s vLLM-server path): planning,
+- `dapo_trl.training.sampling.dynamic_sampling.DynamicSampler`: the prompt stream, keep / fill decisions, rounds,
+  the batch cut.
+- `dapo_trl.training.rollout.rollout_stream.ServerStreamingRollout` (`StreamingRollout`'s vLLM-server path): planning,
   lookahead, waves (reorder buffer, coalesced to at most `MAX_WAVES_PER_ROUND` scoring passes per round),
   withdrawal and regeneration of groups admitted ahead, lag.
-- `dapo_trl.training.rollout_driver.RolloutDriver`: admission (`max_in_flight`, `max_held_tokens`, weights
+- `dapo_trl.training.rollout.rollout_driver.RolloutDriver`: admission (`max_in_flight`, `max_held_tokens`, weights
   versions: load only when nothing of the old version runs), finished-group buffer, cancellation. `VirtualDriver`
   below subclasses it only to run its own admission loop (`_admit_loop`) on the caller's thread at each virtual
   instant instead of on a background thread, and to let its condition variable's `wait` advance the virtual clock.
-- `dapo_trl.training.rollout_stream.group_seed`, `dapo_trl.DAPOConfig` (the arms' settings, as the trainer builds
-  them: in-flight groups = one round unless `--in-flight`, held tokens = one round at full length).
+- `dapo_trl.training.rollout.stream_plan.group_seed`, `dapo_trl.DAPOConfig` (the arms' settings, as the trainer
+  builds them: in-flight groups = one round unless `--in-flight`, held tokens = one round at full length).
 
 What is modelled (this file)
 ----------------------------
@@ -141,11 +142,11 @@ sys.path.insert(0, str(REPO))  # run from a checkout without installing
 import torch  # noqa: E402
 
 from dapo_trl import DAPOConfig  # noqa: E402
-from dapo_trl.training.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
-from dapo_trl.training.rollout_driver import RolloutDriver  # noqa: E402
-from dapo_trl.training.rollout_engine import GroupRequest, GroupResult  # noqa: E402
-from dapo_trl.training.rollout_stream import ServerStreamingRollout  # noqa: E402
-from dapo_trl.training.stream_plan import group_seed  # noqa: E402
+from dapo_trl.training.rollout.rollout_driver import RolloutDriver  # noqa: E402
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult  # noqa: E402
+from dapo_trl.training.rollout.rollout_stream import ServerStreamingRollout  # noqa: E402
+from dapo_trl.training.rollout.stream_plan import group_seed  # noqa: E402
+from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz

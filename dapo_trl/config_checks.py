@@ -188,11 +188,6 @@ def check_rollout(config: DAPOConfig) -> None:
                 "--rollout_streaming true (with a vLLM server)."
             )
         return
-    if not config.filter_groups_enable:
-        raise ValueError(
-            "rollout_streaming streams dynamic sampling's rounds: it needs filter_groups_enable=true "
-            "(without dynamic sampling a step is one generation request already)."
-        )
     if config.use_vllm and config.vllm_mode == "colocate":
         if config.rollout_max_staleness > 0:
             raise ValueError(
@@ -270,7 +265,7 @@ def check_recovery(config: DAPOConfig) -> None:
 
 
 def check_preemption(config: DAPOConfig) -> None:
-    from .training.preemption import parse_signals
+    from .training.faults.preemption import parse_signals
 
     parse_signals(config.preemption_signals)  # names the field on a bad signal name
     if config.preemption_grace_seconds <= 0:

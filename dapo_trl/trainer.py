@@ -1,7 +1,7 @@
 """DAPOTrainer: TRL's GRPOTrainer with DAPO's reward shaping, exact token-level loss and dynamic sampling.
 
 The trainer only orchestrates: every override calls `super()` but `_compute_loss`, which trains the loss of the
-table in `dapo_trl.algorithm.losses` (`training.policy_loss`: bit for bit TRL's where TRL has the loss); every
+table in `dapo_trl.algorithm.losses` (`training.step.policy_loss`: bit for bit TRL's where TRL has the loss); every
 private TRL name it touches is listed and checked in `dapo_trl.training.trl_seam`. The step machinery (dynamic
 sampling, streaming, micro-batches, forwards, reward columns, exact denominators, checkpoints) is `dapo_trl.training`.
 """
@@ -22,25 +22,29 @@ from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
 from .tiny_model import resolve_builtin_model
 from .tools.runtime import ToolRuntime
-from .training import batch_metrics, checkpoints, evaluation, rollout_setup, steps, streams, trl_seam
-from .training.batching import (
+from .training import trl_seam
+from .training.faults import checkpoints
+from .training.faults.run_guard import RunGuard
+from .training.rollout import rollout_setup
+from .training.rollout.rollout_engine import GroupEngine
+from .training.rollout.rollout_stream import ROLLOUT_STATE_FILE
+from .training.rollout.vllm_backends import backend_for
+from .training.sampling import batch_metrics, evaluation, streams
+from .training.sampling.dynamic_sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
+from .training.sampling.reference import build_reference_model, needs_own_reference
+from .training.sampling.round_scoring import RoundScoring, complete_round_rows
+from .training.sampling.shaping import GenerationRecord, ShapingColumns
+from .training.step import steps
+from .training.step.batching import (
     StepPlanner,
     TokenWeightedMetrics,
     backward_without_sync,
     loss_mask,
     process_share,
 )
-from .training.dynamic_sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
-from .training.forwards import TokenForwards
-from .training.policy_loss import PolicyLossStep
-from .training.reference import build_reference_model, needs_own_reference
-from .training.replayed_routing import replayed_routing_for, replaying_round
-from .training.rollout_engine import GroupEngine
-from .training.rollout_stream import ROLLOUT_STATE_FILE
-from .training.round_scoring import RoundScoring, complete_round_rows
-from .training.run_guard import RunGuard
-from .training.shaping import GenerationRecord, ShapingColumns
-from .training.vllm_backends import backend_for
+from .training.step.forwards import TokenForwards
+from .training.step.policy_loss import PolicyLossStep
+from .training.step.replayed_routing import replayed_routing_for, replaying_round
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +162,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model, inputs):
         """The policy loss of `loss_type` from the table in `dapo_trl.algorithm.losses`, with every term of TRL's
-        (`training.policy_loss.PolicyLossStep`): replaces TRL's, so the function a reader finds is the one trained."""
+        (`training.step.policy_loss.PolicyLossStep`): replaces TRL's, so what a reader finds there is what trains."""
         return self._policy_loss(model, inputs)
 
     def _weighted_loss(self, model, inputs, return_outputs, num_items_in_batch):
@@ -188,7 +192,7 @@ class DAPOTrainer(GRPOTrainer):
         compute_aux_loss=False,
         **multimodal,
     ):
-        """Every training-phase forward goes through here (`training.forwards`: padding-free, sequence-parallel)."""
+        """Every training forward goes through here (`training.step.forwards`: padding-free, sequence-parallel)."""
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
         trl_forward = partial(super()._get_per_token_logps_and_entropies, model)
         routing = None  # routing replay: the policy's forwards route as the engine did
@@ -227,7 +231,7 @@ class DAPOTrainer(GRPOTrainer):
     # ---------------------------------------------------------------------------------------- dynamic sampling
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         try:
-            if not (self.model.training and self.args.filter_groups_enable):
+            if not (self.model.training and (self.args.filter_groups_enable or self._rollout is not None)):
                 return super()._generate_and_score_completions(inputs)
             if self._rollout is None:
                 batch, metrics = self._sampler.sample(inputs, self._score_round)
@@ -295,7 +299,7 @@ class DAPOTrainer(GRPOTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """TRL's evaluation (`super().evaluate`), plus avg@n / pass@k per data source when the eval rows carry a
         `solution`, sampled with the eval sampling parameters (through the tool loop with tools) and logged with
-        TRL's metrics: `dapo_trl.training.evaluation.evaluate_with_validation`."""
+        TRL's metrics: `dapo_trl.training.sampling.evaluation.evaluate_with_validation`."""
         rollout_setup.release_engine(self, self._rollout)  # evaluation syncs and samples the current weights
         return evaluation.evaluate_with_validation(self, super().evaluate, eval_dataset, ignore_keys, metric_key_prefix)
 
@@ -312,8 +316,8 @@ class DAPOTrainer(GRPOTrainer):
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's training; `resume_from_checkpoint` may be `latest` (or `true`): the newest complete checkpoint in
         output_dir, or a fresh start when there is none. A checkpoint that is not complete is refused, naming what
-        it lacks (`training.checkpoints`). Runs inside `training.run_guard`: a preemption signal saves and stops,
-        a failure on any process stops every process with its message."""
+        it lacks (`training.faults.checkpoints`). Runs inside `training.faults.run_guard`: a preemption signal saves
+        and stops, a failure on any process stops every process with its message."""
         resume = checkpoints.resolve_resume(resume_from_checkpoint, self.args.output_dir)
         return self._guard.run(partial(super().train, resume, *args, **kwargs))
 
@@ -325,7 +329,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint, then DAPO's state, then (every process done) the completion record; older checkpoints
-        are rotated away only once this one is complete (`training.checkpoints`)."""
+        are rotated away only once this one is complete (`training.faults.checkpoints`)."""
         folder = trl_seam.checkpoint_folder(self, trial)
         versions = partial(rollout_setup.save_rollout_versions, self.args, self._rollout)  # older weights, k >= 1
         with checkpoints.complete_save(self, folder, self._checkpointed_state, versions, self._process_state):

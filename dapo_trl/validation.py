@@ -1,6 +1,6 @@
 """Validation with avg@n and unbiased pass@k, per data source.
 
-`DAPOTrainer.evaluate` adds them to TRL's own evaluation (`dapo_trl.training.evaluation`); the
+`DAPOTrainer.evaluate` adds them to TRL's own evaluation (`dapo_trl.training.sampling.evaluation`); the
 `python -m dapo_trl.evaluate` command calls `validate_checkpoint`.
 
 For each prompt, n responses are sampled with the validation sampling parameters (paper: temperature 1.0,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from dapo_trl.training.advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
+from dapo_trl.training.sampling.advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
 
 EPS = 1e-4
 

@@ -1,11 +1,11 @@
-"""`training.batch_metrics`: a streamed step's reward and length metrics over the groups decided for its batch,
+"""`training.sampling.batch_metrics`: a streamed step's reward and length metrics over the groups decided for its batch,
 against TRL 1.16's formulas written out here, and which groups count."""
 
 import math
 
 import torch
 
-from dapo_trl.training.batch_metrics import decided_groups, replaced, row_statistics, trained_batch_metrics
+from dapo_trl.training.sampling.batch_metrics import decided_groups, replaced, row_statistics, trained_batch_metrics
 
 
 def test_groups_count_until_the_one_that_fills_the_batch():

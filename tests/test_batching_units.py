@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from dapo_trl.training.batching import (
+from dapo_trl.training.step.batching import (
     balance_micro_batches,
     balanced_partition,
     fed_tokens,
@@ -14,7 +14,7 @@ from dapo_trl.training.batching import (
     token_budget_chunks,
     trim_micro_batch,
 )
-from dapo_trl.training.packing import pack_rows, padding_free_per_token, unpack_per_token
+from dapo_trl.training.step.packing import pack_rows, padding_free_per_token, unpack_per_token
 
 
 def padded_rows(prompt_lengths, completion_lengths, prompt_width=None, completion_width=None, seed=0):

@@ -1,5 +1,5 @@
-"""`training.checkpoints`: a checkpoint is resumed from only when complete; `latest` finds the newest complete one;
-older checkpoints are rotated away only after the new one is complete; a failed write names the disk."""
+"""`training.faults.checkpoints`: a checkpoint is resumed from only when complete; `latest` finds the newest complete
+one; older checkpoints are rotated away only after the new one is complete; a failed write names the disk."""
 
 import json
 
@@ -9,8 +9,8 @@ from datasets import Dataset
 
 from dapo_trl import DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training import checkpoints
-from dapo_trl.training.checkpoints import COMPLETE_FILE, IncompleteCheckpointError, resolve_resume
+from dapo_trl.training.faults import checkpoints
+from dapo_trl.training.faults.checkpoints import COMPLETE_FILE, IncompleteCheckpointError, resolve_resume
 
 from .helpers import tiny_config
 

@@ -182,7 +182,7 @@ def test_model_name_or_path_help_names_the_builtin_default():
 
 
 def test_resume_from_checkpoint_help_says_latest():
-    from dapo_trl.training.checkpoints import LATEST
+    from dapo_trl.training.faults.checkpoints import LATEST
 
     help_text = option_help("--resume_from_checkpoint")
     assert all(f"'{word}'" in help_text for word in LATEST) and "newest complete checkpoint" in help_text

@@ -14,7 +14,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from dapo_trl.cli import DAPOParser
 from dapo_trl.config import DAPOConfig
-from dapo_trl.training.vllm_backends import check_moe_weight_sync
+from dapo_trl.training.rollout.vllm_backends import check_moe_weight_sync
 
 from .helpers import REPO
 

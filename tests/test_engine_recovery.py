@@ -11,9 +11,10 @@ import time
 
 import pytest
 
-from dapo_trl.training.rollout_driver import MAX_ENGINE_LOSSES, RolloutDriver
-from dapo_trl.training.rollout_engine import EngineUnavailable, GroupRequest, RequestSampling
-from dapo_trl.training.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.engine_losses import MAX_ENGINE_LOSSES
+from dapo_trl.training.rollout.rollout_driver import RolloutDriver
+from dapo_trl.training.rollout.rollout_engine import EngineUnavailable, GroupRequest, RequestSampling
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 
 from .scripts.fake_engine import FakeEngine, fake_completion
 

@@ -1,6 +1,6 @@
-"""Every process fails together (`dapo_trl.training.fail_together`): an exception on one process ends every process
-with that exception's message within seconds, also when the failing process stays alive (as a peer stuck in an NCCL
-collective would: gloo alone would let the others wait in theirs for its 30-minute timeout)."""
+"""Every process fails together (`dapo_trl.training.faults.fail_together`): an exception on one process ends every
+process with that exception's message within seconds, also when the failing process stays alive (as a peer stuck in
+an NCCL collective would: gloo alone would let the others wait in theirs for its 30-minute timeout)."""
 
 import threading
 import time
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from dapo_trl.training.fail_together import FailTogether, PeerProcessFailed
+from dapo_trl.training.faults.fail_together import FailTogether, PeerProcessFailed
 
 from .helpers import SCRIPTS, python_command, run_unchecked
 

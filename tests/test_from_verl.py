@@ -925,6 +925,19 @@ def test_r3_router_replay_becomes_routing_replay_with_the_streaming_rollout(tmp_
     assert "Routing replay needs vllm_server.sh's server" in report and "`--vllm_mode colocate --vllm" not in report
 
 
+def test_r3_of_a_plain_grpo_script_streams_without_dynamic_sampling(tmp_path):
+    """verl's own R3 example is plain GRPO (no dynamic sampling): its translation streams (the engine's routing comes
+    with the streaming rollout's requests) with every group kept, and passes DAPOConfig's checks."""
+    t = translated(MOE_SCRIPT, "algorithm.filter_groups.enable=False")
+    r = t.recipe
+    assert not t.blocking
+    assert (r["routing_replay"], r["rollout_streaming"], r["filter_groups_enable"]) == (True, True, False)
+    result = run_translator(MOE_SCRIPT, tmp_path, "algorithm.filter_groups.enable=False")
+    assert result.returncode == 0, result.stderr
+    _, config, _ = parse_recipe(tmp_path / "recipe.yaml")
+    assert (config.routing_replay, config.rollout_streaming, config.filter_groups_enable) == (True, True, False)
+
+
 def test_r3_with_the_rollout_flag_off_still_replays_and_the_flag_alone_does_not():
     t = translated(MOE_SCRIPT, f"{ENGINE_ROUTING}=False")
     assert t.recipe["routing_replay"] is True and not t.blocking
@@ -953,7 +966,6 @@ def test_r2_router_replay_is_unsupported_and_names_r3(tmp_path):
 @pytest.mark.parametrize(
     "override, fix",
     [
-        ("algorithm.filter_groups.enable=False", "set algorithm.filter_groups.enable=True"),
         ("actor_rollout_ref.rollout.name=hf", "this rollout generates with transformers"),
         ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=1"),
         ("actor_rollout_ref.model.use_remove_padding=False", "set actor_rollout_ref.model.use_remove_padding=True"),

@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from dapo_trl.training.rollout_driver import RolloutDriver
-from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-from dapo_trl.training.server_answers import StreamedAnswer
-from dapo_trl.training.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.rollout_driver import RolloutDriver
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.rollout.server_answers import StreamedAnswer
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 
 from .test_rollout_streaming import serve
 
@@ -236,7 +236,7 @@ class HeldEngine:
             self.loaded = version
 
     def finish(self, key):
-        from dapo_trl.training.rollout_engine import GroupResult
+        from dapo_trl.training.rollout.rollout_engine import GroupResult
 
         with self.lock:
             request, done = self.running.pop(key)

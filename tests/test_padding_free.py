@@ -103,7 +103,7 @@ class _OneProcess:
 
 def test_budget_splits_a_micro_batch_and_keeps_long_rows_whole(caplog):
     from dapo_trl import DAPOConfig
-    from dapo_trl.training.batching import StepPlanner, fed_tokens
+    from dapo_trl.training.step.batching import StepPlanner, fed_tokens
 
     from .scripts.denominator_run import fixed_global_batch
 

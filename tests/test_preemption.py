@@ -1,5 +1,5 @@
-"""Preemption (`dapo_trl.training.preemption`): SIGTERM / SIGUSR1 make every process abandon the optimizer step in
-progress at its next safe point (between dynamic-sampling rounds, while waiting for a streamed wave, before a
+"""Preemption (`dapo_trl.training.faults.preemption`): SIGTERM / SIGUSR1 make every process abandon the optimizer
+step in progress at its next safe point (between dynamic-sampling rounds, while waiting for a streamed wave, before a
 training forward), write a complete checkpoint of the last completed step and exit 0; the same command with `latest`
 then ends with the uninterrupted run's weights, bit for bit, with one process, two, two under ZeRO-3, and streaming.
 The signal is sent from inside the step (tests/scripts/dynamic_sampling_run.py's preempt_during: the reward scoring a
@@ -20,8 +20,8 @@ import torch.distributed as dist
 from transformers import TrainerControl, TrainerState
 
 from dapo_trl.config import DAPOConfig
-from dapo_trl.training.checkpoints import mark_complete
-from dapo_trl.training.preemption import (
+from dapo_trl.training.faults.checkpoints import mark_complete
+from dapo_trl.training.faults.preemption import (
     Preemption,
     SignalRelay,
     StepAbandoned,
@@ -29,7 +29,7 @@ from dapo_trl.training.preemption import (
     parse_signals,
     torchrun_warning,
 )
-from dapo_trl.training.steps import OptimizerSteps
+from dapo_trl.training.step.steps import OptimizerSteps
 
 from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command, run_unchecked
 

@@ -22,19 +22,19 @@ from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training import colocate_engine, rollout_stream, server_engine
-from dapo_trl.training.colocate_engine import VLLMColocateEngine
-from dapo_trl.training.dynamic_sampling import DynamicSampler, ScoredRound
-from dapo_trl.training.rollout_engine import GroupRequest, GroupResult, RequestSampling
-from dapo_trl.training.rollout_stream import (
+from dapo_trl.training.rollout import colocate_engine, rollout_stream, server_engine
+from dapo_trl.training.rollout.colocate_engine import VLLMColocateEngine
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult, RequestSampling
+from dapo_trl.training.rollout.rollout_stream import (
     MAX_TAIL_WAVES,
     MAX_WAVES_PER_ROUND,
     RolloutDriver,
     ServerStreamingRollout,
 )
-from dapo_trl.training.server_engine import VLLMServerEngine
-from dapo_trl.training.stream_plan import group_seed, plan_horizon
-from dapo_trl.training.streams import PromptStream
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.stream_plan import group_seed, plan_horizon
+from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRound
+from dapo_trl.training.sampling.streams import PromptStream
 
 from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command
 from .scripts.fake_engine import FakeEngine, fake_completion
@@ -346,7 +346,6 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
     ("overrides", "message"),
     [
         ({"rollout_max_staleness": 1, "rollout_streaming": False}, "also pass --rollout_streaming true"),
-        ({"filter_groups_enable": False}, "needs filter_groups_enable=true"),
         ({"rollout_max_staleness": -1}, "rollout_max_staleness=-1 must be >= 0"),
         ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server"}, "--vllm_weight_sync shared_storage"),
         ({"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "colocate"}, "devices of its own"),
@@ -861,7 +860,7 @@ def test_an_answer_is_read_into_the_arrays_json_gives():
 
     import numpy as np
 
-    from dapo_trl.training.server_answers import group_result, group_result_from_json
+    from dapo_trl.training.rollout.server_answers import group_result, group_result_from_json
 
     buffer = io.BytesIO()
     np.save(buffer, np.arange(6, dtype=np.int32).reshape(3, 1, 2))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dapo_trl.algorithm import assemble_batch, concat_padded, group_keep_mask
-from dapo_trl.training.streams import IterablePromptStream, PromptStream
+from dapo_trl.training.sampling.streams import IterablePromptStream, PromptStream
 
 
 def keep_reference(values: list[float], group: int, atol: float) -> list[bool]:
@@ -133,7 +133,7 @@ def test_iterable_stream_refuses_a_foreign_checkpoint():
 def test_carried_groups_saved_under_other_reward_normalisation_are_dropped(saved_with, resumed_with, caplog):
     from types import SimpleNamespace
 
-    from dapo_trl.training.dynamic_sampling import BATCH_REWARDS, DynamicSampler
+    from dapo_trl.training.sampling.dynamic_sampling import BATCH_REWARDS, DynamicSampler
 
     def sampler(scale_rewards):
         args = SimpleNamespace(scale_rewards=scale_rewards, multi_objective_aggregation="sum_then_normalize", seed=0)

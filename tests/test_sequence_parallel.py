@@ -13,8 +13,8 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-from dapo_trl.training.packing import IGNORE_INDEX, pack_rows, unpack_per_token
-from dapo_trl.training.sequence_parallel import (
+from dapo_trl.training.step.packing import IGNORE_INDEX, pack_rows, unpack_per_token
+from dapo_trl.training.step.sequence_parallel import (
     check_sequence_parallel,
     group_pass_rows,
     segment_causal_attention,
@@ -146,7 +146,7 @@ def test_attention_runs_unchanged_outside_a_sharded_forward():
     """The dispatch routes attention through Ulysses only inside `sharded()`: generation and other models keep it."""
     from transformers import Qwen2ForCausalLM
 
-    from dapo_trl.training import sequence_parallel
+    from dapo_trl.training.step import sequence_parallel
 
     torch.manual_seed(0)
     config = Qwen2Config(

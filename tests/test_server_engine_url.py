@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-from dapo_trl.training.server_engine import VLLMServerEngine, _server_address
-from dapo_trl.training.vllm_backends import reload_server_weights
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine, _server_address
+from dapo_trl.training.rollout.vllm_backends import reload_server_weights
 
 GROUP, PREFIX = 4, "/proxy/vllm"
 EXPECTED = [("GET", f"{PREFIX}/v1/models"), ("POST", f"{PREFIX}/v1/completions")]

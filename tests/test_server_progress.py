@@ -1,6 +1,6 @@
-"""Timeouts by progress (`training/server_progress.py`): a request to a vLLM server fails when the server has made no
-progress for `vllm_request_timeout`, never because its response is long; streaming (`VLLMServerEngine`) and rounds
-(TRL's client through `watch_generation`) alike.
+"""Timeouts by progress (`training/rollout/server_progress.py`): a request to a vLLM server fails when the server
+has made no progress for `vllm_request_timeout`, never because its response is long; streaming (`VLLMServerEngine`)
+and rounds (TRL's client through `watch_generation`) alike.
 
 A local stand-in for `vllm serve` generates "tokens" on a clock: `/v1/completions` answers once `tokens` were
 generated, `/metrics` exports vLLM's token counter. `pause()` stops generation (the server slowed: paused and resumed
@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from dapo_trl.training.preemption import AbandonedRound, is_abandoned_round
-from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-from dapo_trl.training.server_engine import VLLMServerEngine
-from dapo_trl.training.server_progress import ServerProgress, token_counters, watch_generation
-from dapo_trl.training.vllm_backends import VLLMServerError, add_timeouts
+from dapo_trl.training.faults.preemption import AbandonedRound, is_abandoned_round
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.server_progress import ServerProgress, token_counters, watch_generation
+from dapo_trl.training.rollout.vllm_backends import VLLMServerError, add_timeouts
 
 TOKENS_PER_SECOND = 40.0
 
@@ -212,7 +212,7 @@ def test_an_abandoned_round_passes_through_trls_vllm_generation():
     TRL's own top-1 log-prob step after it working on the empty rows."""
     from trl.generation.vllm_generation import VLLMGeneration
 
-    from dapo_trl.training.server_progress import abandoned_round
+    from dapo_trl.training.rollout.server_progress import abandoned_round
 
     generation = VLLMGeneration.__new__(VLLMGeneration)
     generation.mode, generation.enable_sleep_mode = "server", False

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dapo_trl.training.steps import OptimizerSteps
+from dapo_trl.training.step.steps import OptimizerSteps
 
 
 def tokens_of(generation: int, index: int) -> float:

@@ -101,3 +101,20 @@ def test_no_module_but_the_seam_touches_a_trainers_private_attributes():
                 if name in trl_private and name not in own and not line.lstrip().startswith(("def ", "#")):
                     offenders.append(f"{path.relative_to(PACKAGE)}:{line_number}: {name}")
     assert not offenders, offenders
+
+
+def test_modules_stay_readable_and_the_trainer_only_orchestrates():
+    """No module of the package over 450 lines, and DAPOTrainer (overrides and the few public hooks) within 300:
+    what grows goes to the subpackage of its concern (dapo_trl/training/*/)."""
+    long = {
+        str(path.relative_to(PACKAGE)): lines
+        for path in PACKAGE.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > 450
+    }
+    assert not long, long
+    trainer = next(
+        node
+        for node in ast.parse((PACKAGE / "trainer.py").read_text()).body
+        if isinstance(node, ast.ClassDef) and node.name == "DAPOTrainer"
+    )
+    assert trainer.end_lineno - trainer.lineno + 1 <= 300

@@ -428,7 +428,7 @@ def test_a_preemption_signal_during_a_generation_round_abandons_the_step_at_once
     """Rounds mode: the trainer freezes the server (SIGSTOP) at step 2's POST; SIGTERM then aborts that request,
     every process gets the abandoned round from TRL's broadcast, checkpoint-1 is written and the run exits 0, within
     seconds, not after the 60 s request timeout."""
-    from dapo_trl.training.checkpoints import complete_checkpoints
+    from dapo_trl.training.faults.checkpoints import complete_checkpoints
 
     out = tmp_path / "out"
     returncode, took, output = signal_a_run_frozen_at_step_2(

@@ -9,7 +9,12 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from dapo_trl.training.vllm_backends import VLLMServerError, VLLMServerUnavailable, add_timeouts, make_timeout_backend
+from dapo_trl.training.rollout.vllm_backends import (
+    VLLMServerError,
+    VLLMServerUnavailable,
+    add_timeouts,
+    make_timeout_backend,
+)
 from dapo_trl.utils.http import TimeoutAdapter
 
 from .helpers import StubServer
@@ -77,7 +82,7 @@ def test_an_interrupt_aborts_the_requests_waiting_on_a_hung_server(hanging_serve
     their timeout."""
     import threading
 
-    from dapo_trl.training.vllm_backends import abort_requests
+    from dapo_trl.training.rollout.vllm_backends import abort_requests
 
     client = trl_like_client()
     add_timeouts(client, 60.0)

@@ -20,7 +20,7 @@ from trl import ModelConfig, get_peft_config, get_quantization_config
 
 from ..config import DAPOConfig
 from ..data import DatasetLoadError, load_prompt_dataset
-from ..training.checkpoints import IncompleteCheckpointError
+from ..training.faults.checkpoints import IncompleteCheckpointError
 from .arguments import BUILTIN_TINY_MODEL, DAPOParser
 from .components import UserFacingError, build_tools, resolve_reward_function
 from .run_summary import print_summary, write_charts

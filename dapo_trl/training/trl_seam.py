@@ -8,7 +8,7 @@ and `check_trainer_attributes` (after it) fail with one message naming each miss
 range. The rest of the package reaches these names only through this module: the helpers below (`generate`,
 `metrics`, `shuffle_and_split`, ...) and `trl_function`. DAPOTrainer's overrides of the methods in
 `OVERRIDDEN_METHODS` call `super()` as usual, but one: `_compute_loss`, which DAPOTrainer replaces with the loss
-table's (`training.policy_loss`), so the loss a reader finds in `dapo_trl.algorithm.losses` is the one that trains.
+table's (`training.step.policy_loss`), so the loss a reader finds in `dapo_trl.algorithm.losses` is the one that trains.
 """
 
 from __future__ import annotations

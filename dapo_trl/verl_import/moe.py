@@ -127,12 +127,7 @@ def _map_r3(t: Translation, engine_routing: bool) -> None:
             f"it needs a vLLM server (`vllm serve {RETURN_ROUTED_EXPERTS}`), not vllm_mode colocate: TRL builds the "
             "colocated engine without returning routed experts"
         )
-    if not t.recipe.get("filter_groups_enable"):
-        problems.append(
-            "it needs rollout_streaming (the streaming rollout returns the engine's routing), which streams dynamic "
-            "sampling's rounds: set algorithm.filter_groups.enable=True"
-        )
-    elif not t.recipe.get("rollout_streaming", True):
+    if not t.recipe.get("rollout_streaming", True):
         problems.append("it needs rollout_streaming, which this translation turns off")
     if t.recipe.get("tool_config"):
         problems.append("it does not run with tools (the engine routes the first turn only)")

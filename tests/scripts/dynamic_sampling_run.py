@@ -36,7 +36,7 @@ from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training.steps import SkipEmptySteps
+from dapo_trl.training.step.steps import SkipEmptySteps
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 NUM_GENERATIONS = 4

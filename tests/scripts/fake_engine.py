@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult
 
 COMPLETION_TOKENS = range(10, 60)
 

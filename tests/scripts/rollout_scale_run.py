@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 
-from dapo_trl.training.rollout_driver import RolloutDriver
-from dapo_trl.training.rollout_engine import GroupRequest, GroupResult
-from dapo_trl.training.rollout_stream import MAX_WAVES_PER_ROUND
+from dapo_trl.training.rollout.rollout_driver import RolloutDriver
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult
+from dapo_trl.training.rollout.rollout_stream import MAX_WAVES_PER_ROUND
 
 GROUP = 16
 

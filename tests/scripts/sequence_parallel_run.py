@@ -26,8 +26,8 @@ from trl.trainer.utils import add_fused_lm_head
 
 from dapo_trl.algorithm.router_aux import router_load
 from dapo_trl.moe.routing_replay import RouterHooks
-from dapo_trl.training.packing import pack_rows
-from dapo_trl.training.sequence_parallel import SequenceParallel, shard_packed
+from dapo_trl.training.step.packing import pack_rows
+from dapo_trl.training.step.sequence_parallel import SequenceParallel, shard_packed
 
 VOCAB = 97
 PAD = 0

@@ -8,7 +8,7 @@ stream, as at rollout_max_staleness >= 1), resume,
 crash_after_save (the process dies right after writing that step's checkpoint), tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
 the same fake generation answers) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
-engine returns routed experts). A failure on one process (`training.fail_together`): fail_in=reward (the
+engine returns routed experts). A failure on one process (`training.faults.fail_together`): fail_in=reward (the
 accuracy reward raises), decode (the tokenizer's batch_decode raises), evaluation (the reward raises while evaluating;
 evaluates every step) or engine (the fake engine's start raises a timeout: the main process's driver), on process
 fail_rank (default 1; the engine's is the main process) from optimizer step fail_from_step (default 1);
@@ -48,8 +48,8 @@ from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
 from dapo_trl.tiny_model import build_tiny_model
-from dapo_trl.training import rollout_setup
-from dapo_trl.training.stream_plan import group_seed
+from dapo_trl.training.rollout import rollout_setup
+from dapo_trl.training.rollout.stream_plan import group_seed
 
 # The fake engine's k >= 1 runs test which rows make each batch (selection, versions, resume), not the loss's
 # correction (its log-probs are no policy's): the refusal of k >= 1 for an engine of your own is lifted here;

@@ -23,7 +23,7 @@ from dapo_trl.rewards import retool_reward
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.tools import LocalSandbox, SandboxLimits
 from dapo_trl.tools.code_interpreter import CodeInterpreter
-from dapo_trl.training.batching import loss_mask
+from dapo_trl.training.step.batching import loss_mask
 
 NUM_GENERATIONS = 4
 # One program per row that calls the tool; the trainer must survive each and feed back what happened.

@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from dapo_trl.training.rollout_engine import GroupRequest, RequestSampling
-from dapo_trl.training.server_engine import VLLMServerEngine
-from dapo_trl.training.vllm_backends import reload_server_weights, save_weights
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.vllm_backends import reload_server_weights, save_weights
 
 GROUPS, N, TOKENS, PROMPT = 2, 4, 96, [5, 6, 7, 8, 9]
 MODES = ("recompute", "keep")

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.training.rollout_engine import GroupResult
+from dapo_trl.training.rollout.rollout_engine import GroupResult
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, for the probes (this runs as a script)
 from vllm_probes import (

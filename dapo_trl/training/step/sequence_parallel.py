@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as torch_dist
 
-from ..algorithm.router_aux import RouterLoad
+from ...algorithm.router_aux import RouterLoad
 from .batching import token_budget_chunks
 from .packing import IGNORE_INDEX, PackedRows, PerTokenOutput, padding_free_per_token
 

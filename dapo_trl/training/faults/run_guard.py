@@ -13,7 +13,8 @@ from typing import Any
 
 from transformers.trainer_utils import TrainOutput
 
-from . import trl_seam
+from .. import trl_seam
+from ..rollout.vllm_backends import abort_requests
 from .fail_together import FailTogether, launcher_store
 from .preemption import (
     Preemption,
@@ -24,7 +25,6 @@ from .preemption import (
     is_abandoned_round,
     parse_signals,
 )
-from .vllm_backends import abort_requests
 
 logger = logging.getLogger(__name__)
 

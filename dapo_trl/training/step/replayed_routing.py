@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..moe.routing_replay import RouterHooks, encode_routing, routing_from_rows
+from ...moe.routing_replay import RouterHooks, encode_routing, routing_from_rows
 
 PROMPT_ROUTING = "prompt_routed_experts"
 COMPLETION_ROUTING = "completion_routed_experts"
@@ -131,7 +131,7 @@ def replaying_round(trainer: Any, scoring: Any) -> Iterator[ReplayedRouting | No
 def record_replay_metrics(trainer: Any, output: dict[str, Any], scoring: Any) -> None:
     """The round's `replay_metrics` into the step's metrics; the mismatch without replay costs a forward, so only
     a step's first round (or wave) measures it."""
-    from . import trl_seam
+    from .. import trl_seam
 
     replayed, step = trainer._replayed_routing, trainer.state.global_step
     without_replay, replayed.probed_step = replayed.probed_step != step, step
@@ -146,7 +146,7 @@ def replay_metrics(
     forwards since the last call) and the mean |log-prob - engine log-prob| over the wave's completion tokens with
     replay (the old log-probs the rows carry) and, when `without_replay`, without it (one more forward without
     gradient: the trainer measures it once per optimizer step), over every process's rows."""
-    from . import trl_seam
+    from .. import trl_seam
 
     replayed: ReplayedRouting = trainer._replayed_routing
     input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)

@@ -13,17 +13,18 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 
-from . import trl_seam
+from .. import trl_seam
+from ..sampling.dynamic_sampling import DynamicSampler
 from .colocate_engine import VLLMColocateEngine
-from .dynamic_sampling import DynamicSampler
-from .rollout_driver import RolloutDriver, driver_metrics
+from .driver_stats import driver_metrics
+from .rollout_driver import RolloutDriver
 from .rollout_engine import GroupEngine, RequestSampling
 from .rollout_stream import ColocatedStreamingRollout, ServerStreamingRollout, StreamingRollout
 from .server_engine import VLLMServerEngine
 from .vllm_backends import ROLLOUT_WEIGHTS_FOLDER, prune_versions, reload_server_weights, rollout_weights_dirs
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 
 def build_streaming_rollout(
@@ -267,9 +268,12 @@ def release_engine(trainer: Any, rollout: StreamingRollout | None) -> None:
 
 
 def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path) -> None:
-    """Copy the weights versions the next batches sample from (older than the checkpoint's own) into it."""
+    """Copy the weights versions the next batches sample from (older than the checkpoint's own) into it (none
+    without a streaming rollout)."""
     import shutil
 
+    if rollout is None:
+        return
     root, _ = rollout_weights_dirs(args)
     for version in range(max(0, rollout.generation - rollout.staleness), rollout.generation):
         source = Path(root) / f"v{version}"

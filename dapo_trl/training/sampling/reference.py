@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..moe.architecture import set_zero3_leaf_modules
-from .trl_seam import trl_function
+from ...moe.architecture import set_zero3_leaf_modules
+from ..trl_seam import trl_function
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

@@ -202,7 +202,7 @@ def trainable_prompts(trainer: Any, dataset: Any) -> Any:
         return dataset
     from accelerate.utils import gather_object
 
-    from ..data import filter_overlong_prompts
+    from ...data import filter_overlong_prompts
 
     return filter_overlong_prompts(
         dataset,

@@ -1,4 +1,4 @@
-"""DAPO's soft overlong punishment (paper Eq. 13) as a built-in shaping column (`dapo_trl.training.shaping`).
+"""DAPO's soft overlong punishment (paper Eq. 13) as a built-in shaping column (`dapo_trl.training.sampling.shaping`).
 
 The math is `dapo_trl.algorithm.soft_overlong_penalty`. Needs torch, so `dapo_trl.rewards` does not import this
 module (its math-verify workers must stay light).
@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from ..algorithm import soft_overlong_penalty
+from ...algorithm import soft_overlong_penalty
 
 OVERLONG_PENALTY_NAME = "overlong_penalty"
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..utils.http import checked_service_path
+from ...utils.http import checked_service_path
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
 from .server_answers import StreamedAnswer, group_result
 from .server_progress import ServerProgress

@@ -9,11 +9,11 @@ An engine that goes away (`EngineUnavailable`: a vLLM server killed or restartin
 `recovery_timeout` seconds: its requests go back to the plan in stream order, the weights version the first of them
 needs is loaded again once it answers (a restarted server holds the base weights), and each is sent again with its
 own key and seed, so a batch-invariant engine samples the same tokens.
+Recovery is bounded (`engine_losses`): a request that crashes the server cannot loop.
 
-Recovery is bounded, so that a request that crashes the server (under a supervisor that restarts it) cannot loop:
-a group lost with the engine `max_engine_losses` times fails the run naming it (a poison request), and so does the
-engine going away that many times with no group finishing in between (a weights reload that crashes it); the waits
-for the engine since a group last finished share one `recovery_timeout`.
+With in-flight weight updates (an engine whose `updates_in_flight` is true) the newest published version is loaded
+as soon as it is published, under the running requests (the engine pauses them), and a request planned for an older
+version starts under the loaded one.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from enum import Enum
 
+from .driver_stats import DriverStats
+from .engine_losses import MAX_ENGINE_LOSSES, EngineLosses
 from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
 
 logger = logging.getLogger(__name__)
-
-MAX_ENGINE_LOSSES = 3  # a group lost with the engine this often (or losses in a row without progress) fails the run
 
 
 def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
@@ -40,18 +41,25 @@ def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
     return count
 
 
-@dataclass
-class DriverStats:
-    """What the engine did since the last `take_metrics`."""
+class EngineState(Enum):
+    """What the driver's engine is doing. `RolloutDriver._enter` is the one place that changes it, along `MOVES`."""
 
-    since: float = field(default_factory=time.monotonic)
-    busy: float = 0.0  # seconds with at least one request in flight
-    completed_groups: int = 0
-    generated_tokens: int = 0
-    cancelled_groups: int = 0
-    discarded_tokens: int = 0  # completed, then not used (admitted ahead for a batch that was already full)
-    loads_in_flight: int = 0  # weights versions loaded while requests ran (in-flight weight updates)
-    switched_groups: int = 0  # completed groups that a newer version took over inside
+    READY = "ready"  # admitting requests under the loaded version (or about to load one)
+    LOADING = "loading"  # the driver's thread loads a version; a sync from outside waits (`loaded_externally`)
+    RECOVERING = "recovering"  # the engine went away: admission waits until it answers again
+    RESTORING = "restoring"  # it answers again; the weights a sync from outside had set are loaded again
+    FAILED = "failed"  # an error every caller raises (`_error`)
+    CLOSED = "closed"
+
+
+MOVES = {
+    EngineState.READY: {EngineState.LOADING, EngineState.RECOVERING},
+    EngineState.LOADING: {EngineState.READY, EngineState.RECOVERING},
+    EngineState.RECOVERING: {EngineState.RESTORING, EngineState.READY},
+    EngineState.RESTORING: {EngineState.READY},
+    EngineState.FAILED: set(),
+    EngineState.CLOSED: set(),
+}  # and from every state but CLOSED to FAILED or CLOSED
 
 
 class RolloutDriver:
@@ -84,27 +92,25 @@ class RolloutDriver:
         self._wanted: set[tuple] = set()  # what a caller waits for now: admitted whatever is held
         self._known: set[tuple] = set()  # planned, in flight or done
         self._loaded: int | None = None
-        self._loading = False  # a load_weights call runs on the driver's thread
         self._starting: GroupRequest | None = None  # admitted, engine.start not yet returned
         self._cancel_after_start = False  # withdrawn while starting: cancel once start returns
         self._published = -1
         self._error: BaseException | None = None
         self._order: dict[tuple, int] = {}  # of every known key: requests sent again go back to their place
         self._planned_count = 0
-        self._recovering = False  # the engine went away: admission waits until it answers again
         self._external: int | None = None  # the version a sync outside the driver loaded, while it is the engine's
-        self.recoveries = 0
-        self.max_engine_losses = max_engine_losses
-        self._lost: dict[tuple, int] = {}  # key -> times it was lost with the engine (until it finishes or is dropped)
-        self._sent_after: dict[tuple, int] = {}  # key -> recoveries before it was last sent
-        self._losses_in_a_row = 0  # engine losses since a group last finished
-        self._recovery_spent = 0.0  # seconds waited for the engine since a group last finished
-        self._closed = False
+        self._losses = EngineLosses(max_engine_losses, self.recovery_timeout)
+        self._state = EngineState.READY
         self._busy_since: float | None = None
         self.stats = DriverStats()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._admit_loop, name="dapo-rollout-driver", daemon=True)
         self._thread.start()
+
+    @property
+    def recoveries(self) -> int:
+        """How many times the engine came back after it went away."""
+        return self._losses.recoveries
 
     # ---------------------------------------------------------------------------------------------- caller side
     def plan(self, requests: list[GroupRequest]) -> None:
@@ -128,7 +134,7 @@ class RolloutDriver:
         Waits for a reload the driver is running to end first, so that the server's weights have one owner at a
         time: the caller's sync comes after it, and the driver never marks its version loaded over the caller's."""
         with self._cond:
-            while self._loading and self._error is None:
+            while self._state in (EngineState.LOADING, EngineState.RESTORING):
                 self._cond.wait(1.0)
             self._loaded = self._external = version
             self._cond.notify_all()
@@ -163,7 +169,7 @@ class RolloutDriver:
                 progress = getattr(self.engine, "last_progress", None)  # a server engine's own progress clock
                 last = max(started, self.last_done, progress() if progress is not None else 0.0)
                 remaining = last + timeout - time.monotonic()
-                if remaining <= 0 and not self._recovering:
+                if remaining <= 0 and self._state not in (EngineState.RECOVERING, EngineState.RESTORING):
                     raise TimeoutError(
                         f"no generated group arrived for {timeout:g} s ({len(self._in_flight)} in flight): the "
                         "vLLM server is stuck or too slow (raise vllm_request_timeout if it is just slow)"
@@ -224,8 +230,7 @@ class RolloutDriver:
         for key in keys:
             self._known.discard(key)
             self._order.pop(key, None)
-            self._lost.pop(key, None)
-            self._sent_after.pop(key, None)
+            self._losses.forget(key)
 
     def take_metrics(self) -> DriverStats:
         with self._cond:
@@ -238,8 +243,7 @@ class RolloutDriver:
 
     def close(self) -> None:
         with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+            self._enter(EngineState.CLOSED)
         self.withdraw()
         self.engine.close()
 
@@ -247,28 +251,29 @@ class RolloutDriver:
     def _admit_loop(self) -> None:
         while True:
             with self._cond:
-                recover = self._recovering and not self._closed and self._error is None
+                recover = self._state is EngineState.RECOVERING
             if recover:
                 self._wait_for_engine()
             with self._cond:
                 request = load = None
-                while not self._closed and request is None and load is None and not self._recovering:
+                while self._state is EngineState.READY and request is None and load is None:
                     request, load = self._next_admission()
                     if request is None and load is None:
                         self._cond.wait(0.5)
-                if self._recovering and not self._closed:
+                if self._state is EngineState.RECOVERING:
                     continue
-                if self._closed:
+                if self._state in (EngineState.CLOSED, EngineState.FAILED):
                     return
                 if load is not None:
                     self.stats.loads_in_flight += bool(self._in_flight)
-                    self._loaded, self._loading, self._external = None, True, None
+                    self._enter(EngineState.LOADING)
+                    self._loaded, self._external = None, None
                 else:
                     self._planned.popleft()
                     if request.version != self._loaded:  # an older plan, started under the loaded version
                         request = replace(request, version=self._loaded)
                     self._in_flight[request.key] = request
-                    self._sent_after[request.key] = self.recoveries
+                    self._losses.sent(request.key)
                     self._starting, self._cancel_after_start = request, False
                     self._update_busy()
             if load is not None:
@@ -289,8 +294,8 @@ class RolloutDriver:
             return
         with self._cond:
             # `loaded_externally` waits while a load runs, so nothing set the weights meanwhile.
-            self._loaded, self._loading = version, False
-            self._cond.notify_all()
+            if self._enter(EngineState.READY):
+                self._loaded = version
 
     def _start(self, request: GroupRequest) -> None:
         try:
@@ -317,49 +322,20 @@ class RolloutDriver:
         with self._cond:
             # A loss is new unless a recovery runs, or `request` was sent before the last one: then it was lost with
             # the engine that recovery waited for (it reports late), and was counted with every request in flight.
-            if not self._recovering and (request is None or self._sent_after.get(request.key) == self.recoveries):
-                lost = ([] if request is None else [request]) + list(self._in_flight.values())
-                if self._count_loss(exc, [r.key for r in lost], loading):
+            recovering = self._state in (EngineState.RECOVERING, EngineState.RESTORING)
+            if not recovering and (request is None or not self._losses.sent_before_the_last_recovery(request.key)):
+                lost = [r.key for r in ([] if request is None else [request]) + list(self._in_flight.values())]
+                error = self._losses.count(exc, lost, loading, self._order.__getitem__, self._engine_name())
+                if error is not None:
+                    self._fail(error)
                     return
                 # A restarted server holds the base weights: the driver's version loads again; a sync's, in
                 # `_wait_for_engine`.
-                self._recovering, self._loaded, self._loading = True, None, False
+                self._enter(EngineState.RECOVERING)
+                self._loaded = None
             if request is not None:
                 self._planned = deque(sorted([*self._planned, request], key=lambda r: self._order[r.key]))
             self._cond.notify_all()
-
-    def _count_loss(self, exc: EngineUnavailable, lost: list[tuple], loading: int | None) -> bool:
-        """Count a new loss of the engine with the groups `lost` in flight; fail (and say so) once a group has been
-        lost `max_engine_losses` times (it may crash the server), or the engine that often with no group finishing
-        in between (a reload that crashes it). The lock is held."""
-        self._losses_in_a_row += 1
-        for key in lost:
-            self._lost[key] = self._lost.get(key, 0) + 1
-        limit, where = self.max_engine_losses, self._engine_name()
-        suspects = sorted((key for key in lost if self._lost[key] >= limit), key=self._order.__getitem__)
-        if suspects:
-            named = ", ".join(map(str, suspects[:4])) + (f" and {len(suspects) - 4} more" if len(suspects) > 4 else "")
-            which = ("group", "it") if len(suspects) == 1 else ("groups", "one of them")
-            error = EngineUnavailable(
-                f"{where} went away {limit} times with {which[0]} {named} in flight (sent again after each recovery; "
-                f"last: {exc}): {which[1]} likely crashes the server (see its log); the run stops instead of sending "
-                "it again"
-            )
-        elif self._losses_in_a_row >= limit:
-            during = (
-                f"while loading weights version {loading}" if loading is not None else f"with {len(lost)} in flight"
-            )
-            error = EngineUnavailable(
-                f"{where} went away {self._losses_in_a_row} times with no group finishing in between (the last "
-                f"{during}: {exc}): it crashes on what it is sent, not just restarts; see its log for the cause"
-            )
-        else:
-            logger.warning(
-                "%s; waiting up to %g s for it to come back", exc, self.recovery_timeout - self._recovery_spent
-            )
-            return False
-        self._fail(error)
-        return True
 
     def _engine_name(self) -> str:
         url = getattr(self.engine, "base_url", None)
@@ -369,21 +345,16 @@ class RolloutDriver:
         """Wait for the engine to answer, within what is left of `recovery_timeout` since a group last finished."""
         started = time.monotonic()
         try:
-            remaining = self.recovery_timeout - self._recovery_spent
             try:
-                if remaining <= 0:
+                if self._losses.remaining <= 0:
                     raise EngineUnavailable(f"{self._engine_name()} is still away")
-                self.engine.wait_available(remaining)
+                self.engine.wait_available(self._losses.remaining)
             except EngineUnavailable as exc:
-                if self._losses_in_a_row <= 1:
-                    raise
-                raise EngineUnavailable(
-                    f"{exc} ({self._losses_in_a_row} recoveries with no group finishing in between share "
-                    f"vllm_server_recovery_timeout={self.recovery_timeout:g} s, which they spent)"
-                ) from exc
+                raise self._losses.spent_error(exc) from exc
             with self._cond:
                 external = self._external
-                self._loading = external is not None  # a sync from outside waits for this reload (`loaded_externally`)
+                if external is not None:  # a sync from outside waits for this reload (`loaded_externally`)
+                    self._enter(EngineState.RESTORING)
             if external is not None:
                 if self.reload_external is None:
                     raise EngineUnavailable("the engine came back, but nothing can load the weights a sync set")
@@ -392,18 +363,29 @@ class RolloutDriver:
             self._fail(exc)
             return
         with self._cond:
-            self._recovery_spent += time.monotonic() - started
-            self._loaded, self._loading = external, False
-            self._recovering = False
-            self.recoveries += 1
+            self._losses.recovered(time.monotonic() - started)
+            if not self._enter(EngineState.READY):
+                return
+            self._loaded = external
             self.last_done = time.monotonic()  # the wave's progress clock restarts with the engine
             self._cond.notify_all()
         logger.warning("the engine answers again: sending its %d unfinished groups again", len(self._planned))
 
+    def _enter(self, state: EngineState) -> bool:
+        """Move to `state` (the lock is held); False, and no move, once closed or failed (a late report of the
+        driver's thread). A move `MOVES` does not list is a bug, raised."""
+        if self._state in (EngineState.CLOSED, EngineState.FAILED) and state is not EngineState.CLOSED:
+            return False
+        if state not in (EngineState.FAILED, EngineState.CLOSED) and state not in MOVES[self._state]:
+            raise RuntimeError(f"rollout driver: no move from {self._state.value} to {state.value}")
+        self._state = state
+        self._cond.notify_all()
+        return True
+
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
-            self._error, self._loading, self._starting = exc, False, None
-            self._cond.notify_all()
+            self._error, self._starting = exc, None
+            self._enter(EngineState.FAILED)
 
     def _next_admission(self) -> tuple[GroupRequest | None, int | None]:
         """(request, None) to start it now, (None, version) to load that version first, or (None, None) when nothing
@@ -442,8 +424,7 @@ class RolloutDriver:
             if isinstance(result, BaseException):
                 self._error = result
             else:
-                self._losses_in_a_row, self._recovery_spent = 0, 0.0  # progress: recovery starts afresh
-                self._lost.pop(request.key, None)
+                self._losses.finished(request.key)
                 self._done[request.key] = result
                 self._held_bytes += result.nbytes
                 self.stats.completed_groups += 1
@@ -458,18 +439,3 @@ class RolloutDriver:
         elif not self._in_flight and self._busy_since is not None:
             self.stats.busy += now - self._busy_since
             self._busy_since = None
-
-
-def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
-    """The `rollout/*` metrics of one generation batch from the driver's counters."""
-    wall = max(time.monotonic() - stats.since, 1e-9)
-    return {
-        "rollout/engine_busy_fraction": min(stats.busy / wall, 1.0),
-        "rollout/trainer_wait_fraction": min(trainer_wait / wall, 1.0),
-        "rollout/groups_per_second": stats.completed_groups / wall,
-        "rollout/generated_tokens": float(stats.generated_tokens),
-        "rollout/cancelled_groups": float(stats.cancelled_groups),
-        "rollout/discarded_tokens": float(stats.discarded_tokens),
-        "rollout/weight_loads_in_flight": float(stats.loads_in_flight),
-        "rollout/groups_switched_in_flight": float(stats.switched_groups),
-    }

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from ..algorithm.kl import kl_penalty_per_token
-from ..algorithm.losses import (
+from ...algorithm.kl import kl_penalty_per_token
+from ...algorithm.losses import (
     Aggregation,
     LossInputs,
     LossSettings,
@@ -31,8 +31,8 @@ from ..algorithm.losses import (
     ratio_log,
     step_token_share,
 )
-from ..algorithm.router_aux import RouterLoad, part_of, recorded_loads
-from . import trl_seam
+from ...algorithm.router_aux import RouterLoad, part_of, recorded_loads
+from .. import trl_seam
 from .batching import FILLER_ROWS, PASS_SHARE, WHOLE_PASS, PassShare
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from ..validation import (
+from ...validation import (
     PromptResult,
     ValidationSampling,
     build_results,
@@ -29,13 +29,13 @@ from ..validation import (
     summarize,
     write_samples,
 )
-from . import trl_seam
+from .. import trl_seam
 
 if TYPE_CHECKING:
     from datasets import Dataset, IterableDataset
     from trl import GRPOTrainer as DAPOTrainer  # a dapo_trl.DAPOTrainer; named by its base, so imports run one way
 
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

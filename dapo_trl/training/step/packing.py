@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..algorithm.router_aux import RouterLoad, load_balancing_loss
+from ...algorithm.router_aux import RouterLoad, load_balancing_loss
 from .batching import balanced_partition, token_budget_chunks
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 IGNORE_INDEX = -100
 BIN_ALIGNMENT = 64

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..algorithm.losses import POLICY_LOSSES, Aggregation, policy_loss
+from ...algorithm.losses import POLICY_LOSSES, Aggregation, policy_loss
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

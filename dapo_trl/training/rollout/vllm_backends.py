@@ -41,15 +41,15 @@ import requests
 import torch
 import urllib3
 
-from ..moe.architecture import is_moe_checkpoint
-from ..utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
-from . import trl_seam
+from ...moe.architecture import is_moe_checkpoint
+from ...utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
+from .. import trl_seam
+from ..trl_seam import vllm_backend_class
 from .rollout_engine import EngineUnavailable
 from .server_progress import watch_generation
-from .trl_seam import vllm_backend_class
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from . import trl_seam
+from .. import trl_seam
+from ..step.replayed_routing import record_replay_metrics
 from .dynamic_sampling import check_regroupable
-from .replayed_routing import record_replay_metrics
 
 
 @dataclass

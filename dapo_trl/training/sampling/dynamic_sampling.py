@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..algorithm import assemble_batch, group_keep_mask
+from ...algorithm import assemble_batch, group_keep_mask
+from ..faults.preemption import SafePoints
+from ..step.replayed_routing import ROUTING_ROW_TENSORS
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
-from .preemption import SafePoints
-from .replayed_routing import ROUTING_ROW_TENSORS
 from .streams import IterablePromptStream, PromptStream
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,10 @@ class DynamicSampler:
             aggregation = self.args.multi_objective_aggregation
             rewards = batch_level_rewards(*scored.rewards, self.group_size, aggregation)
             scored.rows[BATCH_REWARDS] = rewards.to(scored.rows["advantages"].device)
-        group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
+        if self.args.filter_groups_enable:
+            group_kept = group_keep_mask(scored.accuracy.cpu(), self.group_size, self.args.filter_groups_atol)
+        else:  # the streaming rollout without dynamic sampling: every group is kept, the first round fills the batch
+            group_kept = torch.ones(len(scored.accuracy) // self.group_size, dtype=torch.bool)
         row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
         filling.stats["groups_generated"] += group_kept.numel()
         filling.stats["groups_kept"] += int(group_kept.sum())
@@ -275,8 +278,9 @@ class DynamicSampler:
         return {"prompt_stream": self.stream.state_dict(), "carried_groups": carried, "rewards": settings}
 
     def checkpoint_files(self) -> dict[str, DynamicSampler]:
-        """{file: self} when dynamic sampling is on: its prompt stream and carried groups are run state to save."""
-        return {SAMPLING_STATE_FILE: self} if self.args.filter_groups_enable else {}
+        """{file: self} when dynamic sampling or the streaming rollout is on: its prompt stream and carried groups
+        are run state to save."""
+        return {SAMPLING_STATE_FILE: self} if self.args.filter_groups_enable or self.args.rollout_streaming else {}
 
     def _reward_settings(self) -> list[str]:
         """What a carried group's advantage (or stored reward) was computed under."""

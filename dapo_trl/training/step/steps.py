@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import TrainerCallback
 
-from ..algorithm import trl_items_for_exact_normalizer
-from .trl_seam import metrics
+from ...algorithm import trl_items_for_exact_normalizer
+from ..trl_seam import metrics
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from trl.trainer.utils import nanstd  # TRL's own: Bessel-corrected, NaN-ignoring
 
-from . import trl_seam
+from .. import trl_seam
 
 # TRL's per-pass metrics that `trained_batch_metrics` replaces (`rewards/<name>/mean|std` too).
 REPLACED = (

@@ -1,6 +1,6 @@
 """Every training-phase forward of DAPOTrainer (old, reference and policy log-probs): TRL's padded forward, or,
-with `padding_free`, real tokens only (rows packed into sequences, `training.packing`), sharded across a
-sequence-parallel group when there is one (`training.sequence_parallel`), under the token budget.
+with `padding_free`, real tokens only (rows packed into sequences, `training.step.packing`), sharded across a
+sequence-parallel group when there is one (`training.step.sequence_parallel`), under the token budget.
 
 For a mixture-of-experts policy, packed forwards collect the router logits through hooks (`moe.routing_replay.
 RouterHooks`) and compute the router's auxiliary loss from additive router loads over real tokens only
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..algorithm.router_aux import RouterLoad, router_load
-from ..moe.architecture import is_moe
-from ..moe.routing_replay import ROUTING_KWARG, RouterHooks
+from ...algorithm.router_aux import RouterLoad, router_load
+from ...moe.architecture import is_moe
+from ...moe.routing_replay import ROUTING_KWARG, RouterHooks
 from .packing import forward_count_agreement, one_forward_per_backward, packing_mode, padding_free_per_token
 from .sequence_parallel import SequenceParallel, check_sequence_parallel
 
 if TYPE_CHECKING:
-    from ..config import DAPOConfig
+    from ...config import DAPOConfig
 
 
 def router_counted(
@@ -164,7 +164,8 @@ class TokenForwards:
         )
 
     def _sharded(self, model, input_ids, attention_mask, logits_to_keep, batch_size, flags, multimodal, padded_forward):
-        """The group's rows packed, each packed sequence sharded across the group (`training.sequence_parallel`)."""
+        """The group's rows packed, each packed sequence sharded across the group
+        (`training.step.sequence_parallel`)."""
         if any(value is not None for value in multimodal.values()):
             raise ValueError("sequence_parallel_size > 1 runs text-only models: image inputs cannot be sharded.")
         attention = getattr(self.accelerator.unwrap_model(model).config, "_attn_implementation", None)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..trl_seam import GenerationOutput, reward_metric_logger
 from .kl_in_reward import (
     KL_CONTROLLER_STATE_FILE,
     KLController,
@@ -29,7 +30,6 @@ from .kl_in_reward import (
     policy_and_reference_log_probs,
 )
 from .overlong import SoftOverlongPenalty
-from .trl_seam import GenerationOutput, reward_metric_logger
 
 _SHOWN_LISTS = ("reward_funcs", "reward_func_names", "reward_processing_classes")
 

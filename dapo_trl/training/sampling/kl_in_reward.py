@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ..algorithm import adaptive_kl_coef, kl_penalty_per_token
-from . import trl_seam
-from .packing import forward_count_agreement
-from .trl_seam import trl_function
+from ...algorithm import adaptive_kl_coef, kl_penalty_per_token
+from .. import trl_seam
+from ..step.packing import forward_count_agreement
+from ..trl_seam import trl_function
 
 KL_IN_REWARD_NAME = "kl_in_reward"
 KL_CONTROLLER_STATE_FILE = "dapo_kl_controller.pt"

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from .batch_metrics import decided_groups, trained_batch_metrics
-from .dynamic_sampling import DynamicSampler, Filling, ScoredRound
+from ..sampling.batch_metrics import decided_groups, trained_batch_metrics
+from ..sampling.dynamic_sampling import DynamicSampler, Filling, ScoredRound
 from .rollout_driver import RolloutDriver, done_prefix
 from .rollout_engine import GroupRequest, GroupResult
 from .stream_plan import StreamCursor, group_seed, plan_horizon, share_spans

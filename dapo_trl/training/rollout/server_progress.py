@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .preemption import AbandonedRound
+from ..faults.preemption import AbandonedRound
 
 logger = logging.getLogger(__name__)
 
