@@ -116,6 +116,22 @@ def test_streaming_gives_the_batches_of_rounds(tmp_path):
 
 
 @pytest.mark.e2e
+def test_streaming_without_dynamic_sampling_trains_the_batches_of_plain_grpo(tmp_path):
+    """filter_groups_enable=false: no group is filtered, so a step is its dataloader batch, streamed group by group
+    (what routing replay and overlap need): the prompts TRL's own generation trains (one request for the batch; the
+    stand-in samples it unseeded, so the completions differ)."""
+    train(tmp_path / "plain", 2, "filter_groups_enable=false")
+    train(tmp_path / "stream", 2, "filter_groups_enable=false", "rollout_streaming=true", "timing_seed=3")
+    plain = {step: sorted(row[0] for row in rows) for step, rows in batches(tmp_path / "plain").items()}
+    assert sorted(plain) == [0, 1] and all(len(prompts) == 8 for prompts in plain.values())
+    streamed = {step: sorted(row[0] for row in rows) for step, rows in batches(tmp_path / "stream").items()}
+    assert streamed == plain
+    metrics = rollout_metrics(tmp_path / "stream")
+    assert [entry["dynamic_sampling/keep_rate"] for entry in metrics] == [1.0, 1.0]
+    assert [entry["dynamic_sampling/rounds"] for entry in metrics] == [1.0, 1.0]
+
+
+@pytest.mark.e2e
 def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     """k = 1 with carried surplus and two optimizer updates per rollout, on the tiny mixture-of-experts model with
     routing replay (the fake engine returns each completion's routed experts): the batches of an uninterrupted run on
