@@ -150,8 +150,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------------------------ one arm (worker)
-def run_worker(args: argparse.Namespace) -> None:
-    """Train warmup + steps optimizer steps in one arm; write per-step timings and metrics to --out."""
+def run_worker(args: argparse.Namespace, in_process: bool = False) -> None:
+    """Train warmup + steps optimizer steps in one arm; write per-step timings and metrics to --out. A worker
+    process exits here (`in_process`: the smoke check's arms return)."""
     import torch
     from common import quiet
     from datasets import Dataset
@@ -310,7 +311,8 @@ def run_worker(args: argparse.Namespace) -> None:
     for engine in (getattr(trainer, "_round_engine", None),):
         if engine is not None:
             engine.close()
-    os._exit(0)  # the streaming driver's threads are daemons; nothing else to wait for
+    if not in_process:
+        os._exit(0)  # the streaming driver's threads are daemons; nothing else to wait for
 
 
 # --------------------------------------------------------------------------------------------- the driver
@@ -463,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                     model,
                 ]
                 if args.smoke:  # a check, no figure: the arm runs in this process (no interpreter start, no pinning)
-                    run_worker(parse_args(command[command.index("--worker") :]))
+                    run_worker(parse_args(command[command.index("--worker") :]), in_process=True)
                     results[arm].append(summarise(json.loads((out / "result.json").read_text()), args.warmup))
                     continue
                 env = {

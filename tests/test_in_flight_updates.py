@@ -1,24 +1,27 @@
 """In-flight weight updates (`rollout_in_flight_weight_updates`): a version is loaded while requests run, the server
-pausing them with their KV cache kept, and every token carries the version that sampled it.
+pausing them with their KV cache kept, and every token carries the version that sampled it; a checkpoint keeps the
+groups generated ahead as far as they were sampled, and a resumed run continues them.
 
-A stand-in vLLM server streams tokens that encode the version loaded when each was generated (1000 x version +
-position), and honours `/pause?mode=keep`, `/collective_rpc` (the reload) and `/resume` as vLLM does: nothing is
-generated while paused. So the versions the engine assigns can be checked token by token, whatever the timing. The
-real server's test is in tests/test_vllm.py.
+A stand-in vLLM server streams tokens that encode the version loaded when each was generated and their place in the
+sequence (1000 x version + prompt and tokens before it), and honours `/pause?mode=keep`, `/collective_rpc` (the
+reload) and `/resume` as vLLM does: nothing is generated while paused. So the versions the engine assigns can be
+checked token by token, whatever the timing. The real server's test is in tests/test_vllm.py.
 """
 
 import contextlib
 import http.client
 import http.server
+import io
 import json
 import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 
 from dapo_trl.training.rollout.rollout_driver import RolloutDriver
-from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, PartialGroup, RequestSampling
 from dapo_trl.training.rollout.server_answers import StreamedAnswer
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 
@@ -27,8 +30,9 @@ from .test_rollout_streaming import serve
 N, MAX_TOKENS = 3, 40
 
 
-def event(index: int, token: int, logprob: float) -> bytes:
+def event(index: int, token: int, logprob: float, finish: str | None = None) -> bytes:
     choice = {"index": index, "text": "x", "logprobs": {"token_logprobs": [logprob]}, "token_ids": [token]}
+    choice["finish_reason"] = finish
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
@@ -59,23 +63,25 @@ class PausableServer(http.server.BaseHTTPRequestHandler):
         if self.path == "/collective_rpc":
             self.loaded[0] = int(body["kwargs"]["weights_path"].rsplit("/v", 1)[1])
             return self._json({})
-        assert body["stream"] is True and body["n"] == N
+        assert body["stream"] is True and body["n"] in (N, 1)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         with contextlib.suppress(OSError):  # a cancelled request's client is gone
-            self._stream(body["max_tokens"])
+            self._stream(body["max_tokens"], len(body["prompt"][0]), body["n"])
 
-    def _stream(self, max_tokens: int) -> None:
+    def _stream(self, max_tokens: int, prompt_length: int, n: int) -> None:
         for position in range(max_tokens):
             while self.paused.is_set():
                 time.sleep(0.001)
             with self.step:
                 if self.paused.is_set():
                     continue
-                for index in range(N):
-                    self._chunk(event(index, 1000 * self.loaded[0] + position, -0.1 * (self.loaded[0] + 1)))
+                token, finish = 1000 * self.loaded[0] + prompt_length + position, position == max_tokens - 1
+                for index in range(n):
+                    logprob = -0.1 * (self.loaded[0] + 1)
+                    self._chunk(event(index, token, logprob, "length" if finish else None))
             time.sleep(0.005)
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
@@ -128,11 +134,12 @@ def server_engine(tmp_path):
     server.shutdown()
 
 
-def assert_versions_are_the_samplers(result) -> None:
+def assert_versions_are_the_samplers(result, prompt_length: int = 2) -> None:
     """Each token's version, as the engine assigned it, is the one the server generated it with."""
     for completion, ids in enumerate(result.completion_ids):
         assert result.token_versions(completion).tolist() == [token // 1000 for token in ids]
-        assert [token % 1000 for token in ids] == list(range(MAX_TOKENS))  # nothing restarted or lost
+        expected = list(range(prompt_length, prompt_length + MAX_TOKENS))
+        assert [token % 1000 for token in ids] == expected  # nothing restarted or lost
 
 
 def test_a_version_loaded_mid_response_tags_each_token_with_the_version_that_sampled_it(server_engine):
@@ -171,6 +178,62 @@ def test_with_nothing_running_a_version_loads_as_before(server_engine, monkeypat
     server_engine.load_weights(2)
     assert [path for path, _ in PausableServer.calls] == ["reload", "/collective_rpc"]  # no pause
     assert ("reload", True) in PausableServer.calls
+
+
+def test_a_group_kept_by_a_checkpoint_is_continued_not_generated_again(server_engine):
+    """A running group as far as it was sampled (`partial_groups`, what a checkpoint keeps), sent again after a
+    resume under a newer version: each completion continues from its kept tokens (its prompt and those tokens as
+    the prompt), and the group ends with every token once, each with the version that sampled it."""
+    answers, finished = {}, threading.Event()
+
+    def done(request, result):
+        answers[request.key] = result
+        finished.set()
+
+    running = GroupRequest(("stream", 7), [5, 6], 7, version=0)
+    server_engine.start(running, done)
+    wait_for(lambda: server_engine._received > 3000 or answers)
+    kept = server_engine.partial_groups()[running.key]
+    server_engine.cancel(running)  # the run dies here
+    assert not answers and 0 < min(len(ids) for ids in kept.token_ids) and not any(kept.finished)
+    ((key, saved),) = torch.load(io.BytesIO(checkpoint_bytes(kept)), weights_only=True)["groups"]  # as resumed
+    assert tuple(key) == running.key
+    server_engine.load_weights(1)
+    resumed = GroupRequest(("stream", 7), [5, 6], 7, version=1, partial=PartialGroup.from_state(saved))
+    server_engine.start(resumed, done)
+    assert finished.wait(20)
+    result = answers[running.key]
+    assert_versions_are_the_samplers(result)  # every position once: kept tokens version 0, continued ones 1
+    assert result.version == 0 and all(result.token_versions(i)[-1] == 1 for i in range(N))
+    continued = [(path, version) for path, version in PausableServer.calls if path == "/v1/completions"][1:]
+    assert len(continued) == N  # one request per completion, none for the group again
+
+
+def checkpoint_bytes(kept: PartialGroup) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"groups": [(["stream", 7], kept.state_dict())]}, buffer)
+    return buffer.getvalue()
+
+
+def test_the_driver_finishes_a_kept_group_at_once_and_continues_a_partial_one():
+    engine = HeldEngine()
+    driver = RolloutDriver(engine, max_in_flight=8)
+    whole = PartialGroup(
+        [np.array([1, 2])] * 2, [np.array([-0.1, -0.2], dtype=np.float32)] * 2, [np.zeros(2)] * 2, [True] * 2
+    )
+    part = PartialGroup([np.array([1])] * 2, [np.array([-0.1], dtype=np.float32)] * 2, [np.zeros(1)] * 2, [False] * 2)
+    stale = PartialGroup([np.array([1])] * 2, [np.array([-0.1], dtype=np.float32)] * 2, [np.zeros(1)] * 2, [False] * 2)
+    driver.restore({("stream", 0): whole, ("stream", 1): part, ("stream", 2): stale})
+    driver.plan([GroupRequest(("stream", n), [5], n, version=1 if n == 2 else 0) for n in range(3)])
+    driver.publish(1)
+    wait_for(lambda: len(engine.running) == 2)
+    assert [event[1] for event in engine.events if event[0] == "start"] == [("stream", 1), ("stream", 2)]
+    assert engine.running["stream", 1][0].partial is part  # continued
+    assert engine.running["stream", 2][0].partial is None  # its batch's bound (version 1) no longer takes it
+    assert driver.ready_prefix([("stream", 0)], 1, timeout=5) == 1  # done without the engine
+    assert driver.take([("stream", 0)])[0].completion_ids == [[1, 2], [1, 2]]
+    assert driver.take_metrics().restored_groups == 2
+    driver.close()
 
 
 # ------------------------------------------------------------------------------------------ parsing the stream

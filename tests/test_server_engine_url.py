@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
-from dapo_trl.training.rollout.server_engine import VLLMServerEngine, _server_address
+from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+from dapo_trl.training.rollout.server_http import server_address as _server_address
 from dapo_trl.training.rollout.vllm_backends import reload_server_weights
 
 GROUP, PREFIX = 4, "/proxy/vllm"

@@ -259,7 +259,8 @@ def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
     run switches inside every response, nothing restarts, and each token's assigned version is the one that sampled
     it: before the switch the engine's log-probs are version 0's to float32 noise; after it, with the KV cache
     recomputed (vLLM's default) version 1's to float32 noise, and with the old KV cache kept, nearer version 1's
-    than version 0's (the gap the importance weight absorbs, printed and recorded in docs/rollout.md)."""
+    than version 0's (the gap the importance weight absorbs, printed and recorded in docs/rollout.md). Groups kept as
+    a checkpoint keeps them are continued from their kept tokens by a new engine, each token once."""
     script = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_in_flight.py"), str(tmp_path), model_dir, shared_server]
     print(run_command(script, timeout=300).stdout[-3000:])
     report = json.loads((tmp_path / "in_flight.json").read_text())
@@ -272,6 +273,31 @@ def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
     assert after["gap_to_v1_max"] <= 1e-4 < after["gap_to_v0_max"], report
     kept = report["keep"]["tokens"]["sampled_by_v1"]
     assert kept["gap_to_v1_mean"] < kept["gap_to_v0_mean"], report
+    # Kept by a checkpoint, the engine gone, continued by a new one under version 1: nothing sampled twice or lost.
+    resumed = report["resume"]
+    assert resumed["kept_tokens_then_continued"] and resumed["tokens"]["sampled_by_v1"]["gap_to_v1_max"] <= 1e-4
+
+
+def test_in_flight_groups_kept_by_a_checkpoint_are_continued_after_a_kill(
+    vllm_venv, model_dir, shared_server, tmp_path
+):
+    """k = 1 with in-flight weight updates, killed right after checkpoint 4 (the next generation batch's groups
+    already generated or under way) and resumed: the resumed run takes them from the checkpoint (finished ones as
+    they were, running ones continued from their kept tokens) instead of generating them again."""
+    overlap = ("rollout_max_staleness=1", "rollout_in_flight_weight_updates=true", "steps_per_generation=4")
+    overlap += ("gradient_accumulation_steps=1", "per_device_train_batch_size=2", "max_steps=8")
+    overlap += ("vllm_importance_sampling_mode=token_truncate", "save_strategy=steps", "save_steps=4")
+    out = tmp_path / "killed"
+    stream(vllm_venv, model_dir, shared_server, out, *overlap, "crash_after_save=4", expect_crash=True)
+    stream(vllm_venv, model_dir, shared_server, out, *overlap, f"resume={out / 'run' / 'checkpoint-4'}")
+    history = json.loads((out / "log_history.json").read_text())
+    restored = [
+        entry["rollout/groups_restored"]
+        for entry in history
+        if entry["step"] > 4 and "rollout/groups_restored" in entry
+    ]
+    assert restored and restored[0] >= 1, history  # the resumed run's first batch: taken from the checkpoint
+    assert sorted(trained(out)) == list(range(8))
 
 
 def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollout(

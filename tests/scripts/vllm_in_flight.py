@@ -11,7 +11,9 @@ engine assigned, the largest and mean gap between the engine's sampling log-prob
 switch were sampled by version 0: their gap to version 0 is float32 noise. Tokens after it: with `recompute` the
 server recomputed the KV cache with version 1, so their gap to version 1 is float32 noise too; with `keep` they were
 sampled over the KV cache version 0 wrote for the earlier tokens, and their gap to a full version-1 re-score is what
-the importance weight absorbs.
+the importance weight absorbs. `resume`: the groups are kept as a checkpoint keeps them (`partial_groups`), the
+engine dropped, and a new one continues each completion from its kept tokens under version 1: every completion
+must hold its kept tokens then the rest (`kept_tokens_then_continued`), nothing sampled twice.
 """
 
 import json
@@ -19,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -29,7 +32,7 @@ from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 from dapo_trl.training.rollout.vllm_backends import reload_server_weights, save_weights
 
 GROUPS, N, TOKENS, PROMPT = 2, 4, 96, [5, 6, 7, 8, 9]
-MODES = ("recompute", "keep")
+MODES = ("recompute", "keep", "resume")
 
 
 def token_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
@@ -39,12 +42,18 @@ def token_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Ten
     return logits.log_softmax(-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
 
 
-def switch_inside_responses(root: Path, base_url: str, model, moved, keep_kv_cache: bool) -> dict:
-    """Start groups under version 0, load version 1 while they run, and measure each token against both versions."""
+def switch_inside_responses(root: Path, base_url: str, model, moved, mode: str) -> dict:
+    """Start groups under version 0, load version 1 while they run (or, `resume`, keep them as a checkpoint would,
+    drop the engine and continue them under version 1 from a new one), and measure each token against both
+    versions."""
     sampling = RequestSampling(n=N, max_tokens=TOKENS, extra={"ignore_eos": True})
-    engine = VLLMServerEngine(
-        base_url, sampling, GROUPS, 120, root, reload_server_weights, root, True, keep_kv_cache=keep_kv_cache
-    )
+
+    def new_engine() -> VLLMServerEngine:
+        return VLLMServerEngine(
+            base_url, sampling, GROUPS, 120, root, reload_server_weights, root, True, keep_kv_cache=mode == "keep"
+        )
+
+    engine = new_engine()
     engine.load_weights(0)  # nothing runs: the usual reload
     results, finished = {}, threading.Event()
 
@@ -53,19 +62,35 @@ def switch_inside_responses(root: Path, base_url: str, model, moved, keep_kv_cac
         if len(results) == GROUPS:
             finished.set()
 
-    for group in range(GROUPS):
-        engine.start(GroupRequest(("stream", group), PROMPT, 100 + group, version=0), done)
+    requests = [GroupRequest(("stream", group), PROMPT, 100 + group, version=0) for group in range(GROUPS)]
+    for request in requests:
+        engine.start(request, done)
     deadline = time.monotonic() + 120
     while engine._received < GROUPS * N * 40 * 200 and not results:  # ~40 tokens into every response
         assert time.monotonic() < deadline, "the server generated nothing"
         time.sleep(0.01)
     assert not results, f"the groups ended before the switch: {results}"
-    started = time.monotonic()
-    engine.load_weights(1)
+    started, kept = time.monotonic(), {}
+    if mode == "resume":  # a checkpoint keeps them; the run dies; a new one continues them under version 1
+        kept = engine.partial_groups()
+        engine.close()
+        engine = new_engine()
+        engine.load_weights(1)
+        for request in requests:
+            engine.start(replace(request, version=1, partial=kept[request.key]), done)
+    else:
+        engine.load_weights(1)
     pause_seconds = time.monotonic() - started
     assert finished.wait(300), "the groups did not finish after the switch"
     engine.close()
     report = {"pause_reload_resume_seconds": pause_seconds, "switched_completions": 0, "tokens": {}}
+    if kept:
+        report["kept_tokens_then_continued"] = all(
+            results[key].completion_ids[i][: len(partial.token_ids[i])] == partial.token_ids[i].tolist()
+            and len(results[key].completion_ids[i]) == TOKENS
+            for key, partial in kept.items()
+            for i in range(N)
+        )
     gaps = {0: {0: [], 1: []}, 1: {0: [], 1: []}}  # assigned version -> re-scored under version -> gaps
     for result in results.values():
         if isinstance(result, BaseException):
@@ -102,7 +127,7 @@ def main(out: Path, model_dir: str, base_url: str) -> None:
     root = Path(tempfile.mkdtemp(prefix="in-flight-"))
     save_weights(model.named_parameters(), root / "v0")
     save_weights(moved.named_parameters(), root / "v1")
-    report = {mode: switch_inside_responses(root, base_url, model, moved, mode == "keep") for mode in MODES}
+    report = {mode: switch_inside_responses(root, base_url, model, moved, mode) for mode in MODES}
     (out / "in_flight.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

@@ -18,6 +18,7 @@ class DriverStats:
     discarded_tokens: int = 0  # completed, then not used (admitted ahead for a batch that was already full)
     loads_in_flight: int = 0  # weights versions loaded while requests ran (in-flight weight updates)
     switched_groups: int = 0  # completed groups that a newer version took over inside
+    restored_groups: int = 0  # groups a checkpoint kept, finished or continued instead of generated again
 
 
 def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
@@ -32,4 +33,5 @@ def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:
         "rollout/discarded_tokens": float(stats.discarded_tokens),
         "rollout/weight_loads_in_flight": float(stats.loads_in_flight),
         "rollout/groups_switched_in_flight": float(stats.switched_groups),
+        "rollout/groups_restored": float(stats.restored_groups),
     }

@@ -22,44 +22,16 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from enum import Enum
 
+from .driver_state import MOVES, EngineState
 from .driver_stats import DriverStats
 from .engine_losses import MAX_ENGINE_LOSSES, EngineLosses
-from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult
+from .rollout_engine import EngineUnavailable, GroupEngine, GroupRequest, GroupResult, PartialGroup
+from .stream_plan import done_prefix
 
 logger = logging.getLogger(__name__)
-
-
-def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
-    """How many leading keys of `keys` are in `done` (the in-order prefix a reorder buffer may pass on)."""
-    count = 0
-    while count < len(keys) and keys[count] in done:
-        count += 1
-    return count
-
-
-class EngineState(Enum):
-    """What the driver's engine is doing. `RolloutDriver._enter` is the one place that changes it, along `MOVES`."""
-
-    READY = "ready"  # admitting requests under the loaded version (or about to load one)
-    LOADING = "loading"  # the driver's thread loads a version; a sync from outside waits (`loaded_externally`)
-    RECOVERING = "recovering"  # the engine went away: admission waits until it answers again
-    RESTORING = "restoring"  # it answers again; the weights a sync from outside had set are loaded again
-    FAILED = "failed"  # an error every caller raises (`_error`)
-    CLOSED = "closed"
-
-
-MOVES = {
-    EngineState.READY: {EngineState.LOADING, EngineState.RECOVERING},
-    EngineState.LOADING: {EngineState.READY, EngineState.RECOVERING},
-    EngineState.RECOVERING: {EngineState.RESTORING, EngineState.READY},
-    EngineState.RESTORING: {EngineState.READY},
-    EngineState.FAILED: set(),
-    EngineState.CLOSED: set(),
-}  # and from every state but CLOSED to FAILED or CLOSED
 
 
 class RolloutDriver:
@@ -101,6 +73,7 @@ class RolloutDriver:
         self._external: int | None = None  # the version a sync outside the driver loaded, while it is the engine's
         self._losses = EngineLosses(max_engine_losses, self.recovery_timeout)
         self._state = EngineState.READY
+        self._restored: dict[tuple, PartialGroup] = {}  # groups a checkpoint kept: finished, or continued when admitted
         self._busy_since: float | None = None
         self.stats = DriverStats()
         self._cond = threading.Condition()
@@ -232,6 +205,21 @@ class RolloutDriver:
             self._order.pop(key, None)
             self._losses.forget(key)
 
+    def partial_groups(self) -> dict[tuple, PartialGroup]:
+        """What a checkpoint keeps of the groups planned for later (in-flight weight updates, whose answers are
+        streamed): the finished ones not yet taken, and the running ones as far as they were sampled."""
+        with self._cond:
+            kept = {key: PartialGroup.of_result(result) for key, result in self._done.items()}
+            running = set(self._in_flight)
+        partials = getattr(self.engine, "partial_groups", dict)()
+        return kept | {key: partial for key, partial in partials.items() if key in running}
+
+    def restore(self, groups: dict[tuple, PartialGroup]) -> None:
+        """Groups a checkpoint kept (`partial_groups`): when planned again, a finished one is done at once and a
+        running one continues from its kept tokens, unless the version bound of its batch no longer takes it."""
+        with self._cond:
+            self._restored = dict(groups)
+
     def take_metrics(self) -> DriverStats:
         with self._cond:
             now = time.monotonic()
@@ -270,6 +258,13 @@ class RolloutDriver:
                     self._loaded, self._external = None, None
                 else:
                     self._planned.popleft()
+                    saved = self._restored.pop(request.key, None)
+                    if saved is not None and saved.oldest_version >= request.version:
+                        self.stats.restored_groups += 1
+                        if all(saved.finished):  # a finished group a checkpoint kept: done, nothing to sample
+                            self._finished(request.key, saved.result(request.key))
+                            continue
+                        request = replace(request, partial=saved)
                     if request.version != self._loaded:  # an older plan, started under the loaded version
                         request = replace(request, version=self._loaded)
                     self._in_flight[request.key] = request
@@ -423,14 +418,19 @@ class RolloutDriver:
             self.last_done = time.monotonic()
             if isinstance(result, BaseException):
                 self._error = result
-            else:
-                self._losses.finished(request.key)
-                self._done[request.key] = result
-                self._held_bytes += result.nbytes
-                self.stats.completed_groups += 1
-                self.stats.generated_tokens += result.tokens
-                self.stats.switched_groups += result.switches is not None
-            self._cond.notify_all()
+                self._enter(EngineState.FAILED)
+                return
+            self._losses.finished(request.key)
+            self.stats.completed_groups += 1
+            self.stats.generated_tokens += result.tokens
+            self.stats.switched_groups += result.switches is not None
+            self._finished(request.key, result)
+
+    def _finished(self, key: tuple, result: GroupResult) -> None:
+        """Group `key` is done: held until taken (the lock is held)."""
+        self._done[key] = result
+        self._held_bytes += result.nbytes
+        self._cond.notify_all()
 
     def _update_busy(self) -> None:
         now = time.monotonic()

@@ -19,12 +19,82 @@ import numpy as np
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """One prompt's group: where it sits in the prompt stream (`key`), its token ids, seed and weights version."""
+    """One prompt's group: where it sits in the prompt stream (`key`), its token ids, seed and weights version, and
+    what a checkpoint kept of it (`partial`: continued, not regenerated)."""
 
     key: tuple
     prompt_ids: list[int]
     seed: int | None  # None: unseeded (a tool loop's later turns, as TRL samples them)
     version: int
+    partial: PartialGroup | None = field(default=None, compare=False)
+
+
+@dataclass
+class PartialGroup:
+    """A group's completions as far as they were sampled when a checkpoint was written: each completion's token ids,
+    the engine's log-probs, the weights version of every token, and whether it had ended (EOS or its length)."""
+
+    token_ids: list[np.ndarray]
+    logprobs: list[np.ndarray]
+    versions: list[np.ndarray]
+    finished: list[bool]
+
+    @classmethod
+    def of_result(cls, result: GroupResult) -> PartialGroup:
+        """A finished group as a checkpoint keeps it."""
+        ids, logprobs = result.completion_ids, result.logprobs
+        versions = [result.token_versions(i) for i in range(len(ids))]
+        arrays = [np.array(i, dtype=np.int32) for i in ids], [np.array(v, dtype=np.float32) for v in logprobs]
+        return cls(*arrays, versions, finished=[True] * len(ids))
+
+    @property
+    def oldest_version(self) -> int:
+        return min((int(v.min()) for v in self.versions if len(v)), default=np.iinfo(np.int64).max)
+
+    def result(self, key: tuple, seconds: float = 0.0) -> GroupResult:
+        """The group as a result (when every completion has ended)."""
+        return result_with_versions(key, self.token_ids, self.logprobs, self.versions, seconds)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and lists only: a checkpoint is read back with `torch.load(weights_only=True)`."""
+        import torch
+
+        return {
+            name: [torch.from_numpy(np.ascontiguousarray(array)) for array in getattr(self, name)]
+            for name in ("token_ids", "logprobs", "versions")
+        } | {"finished": list(self.finished)}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> PartialGroup:
+        arrays = {name: [tensor.numpy() for tensor in state[name]] for name in ("token_ids", "logprobs", "versions")}
+        return cls(**arrays, finished=[bool(done) for done in state["finished"]])
+
+
+def result_with_versions(
+    key: tuple, token_ids: list[np.ndarray], logprobs: list[np.ndarray], versions: list[np.ndarray], seconds=0.0
+) -> GroupResult:
+    """A `GroupResult` of per-completion arrays with the weights version of every token: its `version` is the oldest
+    token's, and `switches` say where a newer one took over in each completion (at its first token, for one that
+    began after a switch)."""
+    lengths = np.array([len(ids) for ids in token_ids], dtype=np.int64)
+    flat_versions = np.concatenate(versions) if len(versions) else np.zeros(0, dtype=np.int64)
+    oldest = int(flat_versions.min()) if len(flat_versions) else 0
+    result = GroupResult.from_arrays(
+        key,
+        oldest,
+        np.concatenate(token_ids) if token_ids else np.zeros(0, dtype=np.int32),
+        np.concatenate(logprobs) if logprobs else np.zeros(0, dtype=np.float32),
+        lengths,
+        seconds,
+    )
+    switches = []
+    for completion, per_token in enumerate(versions):
+        firsts = np.flatnonzero(np.diff(per_token) != 0) + 1
+        if len(per_token) and per_token[0] != oldest:
+            firsts = np.concatenate([[0], firsts])
+        switches.extend((completion, int(first), int(per_token[first])) for first in firsts)
+    result.switches = np.array(switches, dtype=np.int64) if switches else None
+    return result
 
 
 class GroupResult:

@@ -38,9 +38,9 @@ import torch
 
 from ..sampling.batch_metrics import decided_groups, trained_batch_metrics
 from ..sampling.dynamic_sampling import DynamicSampler, Filling, ScoredRound
-from .rollout_driver import RolloutDriver, done_prefix
-from .rollout_engine import GroupRequest, GroupResult
-from .stream_plan import StreamCursor, group_seed, plan_horizon, share_spans
+from .rollout_driver import RolloutDriver
+from .rollout_engine import GroupRequest, GroupResult, PartialGroup
+from .stream_plan import StreamCursor, done_prefix, group_seed, plan_horizon, share_spans
 
 ROLLOUT_STATE_FILE = "dapo_rollout_state.pt"
 SPREAD_POLL_SECONDS = 0.05  # engines on every process: how often the processes compare their finished groups
@@ -322,7 +322,13 @@ class StreamingRollout:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
+        """The stream's place; with in-flight weight updates also the groups generated ahead so far (finished, or
+        as far as they were sampled): a resumed run continues them instead of generating them again."""
+        state = {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
+        if self.driver is not None and getattr(self.driver.engine, "updates_in_flight", False):
+            kept = self.driver.partial_groups().items()
+            state["groups"] = [(list(key), partial.state_dict()) for key, partial in kept]
+        return state
 
     def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
         saved = state.get("staleness", state.get("lag"))  # "lag": checkpoints written before the rename
@@ -333,6 +339,8 @@ class StreamingRollout:
             )
         self.cursor.load_state_dict(state["cursor"])
         self.generation = state["generation"]
+        if self.driver is not None and state.get("groups"):
+            self.driver.restore({tuple(key): PartialGroup.from_state(kept) for key, kept in state["groups"]})
 
 
 class ServerStreamingRollout(StreamingRollout):

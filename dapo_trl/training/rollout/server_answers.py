@@ -19,13 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from .rollout_engine import GroupRequest, GroupResult
+from .rollout_engine import GroupRequest, GroupResult, PartialGroup, result_with_versions
 
 PARSE_AT_BYTES = 1 << 20  # parse the received events once this many bytes wait (bounds what a running group holds)
 _EVENT_END = b"\n\n"
 _INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
 _IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _LOGPROBS = re.compile(rb'"token_logprobs"\s*:\s*\[([^\]]*)\]')
+_FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
 
 
 class StreamedAnswer:
@@ -39,6 +40,7 @@ class StreamedAnswer:
         self._head_version: int | None = None  # of the partial event at the front of `_pending`, if a fence cut it
         self._parts: list[tuple[np.ndarray, np.ndarray, np.ndarray, int]] = []  # (choice, ids, logprobs, version)
         self.done = False  # `data: [DONE]` arrived
+        self.finished = [False] * n  # a choice's last event (its finish_reason) arrived
 
     def feed(self, data: bytes) -> None:
         self._pending += data
@@ -51,10 +53,6 @@ class StreamedAnswer:
         if self._pending.strip():  # an event cut in two: its start arrived before the pause, so it is the old one's
             self._head_version = self.version
         self.version = version
-
-    @property
-    def switched(self) -> bool:
-        return len({version for *_, version in self._parts} | {self.version}) > 1
 
     def _parse(self) -> None:
         end = self._pending.rfind(_EVENT_END)
@@ -73,6 +71,11 @@ class StreamedAnswer:
             blob = blob.replace(b"data: [DONE]", b"")
         if b'"error"' in blob:
             raise RuntimeError(f"the vLLM server reported an error mid-answer: {blob[:2000]!r}")
+        if _FINISHED.search(blob):  # once per choice: its last event, read whole
+            for line in blob.split(b"\n"):
+                if _FINISHED.search(line) and line.startswith(b"data:"):
+                    for choice in json.loads(line[5:]).get("choices") or ():
+                        self.finished[choice["index"]] |= choice.get("finish_reason") is not None
         parsed = _fast_events(blob)
         if parsed is None:
             parsed = _json_events(blob)
@@ -81,36 +84,32 @@ class StreamedAnswer:
             self._parts.append((choices, ids, logprobs, version))
 
     def result(self, key: tuple, seconds: float) -> GroupResult:
-        """The whole answer as a `GroupResult`: its `version` is its oldest token's, and `switches` say where a
-        newer one took over in each completion (at its first token, for one that began after a switch)."""
+        """The whole answer as a `GroupResult`, each token with the version that sampled it (`result_with_versions`)."""
         self._parse()
         if self._pending.strip():
             self._parse_events(bytes(self._pending), self.version)  # a last event without its blank line
             self._pending = bytearray()
+        return result_with_versions(key, *self._per_choice(), seconds)
+
+    def partial(self) -> PartialGroup:
+        """What arrived so far, by completion (the events complete by now), for a checkpoint to continue it from."""
+        self._parse()
+        return PartialGroup(*self._per_choice(), finished=list(self.finished))
+
+    def _per_choice(self) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
+        """Each choice's token ids, log-probs and versions, in the order they came."""
         if not self._parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return GroupResult.from_arrays(key, self.version, empty, empty, np.zeros(self.n), seconds)
+            empty = [np.zeros(0, dtype=dtype) for dtype in (np.int32, np.float32, np.int64)]
+            return tuple([array.copy() for _ in range(self.n)] for array in empty)
         choices = np.concatenate([part[0] for part in self._parts])
         if choices.max() >= self.n:
-            raise ValueError(f"group {key}: an event names choice {choices.max()} of {self.n}")
+            raise ValueError(f"an event names choice {choices.max()} of {self.n}")
         order = np.argsort(choices, kind="stable")  # each choice's tokens in the order they came
         versions = np.concatenate([np.full(len(part[1]), part[3], dtype=np.int64) for part in self._parts])[order]
         ids = np.concatenate([part[1] for part in self._parts])[order]
         logprobs = np.concatenate([part[2] for part in self._parts])[order]
-        choices = choices[order]
-        lengths = np.bincount(choices, minlength=self.n)
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        oldest = int(versions.min())
-        # A switch: a completion's first token sampled by a newer version than the group's oldest, or a token whose
-        # version differs from the one before it in the same completion.
-        first = np.zeros(len(versions), dtype=bool)
-        first[starts[lengths > 0]] = True
-        previous = np.concatenate([[oldest], versions[:-1]])
-        changed = np.flatnonzero(np.where(first, versions != oldest, versions != previous))
-        result = GroupResult.from_arrays(key, oldest, ids, logprobs, lengths, seconds)
-        if len(changed):
-            result.switches = np.stack([choices[changed], changed - starts[choices[changed]], versions[changed]], 1)
-        return result
+        bounds = np.cumsum(np.bincount(choices, minlength=self.n))[:-1]
+        return np.split(ids, bounds), np.split(logprobs, bounds), np.split(versions, bounds)
 
 
 def _fast_events(blob: bytes) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:

@@ -13,18 +13,20 @@ import asyncio
 import contextlib
 import http.client
 import json
-import os
 import ssl
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ...utils.http import checked_service_path
-from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, RequestSampling
+import numpy as np
+
+from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, PartialGroup, RequestSampling
 from .server_answers import StreamedAnswer, group_result
+from .server_http import read_response, server_address, untrusted
 from .server_progress import ServerProgress
 
 READ_AT_ONCE = 4  # answers whose bodies are read at the same time
@@ -68,7 +70,7 @@ class VLLMServerEngine:
         keep_kv_cache: bool = False,
     ):
         self.base_url = base_url.strip().rstrip("/")
-        self._host, self._port, self._path, self._ssl = _server_address(self.base_url)
+        self._host, self._port, self._path, self._ssl = server_address(self.base_url)
         self._host_header = urllib.parse.urlsplit(self.base_url).netloc
         self.sampling = sampling
         self.timeout = timeout
@@ -88,7 +90,8 @@ class VLLMServerEngine:
         self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
         self.updates_in_flight = in_flight_updates  # the driver may load a version while requests run
         self.keep_kv_cache = keep_kv_cache  # paused requests continue from the old weights' KV cache
-        self._answers: dict[int, StreamedAnswer] = {}  # id(request) -> its streamed answer (in-flight updates)
+        # id(request) -> (request, its streamed answers: one, or one per completion a resumed group continues)
+        self._answers: dict[int, tuple[GroupRequest, list[StreamedAnswer]]] = {}
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
@@ -130,7 +133,7 @@ class VLLMServerEngine:
             answer = connection.getresponse()
             return answer.status, answer.read()
         except ssl.SSLCertVerificationError as exc:  # not a server gone: waiting for it would not help
-            raise RuntimeError(_untrusted(f"GET {self.base_url}{path}", exc)) from exc
+            raise RuntimeError(untrusted(f"GET {self.base_url}{path}", exc)) from exc
         except TimeoutError as exc:  # connected, no answer: a stalled server, not one restarting
             raise RuntimeError(
                 f"GET {self.base_url}{path}: the vLLM server at {self.base_url} did not answer within {timeout:g} s "
@@ -205,8 +208,47 @@ class VLLMServerEngine:
             await asyncio.sleep(quiet)
             if self._received == before:
                 break
-        for answer in self._answers.values():
-            answer.fence(version)
+        for _, answers in self._answers.values():
+            for answer in answers:
+                answer.fence(version)
+
+    def partial_groups(self) -> dict[tuple, PartialGroup]:
+        """Every running group's completions as far as they arrived (in-flight updates: streamed answers), for a
+        checkpoint: a resumed run continues them (`GroupRequest.partial`) instead of generating them again."""
+
+        async def collect() -> dict[tuple, PartialGroup]:
+            return {request.key: self._so_far(request, answers) for request, answers in self._answers.values()}
+
+        return asyncio.run_coroutine_threadsafe(collect(), self._loop).result(self.timeout)
+
+    def _continued(self, request: GroupRequest) -> list[int]:
+        """The completions of a resumed group that had not ended: each is continued by a request of its own."""
+        partial, most = request.partial, self.sampling.max_tokens
+        return [i for i, done in enumerate(partial.finished) if not done and len(partial.token_ids[i]) < most]
+
+    def _so_far(self, request: GroupRequest, answers: list[StreamedAnswer]) -> PartialGroup:
+        """A group's completions so far: its answer's, or a resumed group's kept tokens and their continuations."""
+        if request.partial is None:
+            return answers[0].partial()
+        prior = request.partial
+        ids, logprobs, versions = list(prior.token_ids), list(prior.logprobs), list(prior.versions)
+        finished = [done or len(ids[i]) >= self.sampling.max_tokens for i, done in enumerate(prior.finished)]
+        for index, answer in zip(self._continued(request), answers, strict=True):
+            more = answer.partial()
+            ids[index] = np.concatenate([ids[index], more.token_ids[0]])
+            logprobs[index] = np.concatenate([logprobs[index], more.logprobs[0]])
+            versions[index] = np.concatenate([versions[index], more.versions[0]])
+            finished[index] = more.finished[0]
+        return PartialGroup(ids, logprobs, versions, finished)
+
+    def _continuation(self, request: GroupRequest, index: int) -> dict[str, Any]:
+        """The request that continues completion `index` of a resumed group: its prompt and kept tokens as the
+        prompt, the tokens it has left, one completion, a seed of its own."""
+        kept = request.partial.token_ids[index]
+        seed = None if request.seed is None else hash((request.seed, index)) & 0x7FFFFFFF
+        prompt = [*request.prompt_ids, *kept.tolist()]
+        payload = self.request_payload(replace(request, prompt_ids=prompt, seed=seed, partial=None))
+        return {**payload, "n": 1, "max_tokens": payload["max_tokens"] - len(kept)}
 
     def _post_control(self, path: str) -> None:
         """POST to a dev-mode control endpoint (`/pause`, `/resume`); an error answer names the endpoint."""
@@ -303,7 +345,10 @@ class VLLMServerEngine:
     # ------------------------------------------------------------------------------------------- the event loop
     def _launch(self, request: GroupRequest, done: Callback) -> None:
         if self.updates_in_flight:  # registered before a fence can run on this loop
-            self._answers[id(request)] = StreamedAnswer(self.sampling.n, request.version)
+            answers = [StreamedAnswer(self.sampling.n, request.version)]
+            if request.partial is not None:
+                answers = [StreamedAnswer(1, request.version) for _ in self._continued(request)]
+            self._answers[id(request)] = (request, answers)
         task = self._loop.create_task(self._run(request, done))
         with self._queued_lock:
             self._tasks[id(request)], self._queued = task, self._queued - 1
@@ -323,15 +368,27 @@ class VLLMServerEngine:
         started, answered = time.monotonic(), False
         self.progress.begin()
         try:
-            answer = self._answers.get(id(request))
+            _, answers = self._answers.get(id(request), (request, None))
             async with self._connections:
-                status, raw = await self._post("/v1/completions", self.request_payload(request), answer)
+                if answers is not None and request.partial is not None:  # a resumed group: continue what it kept
+                    posts = [self._continuation(request, index) for index in self._continued(request)]
+                    sent = [
+                        self._post("/v1/completions", post, answer) for post, answer in zip(posts, answers, strict=True)
+                    ]
+                    status, raw = next(
+                        (answer for answer in await asyncio.gather(*sent) if answer[0] != 200), (200, b"")
+                    )
+                else:
+                    answer = None if answers is None else answers[0]
+                    status, raw = await self._post("/v1/completions", self.request_payload(request), answer)
             answered = True
             if status != 200:
                 raise RuntimeError(f"POST {self.base_url}/v1/completions: HTTP {status}: {raw[:2000]!r}")
             seconds = time.monotonic() - started
             result: GroupResult | BaseException = (
-                group_result(request, raw, seconds) if answer is None else answer.result(request.key, seconds)
+                group_result(request, raw, seconds)
+                if answers is None
+                else self._so_far(request, answers).result(request.key, seconds)
             )
         except asyncio.CancelledError:
             stalled = self._stalled.pop(id(request), None)
@@ -341,7 +398,7 @@ class VLLMServerEngine:
         except RuntimeError as exc:
             result = exc
         except ssl.SSLCertVerificationError as exc:
-            result = RuntimeError(_untrusted(f"POST {self.base_url}/v1/completions", exc))
+            result = RuntimeError(untrusted(f"POST {self.base_url}/v1/completions", exc))
         except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, closed mid-answer: the server went away
             result = EngineUnavailable(
                 f"POST {self.base_url}/v1/completions: the vLLM server went away ({type(exc).__name__}: {exc})"
@@ -366,9 +423,9 @@ class VLLMServerEngine:
             await writer.drain()
             status_line = await reader.readline()  # the answer begins (vLLM answers once the group is done)
             if answer is not None and status_line.split(b" ")[1:2] == [b"200"]:
-                return await _read_response(reader, status_line, self._streamed_into(answer))
+                return await read_response(reader, status_line, self._streamed_into(answer))
             async with self._reading:
-                return await _read_response(reader, status_line)
+                return await read_response(reader, status_line)
         finally:
             writer.close()
 
@@ -379,67 +436,3 @@ class VLLMServerEngine:
             answer.feed(data)
 
         return feed
-
-
-def _server_address(base_url: str) -> tuple[str, int, str, ssl.SSLContext | None]:
-    """(host, port, path prefix, TLS context or None) of a vLLM server URL; what cannot be honoured is refused."""
-
-    def bad(problem: str) -> ValueError:
-        return ValueError(
-            f"vllm_server_base_url={base_url!r} {problem}; give the server's root URL, e.g. 'http://127.0.0.1:8000' "
-            "or 'https://proxy.example/vllm'"
-        )
-
-    scheme, _, path = checked_service_path(base_url, bad)
-    parts = urllib.parse.urlsplit(base_url)
-    if parts.username is not None or parts.password is not None:
-        raise bad(
-            "has credentials (user:password@), which the streaming rollout does not send: drop them, or use a URL "
-            "that needs none"
-        )
-    if scheme == "http":
-        return parts.hostname or "localhost", parts.port or 80, path, None
-    # Trust what `requests` (TRL's client, rounds) trusts: its CA-bundle variables, else the system's store.
-    bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE") or None
-    return parts.hostname or "localhost", parts.port or 443, path, ssl.create_default_context(cafile=bundle)
-
-
-def _untrusted(call: str, exc: ssl.SSLCertVerificationError) -> str:
-    """An untrusted certificate is a setting to fix, not a server to wait for: the message says which setting."""
-    return (
-        f"{call}: the vLLM server's certificate is not trusted ({exc.verify_message or exc}); set "
-        "REQUESTS_CA_BUNDLE to the CA bundle that signed it (requests, for rounds, reads it too)"
-    )
-
-
-async def _read_response(
-    reader: asyncio.StreamReader, status_line: bytes, feed: Callable[[bytes], None] | None = None
-) -> tuple[int, bytes]:
-    """(status, body) of an HTTP/1.1 response after its status line: Content-Length, chunked, or read to the end.
-    With `feed`, the body is handed to it piece by piece as it arrives instead (and b"" returned)."""
-    if not status_line:
-        raise ConnectionResetError("the server closed the connection before answering")
-    parts = status_line.split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/"):
-        raise ValueError(f"not an HTTP response: {status_line[:200]!r}")
-    headers: dict[str, str] = {}
-    while (line := await reader.readline()) not in (b"\r\n", b"\n", b""):
-        name, _, value = line.decode("latin-1").partition(":")
-        headers[name.strip().lower()] = value.strip()
-    chunks: list[bytes] = []
-    keep = chunks.append if feed is None else feed
-    if "content-length" in headers:
-        keep(await reader.readexactly(int(headers["content-length"])))
-    elif headers.get("transfer-encoding", "").lower() == "chunked":
-        while True:
-            line = await reader.readline()
-            if not line:
-                raise ValueError("the connection closed inside a chunked HTTP body")
-            if not (size := int(line.split(b";")[0].strip() or b"0", 16)):
-                break
-            keep(await reader.readexactly(size))
-            await reader.readline()
-    else:
-        while data := await reader.read(1 << 16):
-            keep(data)
-    return int(parts[1]), b"".join(chunks)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
+from collections.abc import Container
 from typing import Any
 
 PLAN_CONFIDENCE_Z = 1.28  # groups admitted ahead: enough to fill the batch with ~90% odds at the running keep rate
@@ -70,3 +71,11 @@ class StreamCursor:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.lookahead, self.drawn = deque(state["lookahead"]), state["drawn"]
+
+
+def done_prefix(keys: list[tuple], done: Container[tuple]) -> int:
+    """How many leading keys of `keys` are in `done` (the in-order prefix a reorder buffer may pass on)."""
+    count = 0
+    while count < len(keys) and keys[count] in done:
+        count += 1
+    return count
