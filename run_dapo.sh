@@ -105,6 +105,9 @@ VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
 # the next batch while the trainer trains, with weights ROLLOUT_MAX_STALENESS steps old (needs shared_storage sync).
 ROLLOUT_STREAMING="${ROLLOUT_STREAMING:-false}"
 ROLLOUT_MAX_STALENESS="${ROLLOUT_MAX_STALENESS:-0}"
+# With ROLLOUT_MAX_STALENESS >= 1: load each weights version under the running requests (the server paused with them
+# kept, VLLM_SERVER_DEV_MODE=1) instead of after they drain; checkpoints then keep the groups generated ahead.
+ROLLOUT_IN_FLIGHT_WEIGHT_UPDATES="${ROLLOUT_IN_FLIGHT_WEIGHT_UPDATES:-false}"
 # Validation (off unless EVAL_DATASET is set): avg@EVAL_NUM_SAMPLES and pass@k before training and every EVAL_STEPS
 # optimizer steps, sampled at temperature 1.0 and top_p 0.7 (the paper's).
 EVAL_DATASET="${EVAL_DATASET:-}"                # e.g. aime2024 (several: "aime2024 aime2025")
@@ -143,7 +146,8 @@ if [[ -n "$VLLM_SERVER_HOST" ]]; then
          --rollout_max_staleness "$ROLLOUT_MAX_STALENESS")
   [[ -n "$VLLM_WEIGHT_SYNC_DIR" ]] && args+=(--vllm_weight_sync_dir "$VLLM_WEIGHT_SYNC_DIR")
   if [[ "$ROLLOUT_MAX_STALENESS" != "0" ]]; then   # the decoupled objective: truncated per-token weight, cap 2
-    args+=(--vllm_importance_sampling_mode token_truncate --vllm_importance_sampling_clip_max 2.0)
+    args+=(--vllm_importance_sampling_mode token_truncate --vllm_importance_sampling_clip_max 2.0
+           --rollout_in_flight_weight_updates "$ROLLOUT_IN_FLIGHT_WEIGHT_UPDATES")
   fi
 fi
 

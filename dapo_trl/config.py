@@ -355,8 +355,8 @@ class DAPOConfig(GRPOConfig):
             "run, instead of after the old version's requests drain. The server is paused with its requests and "
             "their KV cache kept (vLLM >= 0.31's /pause?mode=keep, VLLM_SERVER_DEV_MODE=1), reloaded and resumed; "
             "a response may then hold tokens of several versions (its row is as old as its first token), and the "
-            "importance weight corrects each token by the log-prob the engine sampled it with. Shared storage only "
-            "(docs/rollout.md)."
+            "importance weight corrects each token by the log-prob the engine sampled it with. Checkpoints keep the "
+            "groups generated ahead, and a resumed run continues them. Shared storage only (docs/rollout.md)."
         },
     )
     rollout_in_flight_kv_cache: str = field(

@@ -10,7 +10,6 @@ checked token by token, whatever the timing. The real server's test is in tests/
 
 import contextlib
 import http.client
-import http.server
 import io
 import json
 import threading
@@ -25,7 +24,7 @@ from dapo_trl.training.rollout.rollout_engine import GroupRequest, PartialGroup,
 from dapo_trl.training.rollout.server_answers import StreamedAnswer
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 
-from .test_rollout_streaming import serve
+from .test_rollout_streaming import FakeCompletions, serve
 
 N, MAX_TOKENS = 3, 40
 
@@ -36,7 +35,7 @@ def event(index: int, token: int, logprob: float, finish: str | None = None) -> 
     return b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n"
 
 
-class PausableServer(http.server.BaseHTTPRequestHandler):
+class PausableServer(FakeCompletions):
     """vLLM's streaming completions and dev-mode controls, one token per choice every 5 ms while not paused."""
 
     protocol_version = "HTTP/1.1"
@@ -47,7 +46,7 @@ class PausableServer(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         body = {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {}
-        self._json(body)
+        self._answer(body)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
@@ -56,13 +55,13 @@ class PausableServer(http.server.BaseHTTPRequestHandler):
             assert self.path.startswith("/pause?mode=keep")
             with self.step:
                 self.paused.set()
-            return self._json({"status": "paused"})
+            return self._answer({"status": "paused"})
         if self.path == "/resume":
             self.paused.clear()
-            return self._json({"status": "resumed"})
+            return self._answer({"status": "resumed"})
         if self.path == "/collective_rpc":
             self.loaded[0] = int(body["kwargs"]["weights_path"].rsplit("/v", 1)[1])
-            return self._json({})
+            return self._answer({})
         assert body["stream"] is True and body["n"] in (N, 1)
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
@@ -89,17 +88,6 @@ class PausableServer(http.server.BaseHTTPRequestHandler):
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
-
-    def _json(self, payload):
-        data = json.dumps(payload).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
 
 
 @pytest.fixture

@@ -101,7 +101,10 @@ def test_run_dapo_multi_node_with_a_vllm_server():
         VLLM_WEIGHT_SYNC_DIR="/shared/w",
         ROLLOUT_STREAMING="true",
         ROLLOUT_MAX_STALENESS="1",
+        ROLLOUT_IN_FLIGHT_WEIGHT_UPDATES="true",
     )
+    assert flag(words, "--rollout_in_flight_weight_updates") == "true"
+    assert parsed_config(words).rollout_in_flight_weight_updates
     assert flag(words, "--vllm_weight_sync") == "shared_storage"
     assert flag(words, "--vllm_weight_sync_dir") == "/shared/w"
     assert flag(words, "--rollout_streaming") == "true" and flag(words, "--rollout_max_staleness") == "1"
