@@ -307,6 +307,9 @@ def wait_for(condition, seconds: float = 5.0) -> None:
 def test_the_driver_loads_a_published_version_while_the_old_ones_requests_run():
     engine = HeldEngine()
     driver = RolloutDriver(engine, max_in_flight=8)
+    driver.publish(0)
+    with driver._cond:  # nothing of ours planned or running (an evaluation holds the engine): no load
+        assert driver._next_admission() == (None, None)
     old = [GroupRequest(("stream", n), [5], n, version=0) for n in range(3)]
     driver.plan(old)
     driver.publish(0)

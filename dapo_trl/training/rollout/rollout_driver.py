@@ -391,7 +391,8 @@ class RolloutDriver:
         # it), and a request planned for an older version starts under the loaded one: its rows are then fresher
         # than the bound asks, never staler.
         in_flight = getattr(self.engine, "updates_in_flight", False)
-        if in_flight and self._published > (-1 if self._loaded is None else self._loaded):
+        newer = self._published > (-1 if self._loaded is None else self._loaded)
+        if in_flight and newer and (self._planned or self._in_flight):  # nothing of ours: the trainer may own it
             return None, self._published
         if not self._planned:
             return None, None
