@@ -344,8 +344,8 @@ class DAPOConfig(GRPOConfig):
             "steps_per_generation, gradient_accumulation_steps and num_iterations are): generation batch j is "
             "sampled by version max(0, j - k) (carried surplus one more), pi_old is the weights at the start of "
             "its updates, and TRL's truncated importance weight (vllm_importance_sampling_*) corrects for the "
-            "engine's. 0 = synchronous. k >= 1 needs vllm_weight_sync='shared_storage' (the server loads the "
-            "older versions from disk)."
+            "engine's. 0 = synchronous. k >= 1 needs vllm_weight_sync='shared_storage' (older versions load "
+            "from disk) or rollout_in_flight_weight_updates."
         },
     )
     rollout_in_flight_weight_updates: bool = field(
@@ -354,9 +354,9 @@ class DAPOConfig(GRPOConfig):
             "help": "With rollout_max_staleness >= 1 and a vLLM server: load each weights version while requests "
             "run, instead of after the old version's requests drain. The server is paused with its requests and "
             "their KV cache kept (vLLM >= 0.31's /pause?mode=keep, VLLM_SERVER_DEV_MODE=1), reloaded and resumed; "
-            "a response may then hold tokens of several versions (its row is as old as its first token), and the "
-            "importance weight corrects each token by the log-prob the engine sampled it with. Checkpoints keep the "
-            "groups generated ahead, and a resumed run continues them. Shared storage only (docs/rollout.md)."
+            "a response may hold tokens of several versions (its row is as old as its first token; the importance "
+            "weight corrects each token by its engine log-prob). Checkpoints keep the groups generated ahead; a "
+            "resumed run continues them. NCCL sync (MoE too) or shared storage (docs/rollout.md)."
         },
     )
     rollout_in_flight_kv_cache: str = field(

@@ -147,8 +147,11 @@ def test_weight_sync_matches_the_server_and_the_model(folder, tmp_path, monkeypa
         _, shared, _ = parse_recipe(folder, tmp_path, monkeypatch, processes, "--vllm_weight_sync", "shared_storage")
         with pytest.raises(ValueError, match="cannot sync a mixture-of-experts policy"):
             check_moe_weight_sync(shared, moe)
-        with pytest.raises(ValueError, match="rollout_max_staleness > 0 needs --vllm_weight_sync shared_storage"):
+        with pytest.raises(ValueError, match="over NCCL needs --rollout_in_flight_weight_updates true"):
             parse_recipe(folder, tmp_path, monkeypatch, processes, "--rollout_max_staleness", "1")
+        overlap = ("--rollout_max_staleness", "1", "--rollout_in_flight_weight_updates", "true")
+        _, overlapped, _ = parse_recipe(folder, tmp_path, monkeypatch, processes, *overlap)  # MoE overlaps over NCCL
+        check_moe_weight_sync(overlapped, moe)
     else:
         assert config.vllm_weight_sync == "shared_storage" and config.rollout_max_staleness == 1
         assert config.vllm_importance_sampling_mode == "token_truncate"

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from dapo_trl.training.rollout import rollout_setup
 from dapo_trl.training.rollout.rollout_driver import RolloutDriver
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, PartialGroup, RequestSampling
 from dapo_trl.training.rollout.server_answers import StreamedAnswer
@@ -159,6 +160,32 @@ def test_a_version_loaded_mid_response_tags_each_token_with_the_version_that_sam
     assert paths[paths.index("/pause?mode=keep") :][:3] == ["/pause?mode=keep", "reload", "/collective_rpc"]
     assert ("reload", False) in PausableServer.calls  # no prefix-cache reset under kept requests (vLLM refuses it)
     assert "/resume" in paths
+
+
+def test_over_nccl_the_trainers_transfer_runs_with_the_server_paused_and_its_requests_kept(server_engine, monkeypatch):
+    """vllm_weight_sync='nccl': TRL's transfer sends the current weights (here the stand-in's version changes as the
+    transfer would change them) while the driver holds the server paused; the driver never reloads from disk."""
+    transfers = []
+
+    class Transfer:  # TRL's NCCL backend as the driver sees it: every process calls sync_weights
+        def sync_weights(self):
+            assert PausableServer.paused.is_set() or not transfers, "the transfer ran under running requests"
+            transfers.append(PausableServer.loaded[0])
+            PausableServer.loaded[0] = len(transfers) - 1
+
+    monkeypatch.setattr(rollout_setup.trl_seam, "vllm_backend", lambda trainer: Transfer())
+    driver = RolloutDriver(server_engine, max_in_flight=4)
+    rollout_setup.sync_in_flight(None, driver, 0)  # the first version, nothing running yet
+    driver.plan([GroupRequest(("stream", n), [5, 6], n, version=0) for n in range(2)])
+    wait_for(lambda: server_engine._received > 2000)
+    rollout_setup.sync_in_flight(None, driver, 1)  # the next, under the running groups
+    keys = [("stream", 0), ("stream", 1)]
+    assert driver.ready_prefix(keys, 2, timeout=20) == 2
+    for result in driver.take(keys):
+        assert result.version == 0 and result.switches is not None
+        assert_versions_are_the_samplers(result)
+    assert "reload" not in [path for path, _ in PausableServer.calls] and transfers == [0, 0]
+    driver.close()
 
 
 def test_with_nothing_running_a_version_loads_as_before(server_engine, monkeypatch):

@@ -378,6 +378,19 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
             "needs --vllm_importance_sampling_correction true",
         ),
         ({"kl_in_reward": True, "kl_in_reward_controller": "adaptive"}, "kl_in_reward_controller='fixed'"),
+        ({"rollout_in_flight_weight_updates": True}, "--rollout_max_staleness 1 (or more)"),
+        (
+            {"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "vllm_weight_sync": "nccl"},
+            "over NCCL needs --rollout_in_flight_weight_updates true",
+        ),
+        ({"rollout_in_flight_kv_cache": "drop"}, "must be 'recompute' or 'keep'"),
+        (
+            {
+                **{"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "vllm_weight_sync": "nccl"},
+                **{"rollout_in_flight_weight_updates": True, "routing_replay": True, "padding_free": True},
+            },
+            "routed experts only in a whole answer",
+        ),
         ({"rollout_max_in_flight_groups": 0}, "rollout_max_in_flight_groups=0 must be >= 1"),
     ],
 )

@@ -112,6 +112,24 @@ class RolloutDriver:
             self._loaded = self._external = version
             self._cond.notify_all()
 
+    def hold_for_sync(self) -> None:
+        """In-flight weight updates whose weights the trainer sends itself (NCCL): once no load of the driver's runs,
+        pause the engine with our requests kept; nothing is admitted or loaded until `synced`."""
+        with self._cond:
+            while self._state in (EngineState.LOADING, EngineState.RESTORING):
+                self._cond.wait(1.0)
+            if not self._enter(EngineState.LOADING):
+                raise RuntimeError(f"generation failed: {self._error}") from self._error
+            self._loaded = None
+        self.engine.pause()
+
+    def synced(self, version: int) -> None:
+        """The trainer's sync (`hold_for_sync`) has loaded `version`: mark it in the running answers, resume them."""
+        self.engine.resume(version)
+        with self._cond:
+            if self._enter(EngineState.READY):
+                self._loaded, self._published = version, max(self._published, version)
+
     def planned_keys(self) -> set[tuple]:
         with self._cond:
             return set(self._known)
@@ -244,14 +262,17 @@ class RolloutDriver:
                 self._wait_for_engine()
             with self._cond:
                 request = load = None
-                while self._state is EngineState.READY and request is None and load is None:
-                    request, load = self._next_admission()
+                while request is None and load is None:
+                    if self._state in (EngineState.CLOSED, EngineState.FAILED):
+                        return
+                    if self._state is EngineState.RECOVERING:
+                        break
+                    if self._state is EngineState.READY:  # (LOADING here: held for the trainer's sync)
+                        request, load = self._next_admission()
                     if request is None and load is None:
                         self._cond.wait(0.5)
                 if self._state is EngineState.RECOVERING:
                     continue
-                if self._state in (EngineState.CLOSED, EngineState.FAILED):
-                    return
                 if load is not None:
                     self.stats.loads_in_flight += bool(self._in_flight)
                     self._enter(EngineState.LOADING)

@@ -227,11 +227,26 @@ def publish_weights(trainer: Any, rollout: StreamingRollout, version: int) -> No
         if driver is not None:
             driver.loaded_externally(version)
         return
+    if trainer.args.vllm_weight_sync == "nccl":  # in-flight weight updates: TRL's transfer under the kept requests
+        sync_in_flight(trainer, driver, version)
+        return
     local_root, _ = rollout_weights_dirs(trainer.args)
     trl_seam.vllm_backend(trainer).publish_weights(os.path.join(local_root, f"v{version}"))
     if driver is not None:
         prune_versions(local_root, keep_from=version - staleness)  # this batch samples from version - staleness
         driver.publish(version)
+
+
+def sync_in_flight(trainer: Any, driver: RolloutDriver | None, version: int) -> None:
+    """In-flight weight updates over NCCL (every process): the main process's driver pauses the server with its
+    requests kept, every process takes part in TRL's weight transfer (ZeRO-3 gathers, the main process sends), and
+    the driver marks the new version in the running answers and resumes them. NCCL sends only the current weights,
+    which is what in-flight updates load: the newest version."""
+    if driver is not None:
+        driver.hold_for_sync()
+    trl_seam.vllm_backend(trainer).sync_weights()
+    if driver is not None:
+        driver.synced(version)
 
 
 def streamed_engine(rollout: StreamingRollout | None) -> GroupEngine | None:

@@ -186,17 +186,25 @@ class VLLMServerEngine:
 
     def _load_in_flight(self, version: int) -> None:
         """Pause the server with our requests kept, reload, mark the switch in every answer, resume."""
-        self.progress.progressed()  # the counters stand still while it is paused: that is no stall
-        self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
+        self.pause()
         try:
             # The pause cleared the prefix cache, or kept it with the running requests' KV cache (vLLM refuses a reset
             # while they hold blocks): either way, no reset now.
             self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout, False)
-            asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         except BaseException:
             with contextlib.suppress(Exception):  # a server that lost its weights is dead; this error says why
                 self._post_control("/resume")
             raise
+        self.resume(version)
+
+    def pause(self) -> None:
+        """Pause the server with our requests kept (their KV cache too with `keep_kv_cache`), for a weights load."""
+        self.progress.progressed()  # the counters stand still while it is paused: that is no stall
+        self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
+
+    def resume(self, version: int) -> None:
+        """Version `version` is loaded: mark where it takes over in every running answer, and resume them."""
+        asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         self._post_control("/resume")
         self.progress.progressed()
 
