@@ -19,6 +19,22 @@ class DriverStats:
     loads_in_flight: int = 0  # weights versions loaded while requests ran (in-flight weight updates)
     switched_groups: int = 0  # completed groups that a newer version took over inside
     restored_groups: int = 0  # groups a checkpoint kept, finished or continued instead of generated again
+    busy_since: float | None = None  # when requests of ours began to run (None: none runs)
+
+    def running(self, any_running: bool) -> None:
+        """Whether requests of ours run now: busy time accrues while they do."""
+        now = time.monotonic()
+        if any_running and self.busy_since is None:
+            self.busy_since = now
+        elif not any_running and self.busy_since is not None:
+            self.busy, self.busy_since = self.busy + now - self.busy_since, None
+
+    def next_period(self) -> DriverStats:
+        """This period's figures end now; the next period's start (busy still, if requests run)."""
+        now = time.monotonic()
+        if self.busy_since is not None:
+            self.busy += now - self.busy_since
+        return DriverStats(since=now, busy_since=None if self.busy_since is None else now)
 
 
 def driver_metrics(stats: DriverStats, trainer_wait: float) -> dict[str, float]:

@@ -11,9 +11,8 @@ needs is loaded again once it answers (a restarted server holds the base weights
 own key and seed, so a batch-invariant engine samples the same tokens.
 Recovery is bounded (`engine_losses`): a request that crashes the server cannot loop.
 
-With in-flight weight updates (an engine whose `updates_in_flight` is true) the newest published version is loaded
-as soon as it is published, under the running requests (the engine pauses them), and a request planned for an older
-version starts under the loaded one.
+With in-flight weight updates (the engine's `updates_in_flight`) the newest published version loads at once, under
+the running requests (the engine pauses them), and a request planned for an older version starts under it.
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ class RolloutDriver:
         self._losses = EngineLosses(max_engine_losses, self.recovery_timeout)
         self._state = EngineState.READY
         self._restored: dict[tuple, PartialGroup] = {}  # groups a checkpoint kept: finished, or continued when admitted
-        self._busy_since: float | None = None
         self.stats = DriverStats()
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._admit_loop, name="dapo-rollout-driver", daemon=True)
@@ -209,7 +207,7 @@ class RolloutDriver:
             if self._starting is not None and self._starting in cancelled:
                 cancelled.remove(self._starting)  # not started yet: the driver's thread cancels it once it is
                 self._cancel_after_start = True
-            self._update_busy()
+            self.stats.running(bool(self._in_flight))
             self._cond.notify_all()
             while self._starting is not None:  # so that, once this returns, every withdrawn request is cancelled
                 self._cond.wait(0.1)
@@ -226,11 +224,11 @@ class RolloutDriver:
     def partial_groups(self) -> dict[tuple, PartialGroup]:
         """What a checkpoint keeps of the groups planned for later (in-flight weight updates, whose answers are
         streamed): the finished ones not yet taken, and the running ones as far as they were sampled."""
+        partials = getattr(self.engine, "partial_groups", dict)()  # first: a group finishing meanwhile is then done
         with self._cond:
             kept = {key: PartialGroup.of_result(result) for key, result in self._done.items()}
             running = set(self._in_flight)
-        partials = getattr(self.engine, "partial_groups", dict)()
-        return kept | {key: partial for key, partial in partials.items() if key in running}
+        return {key: partial for key, partial in partials.items() if key in running and key not in kept} | kept
 
     def restore(self, groups: dict[tuple, PartialGroup]) -> None:
         """Groups a checkpoint kept (`partial_groups`): when planned again, a finished one is done at once and a
@@ -240,11 +238,8 @@ class RolloutDriver:
 
     def take_metrics(self) -> DriverStats:
         with self._cond:
-            now = time.monotonic()
-            if self._busy_since is not None:
-                self.stats.busy += now - self._busy_since
-                self._busy_since = now
-            stats, self.stats = self.stats, DriverStats(since=now)
+            stats = self.stats
+            self.stats = stats.next_period()
             return stats
 
     def close(self) -> None:
@@ -291,7 +286,7 @@ class RolloutDriver:
                     self._in_flight[request.key] = request
                     self._losses.sent(request.key)
                     self._starting, self._cancel_after_start = request, False
-                    self._update_busy()
+                    self.stats.running(bool(self._in_flight))
             if load is not None:
                 self._load(load)
             else:
@@ -433,7 +428,7 @@ class RolloutDriver:
             if self._in_flight.get(request.key) is not request:
                 return  # cancelled meanwhile
             del self._in_flight[request.key]
-            self._update_busy()
+            self.stats.running(bool(self._in_flight))
             if isinstance(result, EngineUnavailable) and self.recovery_timeout > 0:
                 self._went_away(result, request)  # the lock is reentrant
                 return
@@ -453,11 +448,3 @@ class RolloutDriver:
         self._done[key] = result
         self._held_bytes += result.nbytes
         self._cond.notify_all()
-
-    def _update_busy(self) -> None:
-        now = time.monotonic()
-        if self._in_flight and self._busy_since is None:
-            self._busy_since = now
-        elif not self._in_flight and self._busy_since is not None:
-            self.stats.busy += now - self._busy_since
-            self._busy_since = None
