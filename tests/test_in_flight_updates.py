@@ -188,6 +188,20 @@ def test_over_nccl_the_trainers_transfer_runs_with_the_server_paused_and_its_req
     driver.close()
 
 
+def test_a_failed_transfer_leaves_no_paused_server_behind(server_engine, monkeypatch):
+    class BrokenTransfer:
+        def sync_weights(self):
+            assert PausableServer.paused.is_set()
+            raise RuntimeError("NCCL watchdog: the collective timed out")
+
+    monkeypatch.setattr(rollout_setup.trl_seam, "vllm_backend", lambda trainer: BrokenTransfer())
+    driver = RolloutDriver(server_engine, max_in_flight=4)
+    with pytest.raises(RuntimeError, match="the collective timed out"):
+        rollout_setup.sync_in_flight(None, driver, 0)
+    assert not PausableServer.paused.is_set()  # resumed: the next run finds a server that generates
+    driver.close()
+
+
 def test_with_nothing_running_a_version_loads_as_before(server_engine, monkeypatch):
     monkeypatch.setattr(server_engine, "server_requests", lambda: 0)
     server_engine.load_weights(2)
@@ -281,6 +295,9 @@ def test_events_not_laid_out_as_vllms_are_read_with_json_and_an_error_event_fail
     answer.feed(b"".join(b"data: " + json.dumps(part).encode() + b"\n\n" for part in (tokens, finish_only)))
     result = answer.result(("stream", 0), 0.0)
     assert result.completion_ids == [[3, 4]] and result.logprobs == [[-np.inf, -1.0]]
+    word = StreamedAnswer(1, version=0)  # a token whose text is the word "error" is a token
+    word.feed(event(0, 9, -0.5).replace(b'"text": "x"', b'"text": "error"') + b"data: [DONE]\n\n")
+    assert word.result(("stream", 0), 0.0).completion_ids == [[9]]
     failing = StreamedAnswer(1, version=0)
     with pytest.raises(RuntimeError, match="reported an error mid-answer"):
         failing.feed(b'data: {"error": {"message": "out of memory"}}\n\n')

@@ -5,6 +5,7 @@ and the trainer's dealings with that engine (its weights published, waiting unti
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -244,7 +245,13 @@ def sync_in_flight(trainer: Any, driver: RolloutDriver | None, version: int) -> 
     which is what in-flight updates load: the newest version."""
     if driver is not None:
         driver.hold_for_sync()
-    trl_seam.vllm_backend(trainer).sync_weights()
+    try:
+        trl_seam.vllm_backend(trainer).sync_weights()
+    except BaseException:
+        if driver is not None:  # the run stops with this error; it leaves no paused server behind
+            with contextlib.suppress(Exception):
+                driver.engine.resume(None)
+        raise
     if driver is not None:
         driver.synced(version)
 

@@ -27,6 +27,7 @@ _INDEX = re.compile(rb'"index"\s*:\s*(\d+)')
 _IDS = re.compile(rb'"token_ids"\s*:\s*\[([^\]]*)\]')
 _LOGPROBS = re.compile(rb'"token_logprobs"\s*:\s*\[([^\]]*)\]')
 _FINISHED = re.compile(rb'"finish_reason"\s*:\s*"')
+_ERROR = re.compile(rb'^data:\s*\{\s*"(?:error"|object"\s*:\s*"error")', re.M)
 
 
 class StreamedAnswer:
@@ -69,8 +70,8 @@ class StreamedAnswer:
         if b"data: [DONE]" in blob:
             self.done = True
             blob = blob.replace(b"data: [DONE]", b"")
-        if b'"error"' in blob:
-            raise RuntimeError(f"the vLLM server reported an error mid-answer: {blob[:2000]!r}")
+        if error := _ERROR.search(blob):  # an event that is an error (a token's text may be the word, escaped)
+            raise RuntimeError(f"the vLLM server reported an error mid-answer: {blob[error.start() :][:2000]!r}")
         if _FINISHED.search(blob):  # once per choice: its last event, read whole
             for line in blob.split(b"\n"):
                 if _FINISHED.search(line) and line.startswith(b"data:"):

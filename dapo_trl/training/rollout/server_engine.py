@@ -202,9 +202,11 @@ class VLLMServerEngine:
         self.progress.progressed()  # the counters stand still while it is paused: that is no stall
         self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
 
-    def resume(self, version: int) -> None:
-        """Version `version` is loaded: mark where it takes over in every running answer, and resume them."""
-        asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
+    def resume(self, version: int | None) -> None:
+        """Version `version` is loaded: mark where it takes over in every running answer, and resume them (None: a
+        load that failed; resumed only so that no paused server is left behind)."""
+        if version is not None:
+            asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         self._post_control("/resume")
         self.progress.progressed()
 
