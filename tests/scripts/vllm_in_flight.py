@@ -3,7 +3,7 @@
 Usage: python vllm_in_flight.py OUT MODEL_DIR BASE_URL
 The server runs MODEL_DIR in float32 and dev mode (as tests/test_vllm.py starts it). Two weights versions are written
 to shared storage: 0, the model's own, and 1, every parameter moved by 2% noise. For each KV-cache mode
-(`rollout_in_flight_kv_cache`: recompute, keep), groups of 4 responses of 96 tokens (EOS ignored) start under version
+(`rollout_in_flight_kv_cache`: recompute, keep), groups of 4 responses of 64 tokens (EOS ignored) start under version
 0; once they are well under way the engine loads version 1 with them running (`VLLMServerEngine(in_flight_updates=
 True)`: pause with requests kept, reload, resume). Every generated token is then re-scored by the trainer's model
 under both versions (teacher forcing, the whole context), and OUT/in_flight.json gets, per mode and per version the
@@ -31,7 +31,7 @@ from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampli
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 from dapo_trl.training.rollout.vllm_backends import reload_server_weights, save_weights
 
-GROUPS, N, TOKENS, PROMPT = 2, 4, 96, [5, 6, 7, 8, 9]
+GROUPS, N, TOKENS, PROMPT = 2, 4, 64, [5, 6, 7, 8, 9]
 MODES = ("recompute", "keep", "resume")
 
 
@@ -66,7 +66,7 @@ def switch_inside_responses(root: Path, base_url: str, model, moved, mode: str) 
     for request in requests:
         engine.start(request, done)
     deadline = time.monotonic() + 120
-    while engine._received < GROUPS * N * 40 * 200 and not results:  # ~40 tokens into every response
+    while engine._received < GROUPS * N * 24 * 200 and not results:  # ~24 tokens into every response
         assert time.monotonic() < deadline, "the server generated nothing"
         time.sleep(0.01)
     assert not results, f"the groups ended before the switch: {results}"
