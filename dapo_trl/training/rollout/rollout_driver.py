@@ -8,8 +8,7 @@ it (`loaded_externally`: a synchronous step, an evaluation) waits for a reload i
 An engine that goes away (`EngineUnavailable`: a vLLM server killed or restarting) is waited for, up to
 `recovery_timeout` seconds: its requests go back to the plan in stream order, the weights version the first of them
 needs is loaded again once it answers (a restarted server holds the base weights), and each is sent again with its
-own key and seed, so a batch-invariant engine samples the same tokens.
-Recovery is bounded (`engine_losses`): a request that crashes the server cannot loop.
+own key and seed, so a batch-invariant engine samples the same tokens; recovery is bounded (`engine_losses`).
 
 With in-flight weight updates (the engine's `updates_in_flight`) the newest published version loads at once, under
 the running requests (the engine pauses them), and a request planned for an older version starts under it.
@@ -105,8 +104,7 @@ class RolloutDriver:
         Waits for a reload the driver is running to end first, so that the server's weights have one owner at a
         time: the caller's sync comes after it, and the driver never marks its version loaded over the caller's."""
         with self._cond:
-            while self._state in (EngineState.LOADING, EngineState.RESTORING):
-                self._cond.wait(1.0)
+            self._cond.wait_for(self._no_own_load)  # every move notifies (`_enter`)
             self._loaded = self._external = version
             self._cond.notify_all()
 
@@ -114,8 +112,7 @@ class RolloutDriver:
         """In-flight weight updates whose weights the trainer sends itself (NCCL): once no load of the driver's runs,
         pause the engine with our requests kept; nothing is admitted or loaded until `synced`."""
         with self._cond:
-            while self._state in (EngineState.LOADING, EngineState.RESTORING):
-                self._cond.wait(1.0)
+            self._cond.wait_for(self._no_own_load)  # every move notifies (`_enter`)
             if not self._enter(EngineState.LOADING):
                 raise RuntimeError(f"generation failed: {self._error}") from self._error
             self._loaded = None
@@ -381,6 +378,9 @@ class RolloutDriver:
             self.last_done = time.monotonic()  # the wave's progress clock restarts with the engine
             self._cond.notify_all()
         logger.warning("the engine answers again: sending its %d unfinished groups again", len(self._planned))
+
+    def _no_own_load(self) -> bool:  # the engine's weights have one owner at a time: the driver, or a sync outside it
+        return self._state not in (EngineState.LOADING, EngineState.RESTORING)
 
     def _enter(self, state: EngineState) -> bool:
         """Move to `state` (the lock is held); False, and no move, once closed or failed (a late report of the

@@ -41,11 +41,11 @@ class PartialGroup:
 
     @classmethod
     def of_result(cls, result: GroupResult) -> PartialGroup:
-        """A finished group as a checkpoint keeps it."""
-        ids, logprobs = result.completion_ids, result.logprobs
-        versions = [result.token_versions(i) for i in range(len(ids))]
-        arrays = [np.array(i, dtype=np.int32) for i in ids], [np.array(v, dtype=np.float32) for v in logprobs]
-        return cls(*arrays, versions, finished=[True] * len(ids))
+        """A finished group as a checkpoint keeps it (its flat arrays split by completion: no Python list per token)."""
+        bounds = np.cumsum(result.lengths)[:-1]
+        versions = [result.token_versions(i) for i in range(len(result.lengths))]
+        ids, logprobs = np.split(result.token_ids, bounds), np.split(result.token_logprobs, bounds)
+        return cls(ids, logprobs, versions, finished=[True] * len(result.lengths))
 
     @property
     def oldest_version(self) -> int:

@@ -122,12 +122,15 @@ class VLLMServerEngine:
             raise RuntimeError(f"GET {self.base_url}/v1/models: HTTP {status}: {body[:500]!r}")
         return json.loads(body)["data"][0]["id"]
 
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        """A blocking connection to the server (TLS for an https:// URL), for the small requests."""
+        if self._ssl is None:
+            return http.client.HTTPConnection(self._host, self._port, timeout=timeout)
+        return http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
+
     def _get(self, path: str, timeout: float | None = None) -> tuple[int, bytes]:
         timeout = self.timeout if timeout is None else timeout
-        if self._ssl is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=timeout)
-        else:
-            connection = http.client.HTTPSConnection(self._host, self._port, timeout=timeout, context=self._ssl)
+        connection = self._connection(timeout)
         try:
             connection.request("GET", self._path + path)
             answer = connection.getresponse()
@@ -262,10 +265,7 @@ class VLLMServerEngine:
 
     def _post_control(self, path: str) -> None:
         """POST to a dev-mode control endpoint (`/pause`, `/resume`); an error answer names the endpoint."""
-        if self._ssl is None:
-            connection = http.client.HTTPConnection(self._host, self._port, timeout=self.timeout)
-        else:
-            connection = http.client.HTTPSConnection(self._host, self._port, timeout=self.timeout, context=self._ssl)
+        connection = self._connection(self.timeout)
         try:
             connection.request("POST", self._path + path)
             answer = connection.getresponse()
