@@ -44,7 +44,7 @@ from .training.step.batching import (
 )
 from .training.step.forwards import TokenForwards
 from .training.step.policy_loss import PolicyLossStep
-from .training.step.replayed_routing import replayed_routing_for, replaying_round
+from .training.step.replayed_routing import replayed_routing_for, replaying_round, routing_files, settle_routings
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,6 @@ class DAPOTrainer(GRPOTrainer):
         pad_token_id, router_aux_loss = trl_seam.tokenizer(self).pad_token_id, self.aux_loss_enabled
         set_zero3_leaf_modules(self.model, self.accelerator)  # MoE blocks gathered whole: no hang when routes differ
         self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
-        self._replayed_routing = replayed_routing_for(self, self._forwards.router_hooks)
         self._token_metrics = TokenWeightedMetrics()
         self._policy_loss = PolicyLossStep(self, self._get_per_token_logps_and_entropies)  # the loss table's
         self._planner = StepPlanner(args, self.accelerator, self.loss_type, self._forwards.group_passes)
@@ -109,6 +108,7 @@ class DAPOTrainer(GRPOTrainer):
         self._sampler = DynamicSampler(
             args, self.train_dataset, self.num_generations, padding, process, shuffle, self._guard.preemption
         )
+        self._replayed_routing = replayed_routing_for(self, self._forwards.router_hooks)  # after the sampler
         self._rollout = None
         if args.rollout_streaming:
             own_engine = type(self).build_rollout_engine is not DAPOTrainer.build_rollout_engine
@@ -146,7 +146,8 @@ class DAPOTrainer(GRPOTrainer):
         `steps_per_generation` micro-batches as TRL's `_prepare_inputs` does, then planned."""
         self._guard.safe_point("before generating a batch")
         scored = self._generate_and_score_completions(generation_batch)
-        return self._planner.plan(trl_seam.shuffle_and_split(scored, self.args.steps_per_generation))
+        micro_batches = trl_seam.shuffle_and_split(scored, self.args.steps_per_generation)
+        return self._planner.plan(settle_routings(self, micro_batches))  # routing replay: their routings
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;
@@ -311,7 +312,7 @@ class DAPOTrainer(GRPOTrainer):
 
     def _process_state(self) -> dict[str, Any]:
         """{file stem: part} for each process's own run state: a generation batch still in training."""
-        return {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps}
+        return {steps.OPTIMIZER_STEPS_FILE: self._optimizer_steps, **routing_files(self._replayed_routing)}
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """TRL's training; `resume_from_checkpoint` may be `latest` (or `true`): the newest complete checkpoint in

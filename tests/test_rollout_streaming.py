@@ -171,8 +171,9 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     whole = batches(tmp_path / "whole")
     assert sorted(whole) == list(range(6)) and all(row[3] != "None" for rows in whole.values() for row in rows)
     assert by_generation(batches(crashed, processes=2)) == by_generation(whole)
-    passes = zip(replayed_experts(crashed, 0), replayed_experts(crashed, 1), strict=True)
+    passes = list(zip(replayed_experts(crashed, 0), replayed_experts(crashed, 1), strict=True))
     assert any(ours != theirs for ours, theirs in passes)
+    assert all(set(ours) - {0} and set(theirs) - {0} for ours, theirs in passes)  # replayed: experts, not 0s
     metrics = rollout_metrics(tmp_path / "whole")  # one entry per generation batch
     assert all(0 <= entry["routing_replay/router_agreement"] <= 1 for entry in metrics)
     # Batch j samples version max(0, j - 1); a carried group was sampled for batch j - 1, by max(0, j - 2).

@@ -209,6 +209,12 @@ def load_process_state(checkpoint: str, parts: dict[str, Any], index: int, proce
             continue
         saved = torch.load(path, map_location="cpu", weights_only=False)
         if saved["processes"] != processes and part.needs_same_processes(saved["state"]):
+            because = getattr(part, "same_processes_because", None)
+            if because is not None:
+                raise IncompleteCheckpointError(
+                    f"{checkpoint} was saved by {saved['processes']} processes and {because}; this run has "
+                    f"{processes}: resume with {saved['processes']} processes."
+                )
             raise IncompleteCheckpointError(
                 f"{checkpoint} was saved by {saved['processes']} processes in the middle of a generation batch, "
                 f"whose rows are split between them; this run has {processes}: resume with "

@@ -18,7 +18,8 @@ import torch
 
 from ...algorithm import assemble_batch, group_keep_mask
 from ..faults.preemption import SafePoints
-from ..step.replayed_routing import ROUTING_ROW_TENSORS
+from ..step.replayed_routing import HOST_ROW_TENSORS, ROUTING_ROW_FIELDS
+from ..step.routing_shelf import NO_ROUTING, ROUTING_ID
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
 from .streams import IterablePromptStream, PromptStream
 
@@ -37,7 +38,7 @@ ROW_TENSORS = {
     "sampling_per_token_logps": (0.0, False),
     "importance_sampling_ratio": (1.0, False),
     "tool_mask": (1, False),
-    **ROUTING_ROW_TENSORS,  # routing replay's (rows, width, layers, top-k) routings, 0 = not recorded
+    **ROUTING_ROW_FIELDS,  # routing replay: each row's routing id (the routing stays on the process that scored it)
 }
 STAT_NAMES = (
     "rounds",
@@ -127,6 +128,7 @@ class DynamicSampler:
         self.carried: dict[str, torch.Tensor] | None = None
         self.normalisation = batch_normalisation(args)  # None, or the centre of batch-level advantages
         self._checked_agreement = False
+        self.release: Callable[[list[int]], None] | None = None  # routing replay: rows dropped, their routings freed
 
     @property
     def stream(self) -> PromptStream | IterablePromptStream:
@@ -180,6 +182,13 @@ class DynamicSampler:
             filling.kept_rows += int(row_kept.sum())
         if not row_kept.all():
             filling.round_dropped.append({key: value[~row_kept] for key, value in scored.rows.items()})
+            self._released(filling.round_dropped[-1])
+
+    def _released(self, rows: dict[str, torch.Tensor]) -> None:
+        """Rows no batch will hold: routing replay frees their routings now (a wave's dropped groups, at DAPO's keep
+        rates most of what is scored, would otherwise stay in host memory until the step's end)."""
+        if self.release is not None and ROUTING_ID in rows:
+            self.release(rows[ROUTING_ID].tolist())
 
     def rounds_left(self, filling: Filling) -> bool:
         max_rounds = self.args.max_filter_gen_batches
@@ -210,8 +219,11 @@ class DynamicSampler:
         surplus_rows = 0 if surplus is None else surplus["advantages"].numel()
         if not (self.args.filter_groups_carry_surplus and surplus is not None):
             stats["surplus_discarded_groups"] = surplus_rows // self.group_size
+            if surplus is not None:
+                self._released(surplus)
             return
         stale_rows = max(0, carried_in_rows - target_rows)
+        self._released({key: value[:stale_rows] for key, value in surplus.items()})
         if surplus_rows > stale_rows:
             self.carried = {key: value[stale_rows:] for key, value in surplus.items()}
         stats["surplus_carried_groups"] = (surplus_rows - stale_rows) // self.group_size
@@ -303,6 +315,10 @@ class DynamicSampler:
                 carried["advantages"].numel() // self.group_size,
             )
             carried = None
+        if carried is not None and HOST_ROW_TENSORS[0] in carried:  # an older checkpoint: routings in the rows
+            logger.warning("carried groups from an older checkpoint: their forwards route themselves (no replay)")
+            carried = {key: value for key, value in carried.items() if key not in HOST_ROW_TENSORS}
+            carried[ROUTING_ID] = torch.full_like(carried["advantages"], NO_ROUTING, dtype=torch.int64)
         self.carried = None if carried is None else {key: value.to(device) for key, value in carried.items()}
 
 
@@ -311,6 +327,8 @@ def zero_advantage_filler(dropped: dict[str, torch.Tensor], rows: int) -> dict[s
     filler = {key: value[:rows].clone() for key, value in dropped.items()}
     filler["advantages"].zero_()
     filler["completion_mask"].zero_()
+    if ROUTING_ID in filler:
+        filler[ROUTING_ID].fill_(NO_ROUTING)  # dropped rows' routings are freed; not trained, they route themselves
     if BATCH_REWARDS in filler:
         filler[BATCH_REWARDS].fill_(torch.nan)  # not trained: no part in batch-level statistics
     return filler

@@ -53,7 +53,7 @@ def complete_round_rows(trainer: Any, output: dict[str, Any], scoring: RoundScor
     """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
     may train them a step later, and with routing replay their routing and its metrics."""
     if replayed is not None:
-        output.update(replayed.row_tensors(output))
+        output.update(replayed.shelve(output))
     check_regroupable(output)  # before any forward of the rows
     if trainer.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)

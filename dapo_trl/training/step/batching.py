@@ -97,8 +97,11 @@ def trim_micro_batch(batch: dict[str, object]) -> dict[str, object]:
 def select_rows(batch: dict[str, object], rows: Sequence[int]) -> dict[str, object]:
     """The given rows of every per-row field (other fields unchanged)."""
     size = batch["prompt_ids"].size(0)
-    index = torch.tensor(list(rows), dtype=torch.long, device=batch["prompt_ids"].device)
-    return {key: value.index_select(0, index) if _is_row_tensor(value, size) else value for key, value in batch.items()}
+    index = torch.tensor(list(rows), dtype=torch.long)
+    return {
+        key: value.index_select(0, index.to(value.device)) if _is_row_tensor(value, size) else value
+        for key, value in batch.items()
+    }
 
 
 def fed_tokens(batch: dict[str, object]) -> torch.Tensor:

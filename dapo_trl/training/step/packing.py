@@ -110,9 +110,9 @@ def pack_rows(
     )
     packed_routing = None
     if routing is not None:
-        packed_routing = routing.new_zeros(len(bins) * capacity, *routing.shape[2:])
-        packed_routing[gather_index] = routing[token_mask]
-        packed_routing = packed_routing.view(len(bins), capacity, *routing.shape[2:])
+        packed_routing = routing.new_zeros(len(bins) * capacity, *routing.shape[2:])  # where the routing lives
+        packed_routing[gather_index.to(routing.device)] = routing[token_mask.to(routing.device)]
+        packed_routing = packed_routing.view(len(bins), capacity, *routing.shape[2:]).to(device)  # one pack's
     return PackedRows(packed_ids, positions, packed_labels, token_mask, gather_index, packed_routing)
 
 
@@ -232,7 +232,7 @@ def padding_free_per_token(
             # On CUDA, dense masks reach SDPA's fast kernels only with an aligned last dimension (measured: 64-aligned
             # bins ran 1.75x faster than unaligned ones at L_max 4096); CPU kernels need no alignment.
             alignment = BIN_ALIGNMENT if ids.is_cuda and not one_sequence else 1
-            rows_routing = None if routing is None else routing.index_select(0, index)
+            rows_routing = None if routing is None else routing.index_select(0, index.to(routing.device))
             packed = pack_rows(ids, mask, logits_to_keep, capacity, pad_token_id, alignment, rows_routing)
             chunk_logps, chunk_entropies, aux = packed_forward(packed)
             chunk_logps = unpack_per_token(packed, chunk_logps, logits_to_keep)

@@ -3,10 +3,12 @@ carry it.
 
 A streamed wave arrives with the engine's routing of every completion (prompt and completion tokens, `moe.
 routing_replay`). While TRL scores the wave, its forwards (old log-probs, carried groups' log-probs) replay those
-routings row by row; the scored rows then carry them as two row tensors aligned with TRL's layout,
-`prompt_routed_experts` (left-padded like prompt_ids) and `completion_routed_experts` (right-padded like
-completion_ids), so that they travel wherever rows travel: across processes, into carried surplus, into checkpoints,
-into micro-batches. The policy's forward in the loss replays them from there.
+routings row by row. The scored rows then put their routings on this process's `RoutingShelf` (host memory) and
+carry only its id (`routing_shelf.ROUTING_ID`) across processes, into carried surplus and into checkpoints. Once the
+step's batch is dealt, each process fetches its own rows' routings (`settle`) as two host row tensors aligned with
+TRL's layout, `prompt_routed_experts` (left-padded like prompt_ids) and `completion_routed_experts` (right-padded
+like completion_ids), which ride into its micro-batches; the policy's forward in the loss replays them from there,
+one pack at a time on the accelerator.
 """
 
 from __future__ import annotations
@@ -18,18 +20,21 @@ from typing import Any
 import torch
 
 from ...moe.routing_replay import RouterHooks, encode_routing, routing_from_rows
+from .routing_shelf import NO_ROUTING, ROUTING_ID, RoutingShelf, all_to_all_exchange, rows_per_round
 
 PROMPT_ROUTING = "prompt_routed_experts"
 COMPLETION_ROUTING = "completion_routed_experts"
-ROUTING_ROW_TENSORS = {PROMPT_ROUTING: (0, True), COMPLETION_ROUTING: (0, False)}  # 0: not recorded
+HOST_ROW_TENSORS = (PROMPT_ROUTING, COMPLETION_ROUTING)  # a micro-batch's routings stay in host memory
+ROUTING_SHELF_FILE = "dapo_routings"  # each process's shelf (carried groups' routings), one file per process
+ROUTING_ROW_FIELDS = {ROUTING_ID: (NO_ROUTING, False)}  # what dynamic sampling moves: the id, not the routing
 
 
 class ReplayedRouting:
     """The routing the next training forwards replay: a wave's engine routings while TRL scores it, or a micro-batch's
     row tensors while the loss runs."""
 
-    def __init__(self, hooks: RouterHooks):
-        self.hooks = hooks
+    def __init__(self, hooks: RouterHooks, shelf: RoutingShelf):
+        self.hooks, self.shelf = hooks, shelf
         self.routing = hooks.routing
         self._rows: list[torch.Tensor] | None = None
         self._batch: torch.Tensor | None = None
@@ -72,25 +77,38 @@ class ReplayedRouting:
             self._suspended = False
 
     def for_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """The routing of a forward of these rows, (rows, width, layers, top-k), or None (route themselves)."""
+        """The routing of a forward of these rows, (rows, width, layers, top-k) in host memory (the packs move to the
+        accelerator one at a time), or None (route themselves)."""
         if self._suspended:
             return None
         if self._batch is not None:
             if tuple(self._batch.shape[:2]) != tuple(input_ids.shape):
                 raise RuntimeError(f"a routing of {tuple(self._batch.shape[:2])} for rows of {tuple(input_ids.shape)}")
-            return self._batch.to(input_ids.device)
+            return self._batch
         if self._rows is not None:
             if len(self._rows) != input_ids.size(0):
                 raise RuntimeError(f"{len(self._rows)} routings for a forward of {input_ids.size(0)} rows")
-            return routing_from_rows(self._rows, attention_mask, self.routing)
+            return routing_from_rows(self._rows, attention_mask.cpu(), self.routing)
         return None
 
-    def row_tensors(self, output: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """The wave's routings as row tensors aligned with TRL's scored rows (`output`)."""
-        prompt_mask, completion_mask = output["prompt_mask"], output["completion_mask"]
-        full = routing_from_rows(self._rows, torch.cat([prompt_mask, completion_mask], dim=1), self.routing)
-        width = prompt_mask.size(1)
-        return {PROMPT_ROUTING: full[:, :width].contiguous(), COMPLETION_ROUTING: full[:, width:].contiguous()}
+    def shelve(self, output: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """The wave's routings put on this process's shelf; TRL's scored rows (`output`) carry their ids."""
+        return {ROUTING_ID: self.shelf.put(self._rows).to(output["advantages"].device)}
+
+    def settle(self, micro_batches: list[dict[str, Any]], carried: dict[str, torch.Tensor] | None) -> None:
+        """Each of this process's micro-batches of the step's batch gets its rows' routings (fetched from the
+        processes that scored them, a micro-batch at a time) as host row tensors; the shelf then keeps only the
+        carried groups' routings. Collective: every process has as many micro-batches."""
+        from accelerate.utils import gather_object
+
+        for micro_batch in micro_batches:
+            ids = micro_batch.pop(ROUTING_ID)
+            routings = self.shelf.fetch(gather_object([ids.tolist()]))
+            mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
+            full = routing_from_rows(routings, mask, self.routing)
+            width = micro_batch["prompt_mask"].size(1)
+            micro_batch[PROMPT_ROUTING], micro_batch[COMPLETION_ROUTING] = full[:, :width], full[:, width:]
+        self.shelf.keep_only([] if carried is None else carried[ROUTING_ID].tolist())
 
 
 def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRouting | None:
@@ -112,7 +130,26 @@ def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRou
             "routing_replay=true needs a vLLM server (vllm_mode='server', `vllm serve --enable-return-routed-experts`):"
             " TRL builds the colocated engine without returning routed experts."
         )
-    return ReplayedRouting(hooks)
+    accelerator = trainer.accelerator
+    nccl = torch.distributed.is_initialized() and torch.distributed.get_backend() == "nccl"
+    exchange = all_to_all_exchange(accelerator.device if nccl else torch.device("cpu"))
+    per_round = rows_per_round(trainer.args.per_device_train_batch_size, accelerator.num_processes)
+    shelf = RoutingShelf(hooks.routing, accelerator.process_index, accelerator.num_processes, exchange, per_round)
+    trainer._sampler.release = shelf.release  # dropped rows' routings are freed as dynamic sampling drops them
+    return ReplayedRouting(hooks, shelf)
+
+
+def settle_routings(trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This process's micro-batches of the step's batch with their rows' routings (`ReplayedRouting.settle`) under
+    routing replay; as they are otherwise."""
+    if trainer._replayed_routing is not None:
+        trainer._replayed_routing.settle(micro_batches, trainer._sampler.carried)
+    return micro_batches
+
+
+def routing_files(replayed: ReplayedRouting | None) -> dict[str, RoutingShelf]:
+    """{file stem: shelf}: each process's checkpoint file of the routings it holds (routing replay only)."""
+    return {} if replayed is None else {ROUTING_SHELF_FILE: replayed.shelf}
 
 
 @contextlib.contextmanager

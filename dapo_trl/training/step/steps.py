@@ -21,6 +21,7 @@ from transformers import TrainerCallback
 
 from ...algorithm import trl_items_for_exact_normalizer
 from ..trl_seam import metrics
+from .replayed_routing import HOST_ROW_TENSORS
 
 if TYPE_CHECKING:
     from ...config import DAPOConfig
@@ -77,6 +78,8 @@ class OptimizerSteps:
 
     def _prepare(self, generate: Generate) -> None:
         """Generate the generation batches starting inside this optimizer step; sum the step's loss tokens."""
+        if self.start % self.generate_every == 0:  # the last generation batch is trained: its rows go before the next
+            self.buffer = None
         buffer, tokens = self.buffer, 0.0
         for offset, prompts in enumerate(self.batches):
             step = self.start + offset
@@ -113,8 +116,8 @@ class OptimizerSteps:
 def _to_device(value: Any, device: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.to(device) if device is not None else value
-    if isinstance(value, dict):
-        return {key: _to_device(item, device) for key, item in value.items()}
+    if isinstance(value, dict):  # routing replay's routings stay in host memory
+        return {key: item if key in HOST_ROW_TENSORS else _to_device(item, device) for key, item in value.items()}
     if isinstance(value, list):
         return [_to_device(item, device) for item in value]
     return value
