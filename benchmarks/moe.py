@@ -177,8 +177,8 @@ def main() -> None:
             f"| {name:<16} | {f'{layers} x {top_k} ({experts})':<24} | {per_token:>11} | {per_token / 8:>23.1f}x |"
             f" {batch:>10.1f} GiB |"
         )
-    print("\n(per DAPO batch: 512 prompts x 16 completions x 20k tokens; dynamic sampling gathers every row to every")
-    print(" process, so that is per process: docs/moe.md)")
+    print("\n(per DAPO batch: 512 prompts x 16 completions x 20k tokens, over all processes; each process holds about")
+    print(" its share, in host memory: benchmarks/routing_memory.py, docs/moe.md)")
 
 
 if __name__ == "__main__":

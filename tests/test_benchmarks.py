@@ -27,6 +27,7 @@ QUICK_FORMS: dict[str, tuple[list[str], list[str]]] = {
     ),
     "long_context.py": (["--quick"], ["| response tokens | trainer |", "longest response trained: GRPOTrainer 128"]),
     "moe.py": (["--quick"], ["| configuration", "| moe + routing replay", "| DeepSeek-V3"]),
+    "routing_memory.py": (["--quick"], ["| process | peak routing bytes held (MiB) |", "| one pack's routing |"]),
     "overhead.py": (["--quick"], ["| trainer | median step (s) |", "differ between the two configs: none"]),
     "packing.py": (["--quick"], ["| L_max | mix | trainer |", "| DAPOTrainer packing on |"]),
     "packing_exactness.py": (["--quick"], ["| attention | dtype | packing |", "| sdpa | bfloat16 |"]),

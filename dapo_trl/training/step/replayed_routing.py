@@ -99,16 +99,23 @@ class ReplayedRouting:
         """Each of this process's micro-batches of the step's batch gets its rows' routings (fetched from the
         processes that scored them, a micro-batch at a time) as host row tensors; the shelf then keeps only the
         carried groups' routings. Collective: every process has as many micro-batches."""
-        from accelerate.utils import gather_object
-
         for micro_batch in micro_batches:
             ids = micro_batch.pop(ROUTING_ID)
-            routings = self.shelf.fetch(gather_object([ids.tolist()]))
+            routings = self.shelf.fetch(every_process(ids.tolist(), self.shelf.processes))
             mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
             full = routing_from_rows(routings, mask, self.routing)
             width = micro_batch["prompt_mask"].size(1)
             micro_batch[PROMPT_ROUTING], micro_batch[COMPLETION_ROUTING] = full[:, :width], full[:, width:]
         self.shelf.keep_only([] if carried is None else carried[ROUTING_ID].tolist())
+
+
+def every_process(item: Any, processes: int) -> list[Any]:
+    """`item` of every process, in process order (torch.distributed's own gather: no Accelerate state needed)."""
+    if processes == 1:
+        return [item]
+    gathered = [None] * processes
+    torch.distributed.all_gather_object(gathered, item)
+    return gathered
 
 
 def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRouting | None:
