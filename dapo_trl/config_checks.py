@@ -259,11 +259,6 @@ def check_routing_replay(config: DAPOConfig) -> None:
             "routing_replay=true does not run with sequence_parallel_size > 1 yet: set sequence_parallel_size=1, or "
             "routing_replay=false (the router's auxiliary loss does run sharded)."
         )
-    if config.rollout_in_flight_weight_updates:
-        raise ValueError(
-            "routing_replay=true does not run with rollout_in_flight_weight_updates yet: those answers are streamed, "
-            "and vLLM 0.31 returns the routed experts only in a whole answer. Turn one of them off."
-        )
 
 
 def check_recovery(config: DAPOConfig) -> None:

@@ -136,8 +136,8 @@ def test_the_batch_check_notices_the_wrong_process_count(tmp_path, monkeypatch):
 @pytest.mark.parametrize("folder", RECIPES, ids=lambda p: p.name)
 def test_weight_sync_matches_the_server_and_the_model(folder, tmp_path, monkeypatch):
     """The table of docs/cluster-recipes.md, for each recipe: its sync is the one its server is started for; a MoE
-    policy syncs over NCCL only, and overlaps (k >= 1) only with in-flight weight updates, or replays its routing at
-    k = 0; a dense one overlaps at k = 1."""
+    policy syncs over NCCL only, and overlaps (k >= 1) only with in-flight weight updates, routing replay included;
+    a dense one overlaps at k = 1."""
     processes = trainer_processes(folder)
     _, config, model = parse_recipe(folder, tmp_path, monkeypatch, processes)
     assert server_settings(folder)["WEIGHT_SYNC"] == config.vllm_weight_sync
@@ -153,10 +153,9 @@ def test_weight_sync_matches_the_server_and_the_model(folder, tmp_path, monkeypa
         overlap = ("--rollout_max_staleness", "1", "--rollout_in_flight_weight_updates", "true")
         _, overlapped, _ = parse_recipe(folder, tmp_path, monkeypatch, processes, *overlap)  # MoE overlaps over NCCL
         check_moe_weight_sync(overlapped, moe)
-        _, replaying, _ = parse_recipe(folder, tmp_path, monkeypatch, processes, "--routing_replay", "true")
-        assert replaying.routing_replay  # the recipe's other way on: R3 at k = 0
-        with pytest.raises(ValueError, match="routing_replay=true does not run with rollout_in_flight_weight_updates"):
-            parse_recipe(folder, tmp_path, monkeypatch, processes, *overlap, "--routing_replay", "true")
+        replay = ("--routing_replay", "true")
+        _, replaying, _ = parse_recipe(folder, tmp_path, monkeypatch, processes, *overlap, *replay)  # and R3
+        assert replaying.routing_replay and replaying.rollout_in_flight_weight_updates
     else:
         assert config.vllm_weight_sync == "shared_storage" and config.rollout_max_staleness == 1
         assert config.vllm_importance_sampling_mode == "token_truncate"

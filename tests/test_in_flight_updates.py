@@ -8,6 +8,7 @@ reload) and `/resume` as vLLM does: nothing is generated while paused. So the ve
 checked token by token, whatever the timing. The real server's test is in tests/test_vllm.py.
 """
 
+import base64
 import contextlib
 import http.client
 import io
@@ -44,6 +45,7 @@ class PausableServer(FakeCompletions):
     paused = threading.Event()
     step = threading.Lock()  # held while a step's tokens are written: /pause returns between steps, as vLLM's does
     calls: list = []
+    generated = 0  # tokens generated for whole answers
 
     def do_GET(self):
         body = {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {}
@@ -63,7 +65,9 @@ class PausableServer(FakeCompletions):
         if self.path == "/collective_rpc":
             self.loaded[0] = int(body["kwargs"]["weights_path"].rsplit("/v", 1)[1])
             return self._answer({})
-        assert body["stream"] is True and body["n"] in (N, 1)
+        assert body["n"] in (N, 1)
+        if not body.get("stream"):  # a whole answer, with routed experts (routing replay)
+            return self._answer(self._whole(body["max_tokens"], len(body["prompt"][0]), body["n"]))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -86,6 +90,25 @@ class PausableServer(FakeCompletions):
         self._chunk(b"data: [DONE]\n\n")
         self._chunk(b"")
 
+    def _whole(self, max_tokens: int, prompt_length: int, n: int) -> dict:
+        """vLLM's whole answer: the tokens as streamed, and each position's routing (one layer, one expert: the
+        version that computed it), the paused prompt's rows kept and later ones from the loaded version."""
+        tokens, routings = [], [[0]] * (prompt_length - 1)
+        for position in range(max_tokens):
+            while self.paused.is_set():
+                time.sleep(0.001)
+            with self.step:
+                tokens.append(1000 * self.loaded[0] + prompt_length + position)
+                routings.append([self.loaded[0]])  # the forward that sampled this token routed its input
+                PausableServer.generated += 1
+            time.sleep(0.005)
+        buffer = io.BytesIO()
+        np.save(buffer, np.array(routings, dtype=np.int32)[:, :, None])  # (prompt + tokens - 1, layers, top-k)
+        routed = base64.b64encode(buffer.getvalue()).decode()
+        logprobs = [-0.1 * (token // 1000 + 1) for token in tokens]
+        choice = {"token_ids": tokens, "logprobs": {"token_logprobs": logprobs}, "routed_experts": routed}
+        return {"choices": [choice] * n}
+
     def _chunk(self, data: bytes) -> None:
         self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
         self.wfile.flush()
@@ -93,7 +116,7 @@ class PausableServer(FakeCompletions):
 
 @pytest.fixture
 def server_engine(tmp_path):
-    PausableServer.loaded[0], PausableServer.calls = 0, []
+    PausableServer.loaded[0], PausableServer.calls, PausableServer.generated = 0, [], 0
     PausableServer.paused.clear()
     for version in range(3):
         (tmp_path / f"v{version}").mkdir()
@@ -160,6 +183,37 @@ def test_a_version_loaded_mid_response_tags_each_token_with_the_version_that_sam
     assert paths[paths.index("/pause?mode=keep") :][:3] == ["/pause?mode=keep", "reload", "/collective_rpc"]
     assert ("reload", False) in PausableServer.calls  # no prefix-cache reset under kept requests (vLLM refuses it)
     assert "/resume" in paths
+
+
+def test_with_routing_replay_answers_come_whole_and_each_routing_is_the_version_that_computed_it(server_engine):
+    """Routing replay needs vLLM's whole answers (it returns routed experts nowhere else): a version still loads under
+    the running request, which resumes with nothing restarted; the routing rows before the switch are the old
+    version's and later ones the new version's, like the tokens. Where the switch fell is not known to the engine,
+    so the row keeps the version it began under and a checkpoint keeps no partial group."""
+    server_engine.whole_answers = True
+    assert not server_engine.partial_rollouts
+    answers, finished = {}, threading.Event()
+
+    def done(request, result):
+        answers[request.key] = result
+        finished.set()
+
+    server_engine.start(GroupRequest(("whole", 0), [5, 6], 0, version=0), done)
+    wait_for(lambda: PausableServer.generated > 10)
+    assert server_engine.partial_groups() == {}
+    server_engine.load_weights(1)
+    assert finished.wait(20)
+    result = answers["whole", 0]
+    assert not isinstance(result, BaseException), result
+    assert result.version == 0 and result.switches is None
+    for completion, ids in enumerate(result.completion_ids):
+        versions = [token // 1000 for token in ids]
+        assert versions[0] == 0 and versions[-1] == 1 and versions == sorted(versions)  # switched once, inside
+        assert [token % 1000 for token in ids] == list(range(2, 2 + MAX_TOKENS))  # nothing restarted or lost
+        routed = result.routed_experts[completion][:, 0, 0].tolist()
+        assert routed == [0] + versions  # the input at position i routed by the version that sampled token i + 1
+    paths = [path for path, _ in PausableServer.calls]
+    assert paths[paths.index("/pause?mode=keep") :][:3] == ["/pause?mode=keep", "reload", "/collective_rpc"]
 
 
 def test_over_nccl_the_trainers_transfer_runs_with_the_server_paused_and_its_requests_kept(server_engine, monkeypatch):

@@ -385,13 +385,6 @@ def test_the_driver_loads_a_version_only_when_nothing_of_the_last_one_runs():
             "over NCCL needs --rollout_in_flight_weight_updates true",
         ),
         ({"rollout_in_flight_kv_cache": "drop"}, "must be 'recompute' or 'keep'"),
-        (
-            {
-                **{"rollout_max_staleness": 1, "use_vllm": True, "vllm_mode": "server", "vllm_weight_sync": "nccl"},
-                **{"rollout_in_flight_weight_updates": True, "routing_replay": True, "padding_free": True},
-            },
-            "routed experts only in a whole answer",
-        ),
         ({"rollout_max_in_flight_groups": 0}, "rollout_max_in_flight_groups=0 must be >= 1"),
     ],
 )

@@ -204,6 +204,7 @@ def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
         local_root,
         in_flight_updates=args.rollout_in_flight_weight_updates,
         keep_kv_cache=args.rollout_in_flight_kv_cache == "keep",
+        whole_answers=args.routing_replay,  # vLLM returns routed experts only in whole answers
     )
 
 

@@ -325,7 +325,7 @@ class StreamingRollout:
         """The stream's place; with in-flight weight updates also the groups generated ahead so far (finished, or
         as far as they were sampled): a resumed run continues them instead of generating them again."""
         state = {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
-        if self.driver is not None and getattr(self.driver.engine, "updates_in_flight", False):
+        if self.driver is not None and getattr(self.driver.engine, "partial_rollouts", False):
             kept = self.driver.partial_groups().items()
             state["groups"] = [(list(key), partial.state_dict()) for key, partial in kept]
         return state

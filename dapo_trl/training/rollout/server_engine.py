@@ -48,7 +48,11 @@ class VLLMServerEngine:
     running answer where the new version takes over, and resumes them (`/resume`): no request restarts and no slot
     waits for the others to drain. vLLM 0.31 drops the kept requests' KV cache at the pause (and recomputes it with
     the new weights when they resume) unless `keep_kv_cache` (`clear_cache=false`): then they continue from the KV
-    cache the old weights wrote, and the importance weight absorbs the mismatch.
+    cache the old weights wrote, and the importance weight absorbs the mismatch. With `whole_answers` (routing
+    replay: vLLM 0.31 returns routed experts only in a whole answer) answers are not streamed: each token's routing is
+    still the version's that sampled the next one (the paused requests' routings before the switch are kept, later
+    ones come from the new weights), but where the switch fell in a response is not known, so a row keeps the version
+    it began under (the staleness bound holds) and a checkpoint keeps no partial groups.
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
@@ -68,6 +72,7 @@ class VLLMServerEngine:
         weights_local_root: str | Path | None = None,
         in_flight_updates: bool = False,
         keep_kv_cache: bool = False,
+        whole_answers: bool = False,
     ):
         self.base_url = base_url.strip().rstrip("/")
         self._host, self._port, self._path, self._ssl = server_address(self.base_url)
@@ -90,6 +95,7 @@ class VLLMServerEngine:
         self._stalled: dict[int, str] = {}  # id(request) -> why it was failed (the server stalled)
         self.updates_in_flight = in_flight_updates  # the driver may load a version while requests run
         self.keep_kv_cache = keep_kv_cache  # paused requests continue from the old weights' KV cache
+        self.whole_answers = whole_answers  # in flight, answers still arrive whole (routed experts come only so)
         # id(request) -> (request, its streamed answers: one, or one per completion a resumed group continues)
         self._answers: dict[int, tuple[GroupRequest, list[StreamedAnswer]]] = {}
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
@@ -165,10 +171,15 @@ class VLLMServerEngine:
         with self._queued_lock:
             return self._queued + len(self._tasks)
 
+    @property
+    def partial_rollouts(self) -> bool:
+        """Whether running groups are known as far as they were sampled (streamed answers), for a checkpoint."""
+        return self.updates_in_flight and not self.whole_answers
+
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
         """The JSON body of one group's request (override to change sampling per group)."""
         payload = self.sampling.payload(self.model, request)
-        return {**payload, "stream": True} if self.updates_in_flight else payload
+        return {**payload, "stream": True} if self.partial_rollouts else payload
 
     def load_weights(self, version: int) -> None:
         if self._reload is None or self.weights_server_root is None:
@@ -354,7 +365,7 @@ class VLLMServerEngine:
 
     # ------------------------------------------------------------------------------------------- the event loop
     def _launch(self, request: GroupRequest, done: Callback) -> None:
-        if self.updates_in_flight:  # registered before a fence can run on this loop
+        if self.partial_rollouts:  # registered before a fence can run on this loop
             answers = [StreamedAnswer(self.sampling.n, request.version)]
             if request.partial is not None:
                 answers = [StreamedAnswer(1, request.version) for _ in self._continued(request)]
