@@ -140,9 +140,13 @@ def main() -> None:
         args.processes, args.prompts, args.tokens = 2, 8, 64
     import torch.multiprocessing
 
+    import dapo_trl.training.step.replayed_routing  # noqa: F401 - imported once: the forked workers inherit it
+
     settings = {**vars(args), "port": free_port()}
     results = torch.multiprocessing.Manager().dict()
-    torch.multiprocessing.spawn(worker, args=(settings, results), nprocs=args.processes, join=True)
+    torch.multiprocessing.start_processes(
+        worker, args=(settings, results), nprocs=args.processes, join=True, start_method="fork"
+    )
     mib = 2**20
     batch = results[0]["batch"]
     print(

@@ -78,14 +78,14 @@ def test_smoke_script_with_two_processes(tmp_path):
 
 
 def test_the_builtin_moe_model_on_an_empty_cache_under_zero3_with_two_processes(tmp_path):
-    """`accelerate launch` itself (not the tests' warm launcher), ZeRO-3, 2 processes, an empty cache: the shipped
-    model loads and trains (a build on first use once hung here: transformers partitioned the model being built)."""
+    """ZeRO-3, 2 processes, an empty cache: the shipped model loads and trains (a build on first use once hung here:
+    transformers partitioned the model being built). `accelerate launch` itself runs the smoke scripts' tests."""
     zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
     flags = ["--model_name_or_path", "builtin:tiny-moe", "--output_dir", str(tmp_path / "out"), "--max_steps", "1"]
     flags += ["--per_device_train_batch_size", "2", "--num_generations", "2", "--max_completion_length", "8"]
     flags += ["--report_to", "none", "--plot", "false"]
     command = python_command("train_dapo.py", *flags, num_processes=2, deepspeed_config=zero3)
-    result = run_command(command, env={"DAPO_TRL_CACHE": str(tmp_path / "cache")}, timeout=400, warm=False)
+    result = run_command(command, env={"DAPO_TRL_CACHE": str(tmp_path / "cache")}, timeout=400)
     assert "step 1" in result.stdout and not (tmp_path / "cache").exists()
 
 

@@ -75,13 +75,24 @@ class PausableServer(FakeCompletions):
         with contextlib.suppress(OSError):  # a cancelled request's client is gone
             self._stream(body["max_tokens"], len(body["prompt"][0]), body["n"])
 
-    def _stream(self, max_tokens: int, prompt_length: int, n: int) -> None:
-        for position in range(max_tokens):
+    @contextlib.contextmanager
+    def _unpaused_step(self):
+        """One generation step, taken only while the server is not paused (a pause waits for it to end)."""
+        while True:
             while self.paused.is_set():
                 time.sleep(0.001)
-            with self.step:
-                if self.paused.is_set():
-                    continue
+            self.step.acquire()
+            if not self.paused.is_set():
+                break
+            self.step.release()  # paused between the check and the lock: wait again, the same position next
+        try:
+            yield
+        finally:
+            self.step.release()
+
+    def _stream(self, max_tokens: int, prompt_length: int, n: int) -> None:
+        for position in range(max_tokens):
+            with self._unpaused_step():
                 token, finish = 1000 * self.loaded[0] + prompt_length + position, position == max_tokens - 1
                 for index in range(n):
                     logprob = -0.1 * (self.loaded[0] + 1)
@@ -95,9 +106,7 @@ class PausableServer(FakeCompletions):
         version that computed it), the paused prompt's rows kept and later ones from the loaded version."""
         tokens, routings = [], [[0]] * (prompt_length - 1)
         for position in range(max_tokens):
-            while self.paused.is_set():
-                time.sleep(0.001)
-            with self.step:
+            with self._unpaused_step():
                 tokens.append(1000 * self.loaded[0] + prompt_length + position)
                 routings.append([self.loaded[0]])  # the forward that sampled this token routed its input
                 PausableServer.generated += 1

@@ -48,6 +48,7 @@ def test_a_process_alone_hands_its_rows_back_in_order_and_a_checkpoint_keeps_its
 
 
 def _exchange_worker(rank: int, port: int, results: dict) -> None:
+    torch.set_num_threads(1)  # forked: no thread pool of the parent's to rely on (and the tensors are tiny)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -83,7 +84,9 @@ def test_two_processes_hand_each_row_its_own_routing_and_drop_what_they_sent():
     """Over gloo, two rows a pair per round (four rounds for process 0's rows from process 1): every row of each
     process's share arrives whole, in its order, whichever process scored it; each keeps only what nobody took."""
     results = torch.multiprocessing.Manager().dict()
-    torch.multiprocessing.spawn(_exchange_worker, args=(free_port(), results), nprocs=2, join=True)
+    torch.multiprocessing.start_processes(
+        _exchange_worker, args=(free_port(), results), nprocs=2, join=True, start_method="fork"
+    )
     for rank in (0, 1):
         assert all(results[rank]["matches"]), results[rank]
         assert results[rank]["left"] == results[rank]["unwanted"]

@@ -43,16 +43,11 @@ class VLLMServerEngine:
     server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
     previous weights must not be reused).
 
-    In-flight weight updates (`in_flight_updates`): answers are streamed (`server_answers.StreamedAnswer`), and a
-    version loaded while requests run pauses the server with them kept (`/pause?mode=keep`), reloads, marks in every
-    running answer where the new version takes over, and resumes them (`/resume`): no request restarts and no slot
-    waits for the others to drain. vLLM 0.31 drops the kept requests' KV cache at the pause (and recomputes it with
-    the new weights when they resume) unless `keep_kv_cache` (`clear_cache=false`): then they continue from the KV
-    cache the old weights wrote, and the importance weight absorbs the mismatch. With `whole_answers` (routing
-    replay: vLLM 0.31 returns routed experts only in a whole answer) answers are not streamed: each token's routing is
-    still the version's that sampled the next one (the paused requests' routings before the switch are kept, later
-    ones come from the new weights), but where the switch fell in a response is not known, so a row keeps the version
-    it began under (the staleness bound holds) and a checkpoint keeps no partial groups.
+    In-flight weight updates (`in_flight_updates`, docs/rollout.md): a version loaded while requests run pauses the
+    server with them kept (`/pause?mode=keep`; their KV cache too with `keep_kv_cache`), reloads, marks in every
+    running answer (streamed: `server_answers.StreamedAnswer`) where the new version takes over, and resumes them.
+    With `whole_answers` (routing replay: vLLM 0.31 returns routed experts only there) nothing is streamed, so a row
+    keeps the version it began under and a checkpoint keeps no partial groups.
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
@@ -172,8 +167,7 @@ class VLLMServerEngine:
             return self._queued + len(self._tasks)
 
     @property
-    def partial_rollouts(self) -> bool:
-        """Whether running groups are known as far as they were sampled (streamed answers), for a checkpoint."""
+    def partial_rollouts(self) -> bool:  # running groups known as far as sampled (streamed), for a checkpoint
         return self.updates_in_flight and not self.whole_answers
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
@@ -393,12 +387,8 @@ class VLLMServerEngine:
             async with self._connections:
                 if answers is not None and request.partial is not None:  # a resumed group: continue what it kept
                     posts = [self._continuation(request, index) for index in self._continued(request)]
-                    sent = [
-                        self._post("/v1/completions", post, answer) for post, answer in zip(posts, answers, strict=True)
-                    ]
-                    status, raw = next(
-                        (answer for answer in await asyncio.gather(*sent) if answer[0] != 200), (200, b"")
-                    )
+                    sent = [self._post("/v1/completions", *pair) for pair in zip(posts, answers, strict=True)]
+                    status, raw = next((got for got in await asyncio.gather(*sent) if got[0] != 200), (200, b""))
                 else:
                     answer = None if answers is None else answers[0]
                     status, raw = await self._post("/v1/completions", self.request_payload(request), answer)
