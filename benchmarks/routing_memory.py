@@ -109,7 +109,13 @@ def worker(rank: int, settings: dict, results: dict) -> None:
         return got
 
     replayed.shelf.fetch = fetch_and_sample
-    replayed.settle(held, None)
+
+    def gather_objects(items: list) -> list:
+        gathered = [None] * processes
+        torch.distributed.all_gather_object(gathered, items[0])
+        return gathered
+
+    replayed.settle(held, None, gather_objects)
     sample()
     bytes_per_token = routing.bytes_per_token
     results[rank] = {

@@ -201,7 +201,7 @@ class VLLMServerEngine:
             self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout, False)
         except BaseException:
             with contextlib.suppress(Exception):  # a server that lost its weights is dead; this error says why
-                self._post_control("/resume")
+                self.resume(None)
             raise
         self.resume(version)
 
@@ -213,7 +213,7 @@ class VLLMServerEngine:
     def resume(self, version: int | None) -> None:
         """Version `version` is loaded: mark where it takes over in every running answer, and resume them (None: a
         load that failed; resumed only so that no paused server is left behind)."""
-        if version is not None:
+        if version is not None and self.partial_rollouts:  # whole answers: no switch to mark
             asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         self._post_control("/resume")
         self.progress.progressed()

@@ -14,7 +14,7 @@ one pack at a time on the accelerator.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -95,27 +95,24 @@ class ReplayedRouting:
         """The wave's routings put on this process's shelf; TRL's scored rows (`output`) carry their ids."""
         return {ROUTING_ID: self.shelf.put(self._rows).to(output["advantages"].device)}
 
-    def settle(self, micro_batches: list[dict[str, Any]], carried: dict[str, torch.Tensor] | None) -> None:
+    def settle(
+        self,
+        micro_batches: list[dict[str, Any]],
+        carried: dict[str, torch.Tensor] | None,
+        gather_objects: Callable[[list[Any]], list[Any]],
+    ) -> None:
         """Each of this process's micro-batches of the step's batch gets its rows' routings (fetched from the
         processes that scored them, a micro-batch at a time) as host row tensors; the shelf then keeps only the
-        carried groups' routings. Collective: every process has as many micro-batches."""
+        carried groups' routings. Collective: every process has as many micro-batches (`gather_objects`: each
+        process's list, in process order)."""
         for micro_batch in micro_batches:
             ids = micro_batch.pop(ROUTING_ID)
-            routings = self.shelf.fetch(every_process(ids.tolist(), self.shelf.processes))
+            routings = self.shelf.fetch(gather_objects([ids.tolist()]))
             mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
             full = routing_from_rows(routings, mask, self.routing)
             width = micro_batch["prompt_mask"].size(1)
             micro_batch[PROMPT_ROUTING], micro_batch[COMPLETION_ROUTING] = full[:, :width], full[:, width:]
         self.shelf.keep_only([] if carried is None else carried[ROUTING_ID].tolist())
-
-
-def every_process(item: Any, processes: int) -> list[Any]:
-    """`item` of every process, in process order (torch.distributed's own gather: no Accelerate state needed)."""
-    if processes == 1:
-        return [item]
-    gathered = [None] * processes
-    torch.distributed.all_gather_object(gathered, item)
-    return gathered
 
 
 def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRouting | None:
@@ -150,7 +147,8 @@ def settle_routings(trainer: Any, micro_batches: list[dict[str, Any]]) -> list[d
     """This process's micro-batches of the step's batch with their rows' routings (`ReplayedRouting.settle`) under
     routing replay; as they are otherwise."""
     if trainer._replayed_routing is not None:
-        trainer._replayed_routing.settle(micro_batches, trainer._sampler.carried)
+        sampler = trainer._sampler
+        trainer._replayed_routing.settle(micro_batches, sampler.carried, sampler.process.gather_objects)
     return micro_batches
 
 

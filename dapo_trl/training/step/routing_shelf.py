@@ -17,6 +17,7 @@ every process like the others, a DAPO batch's routings (512 x 16 x 20k tokens) w
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -108,16 +109,14 @@ class RoutingShelf:
         missing = [row_id for ids in sends for row_id in ids if row_id not in self.rows]
         if missing:
             raise RuntimeError(f"routing replay: process {self.index} holds no routing for rows {missing[:5]}")
-        counts = torch.tensor([self.rows[row_id].size(0) for ids in sends for row_id in ids], dtype=torch.int64)
-        got = self.exchange(counts, [len(ids) for ids in sends], [len(ids) for ids in receives]).tolist()
+        counts = [self.rows[row_id].size(0) for ids in sends for row_id in ids]
+        sizes = [len(ids) for ids in sends], [len(ids) for ids in receives]
+        got = self.exchange(torch.tensor(counts, dtype=torch.int64), *sizes).tolist()
         width = self.routing.bytes_per_token
         payload = [self.rows[row_id].view(-1).view(torch.uint8) for ids in sends for row_id in ids]
-        send_bytes = [sum(self.rows[row_id].size(0) for row_id in ids) * width for ids in sends]
-        receive_counts, position = [], 0
-        for ids in receives:
-            receive_counts.append(got[position : position + len(ids)])
-            position += len(ids)
-        receive_bytes = [sum(counts) * width for counts in receive_counts]
+        send_bytes = [sum(part) * width for part in _split(counts, sizes[0])]
+        receive_counts = _split(got, sizes[1])
+        receive_bytes = [sum(part) * width for part in receive_counts]
         flat = torch.cat(payload) if payload else torch.empty(0, dtype=torch.uint8)
         data = self.exchange(flat, send_bytes, receive_bytes)
         shape, out, offset = (self.routing.layers, self.routing.top_k), {}, 0
@@ -141,6 +140,11 @@ class RoutingShelf:
     def needs_same_processes(state: dict[str, Any]) -> bool:
         """Carried groups' routings are held by the process that scored them: only as many processes resume them."""
         return bool(state["rows"])
+
+
+def _split(values: list[int], lengths: list[int]) -> list[list[int]]:
+    """`values` cut into consecutive parts of `lengths`."""
+    return [values[start:stop] for start, stop in itertools.pairwise([0, *itertools.accumulate(lengths)])]
 
 
 def rows_per_round(micro_batch_rows: int, processes: int) -> int:
