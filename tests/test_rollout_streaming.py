@@ -72,6 +72,16 @@ def replayed_experts(out, rank: int) -> list[Counter]:
     ]
 
 
+def assert_one_pack_of_routing_per_forward(out, rank: int = 0) -> None:
+    """Routing replay: each forward (training and scoring) got its pack's routing, token for token, on the model's
+    device; the micro-batches' routings stay in host memory (`routing_device` in the trained records)."""
+    forwards = read_jsonl(out / f"replayed_rank{rank}.jsonl")
+    assert any(forward["grad"] for forward in forwards) and any(not forward["grad"] for forward in forwards)
+    for forward in forwards:
+        assert forward["routing_device"] == forward["model_device"], forward
+        assert forward["routing_shape"][:2] == forward["input_shape"], forward
+
+
 def rollout_metrics(out) -> list[dict]:
     history = json.loads((out / "log_history.json").read_text())
     return [entry for entry in history if "rollout/staleness_mean" in entry]
@@ -170,6 +180,8 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
 
     whole = batches(tmp_path / "whole")
     assert sorted(whole) == list(range(6)) and all(row[3] != "None" for rows in whole.values() for row in rows)
+    assert {record["routing_device"] for record in read_jsonl(tmp_path / "whole" / "trained_rank0.jsonl")} == {"cpu"}
+    assert_one_pack_of_routing_per_forward(tmp_path / "whole")
     assert by_generation(batches(crashed, processes=2)) == by_generation(whole)
     passes = list(zip(replayed_experts(crashed, 0), replayed_experts(crashed, 1), strict=True))
     assert any(ours != theirs for ours, theirs in passes)

@@ -92,7 +92,10 @@ class RecordingTrainer(DAPOTrainer):
             }
             if "completion_routed_experts" in inputs:  # routing replay: each row's replayed completion routing
                 routings = inputs["completion_routed_experts"]
-                record["routings"] = [routing[mask].tolist() for routing, mask in zip(routings, masks, strict=True)]
+                record["routings"] = [
+                    routing[mask.cpu()].tolist() for routing, mask in zip(routings, masks, strict=True)
+                ]
+                record["routing_device"] = str(routings.device)  # a micro-batch's routing stays in host memory
             f.write(json.dumps(record) + "\n")
         return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
 

@@ -16,6 +16,7 @@ from script_args import leave_together
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 SHORT = {"prompt": [{"role": "user", "content": "hi"}], "solution": "1"}
 LONG = {"prompt": [{"role": "user", "content": "word " * 200}], "solution": "1"}
@@ -33,7 +34,7 @@ def main() -> None:
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
-        activation_checkpointing=False,
+        **activation_checkpointing_kwargs(False),
         max_prompt_length=max_prompt_length,
     )
     stream = Dataset.from_list([SHORT if rank == 0 else LONG] * 4).to_iterable_dataset()

@@ -47,9 +47,11 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
+from dapo_trl.moe.routing_replay import ROUTING_KWARG
 from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.rollout import rollout_setup
 from dapo_trl.training.rollout.stream_plan import group_seed
+from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 # The fake engine's k >= 1 runs test which rows make each batch (selection, versions, resume), not the loss's
 # correction (its log-probs are no policy's): the refusal of k >= 1 for an engine of your own is lifted here;
@@ -181,14 +183,31 @@ class FakeGenerationTrainer(RecordingTrainer):
 
 class ScoringForwards(TrainerCallback):
     """Counts the policy's forwards without gradient (scoring: the old log-probs of carried groups) per optimizer
-    step on this process, into OUT/forwards_rank<r>.jsonl: under ZeRO-3 each one gathers every parameter."""
+    step on this process, into OUT/forwards_rank<r>.jsonl: under ZeRO-3 each one gathers every parameter. With
+    routing replay, also where each forward's replayed routing lives, against its input, into
+    OUT/replayed_rank<r>.jsonl: a forward moves one pack's routing to the model's device, no more."""
 
     def __init__(self, trainer: FakeGenerationTrainer, out: Path):
-        self.path, self.count = out / f"forwards_rank{trainer.accelerator.process_index}.jsonl", 0
-        trainer.model.register_forward_pre_hook(self.seen)
+        rank = trainer.accelerator.process_index
+        self.path, self.count = out / f"forwards_rank{rank}.jsonl", 0
+        self.replayed = out / f"replayed_rank{rank}.jsonl"
+        trainer.model.register_forward_pre_hook(self.seen, with_kwargs=True)
 
-    def seen(self, module, args) -> None:
+    def seen(self, module, args, kwargs) -> None:
         self.count += not torch.is_grad_enabled()
+        routing = kwargs.get(ROUTING_KWARG)
+        if routing is not None:
+            tokens = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            weight = next(module.parameters())
+            record = {
+                "grad": torch.is_grad_enabled(),
+                "routing_device": str(routing.device),
+                "model_device": str(weight.device),
+                "routing_shape": list(routing.shape),
+                "input_shape": list(tokens.shape),
+            }
+            with open(self.replayed, "a") as file:
+                file.write(json.dumps(record) + "\n")
 
     def on_step_end(self, args, state, control, **kwargs):
         with open(self.path, "a") as file:
@@ -233,7 +252,7 @@ def main() -> None:
         max_steps=max_steps,
         max_filter_gen_batches=0,
         apply_overlong_penalty=False,
-        activation_checkpointing=False,
+        **activation_checkpointing_kwargs(False),
         report_to="none",
         save_strategy="no",
         logging_steps=1,
