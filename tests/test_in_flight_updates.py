@@ -23,8 +23,10 @@ import torch
 from dapo_trl.training.rollout import rollout_setup
 from dapo_trl.training.rollout.rollout_driver import RolloutDriver
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, PartialGroup, RequestSampling
+from dapo_trl.training.rollout.rollout_stream import ServerStreamingRollout
 from dapo_trl.training.rollout.server_answers import StreamedAnswer
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
+from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler
 
 from .test_rollout_streaming import FakeCompletions, serve
 
@@ -198,7 +200,7 @@ def test_with_routing_replay_answers_come_whole_and_each_routing_is_the_version_
     """Routing replay needs vLLM's whole answers (it returns routed experts nowhere else): a version still loads under
     the running request, which resumes with nothing restarted; the routing rows before the switch are the old
     version's and later ones the new version's, like the tokens. Where the switch fell is not known to the engine,
-    so the row keeps the version it began under and a checkpoint keeps no partial group."""
+    so the row keeps the version it began under and a checkpoint keeps no running group."""
     server_engine.whole_answers = True
     assert not server_engine.partial_rollouts
     answers, finished = {}, threading.Event()
@@ -439,3 +441,58 @@ def test_the_driver_loads_a_published_version_while_the_old_ones_requests_run():
     stats = driver.take_metrics()
     assert stats.loads_in_flight == 1
     driver.close()
+
+
+class WholeAnswersEngine(HeldEngine):
+    """Routing replay's in-flight engine: answers come whole, each with its completions' routed experts."""
+
+    whole_answers = True
+
+    def finish(self, key):
+        from dapo_trl.training.rollout.rollout_engine import GroupResult
+
+        with self.lock:
+            request, done = self.running.pop(key)
+        routings = [np.full((2, 2, 2), 1 + request.seed, dtype=np.uint8)] * 2  # (prompt + completion - 1, layers, k)
+        done(request, GroupResult(key, request.version, [[1, 2]] * 2, [[-0.1, -0.2]] * 2, routed_experts=routings))
+
+
+def test_with_routing_replay_a_checkpoint_keeps_the_finished_groups_with_their_routings():
+    """Answers come whole, so a running group has nothing to keep, but a finished one not yet taken is kept with its
+    routings and is done at once after the resume; a group kept without routings (a checkpoint written without
+    routing replay) is generated again."""
+    from .test_rollout_streaming import PROMPTS, settings, tokenize
+
+    def streaming(engine):
+        sampler = DynamicSampler(settings(rollout_max_staleness=1), [{"prompt": p} for p in PROMPTS], 2, {})
+        driver = RolloutDriver(engine, max_in_flight=8)
+        return ServerStreamingRollout(sampler, driver, tokenize, lambda value: value, 1, 1, wave_timeout=5), driver
+
+    engine = WholeAnswersEngine()
+    rollout, driver = streaming(engine)
+    driver.publish(0)
+    driver.plan([GroupRequest(("stream", n), [5], n, version=0) for n in range(2)])
+    wait_for(lambda: len(engine.running) == 2)
+    engine.finish(("stream", 0))
+    wait_for(lambda: ("stream", 0) in driver._done)
+    buffer = io.BytesIO()
+    torch.save(rollout.state_dict(), buffer)
+    driver.close()
+    state = torch.load(io.BytesIO(buffer.getvalue()), weights_only=True)
+    assert [tuple(key) for key, _ in state["groups"]] == [("stream", 0)]  # the running group is not kept
+
+    resumed_engine = WholeAnswersEngine()
+    resumed, resumed_driver = streaming(resumed_engine)
+    without_routings = dict(state["groups"][0][1])
+    without_routings.pop("routed_experts")
+    state["groups"].append((["stream", 2], without_routings))
+    resumed.load_state_dict(state)
+    resumed_driver.publish(0)
+    resumed_driver.plan([GroupRequest(("stream", n), [5], n, version=0) for n in range(3)])
+    assert resumed_driver.ready_prefix([("stream", 0)], 1, timeout=5) == 1
+    (result,) = resumed_driver.take([("stream", 0)])
+    assert [routing.tolist() for routing in result.routed_experts] == [np.full((2, 2, 2), 1).tolist()] * 2
+    wait_for(lambda: len(resumed_engine.running) == 2)
+    assert sorted(resumed_engine.running) == [("stream", 1), ("stream", 2)]  # generated again
+    assert resumed_driver.take_metrics().restored_groups == 1
+    resumed_driver.close()

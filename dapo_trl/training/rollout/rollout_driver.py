@@ -219,8 +219,8 @@ class RolloutDriver:
             self._losses.forget(key)
 
     def partial_groups(self) -> dict[tuple, PartialGroup]:
-        """What a checkpoint keeps of the groups planned for later (in-flight weight updates, whose answers are
-        streamed): the finished ones not yet taken, and the running ones as far as they were sampled."""
+        """What a checkpoint keeps of the groups planned for later (in-flight weight updates): the finished ones not
+        yet taken, and the running ones as far as they were sampled where answers are streamed."""
         partials = getattr(self.engine, "partial_groups", dict)()  # first: a group finishing meanwhile is then done
         with self._cond:
             kept = {key: PartialGroup.of_result(result) for key, result in self._done.items()}

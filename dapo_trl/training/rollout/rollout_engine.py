@@ -32,12 +32,14 @@ class GroupRequest:
 @dataclass
 class PartialGroup:
     """A group's completions as far as they were sampled when a checkpoint was written: each completion's token ids,
-    the engine's log-probs, the weights version of every token, and whether it had ended (EOS or its length)."""
+    the engine's log-probs, the weights version of every token, and whether it had ended (EOS or its length); a
+    finished group also keeps its routed experts when the engine returned them (routing replay)."""
 
     token_ids: list[np.ndarray]
     logprobs: list[np.ndarray]
     versions: list[np.ndarray]
     finished: list[bool]
+    routed_experts: list[np.ndarray] | None = None
 
     @classmethod
     def of_result(cls, result: GroupResult) -> PartialGroup:
@@ -45,7 +47,7 @@ class PartialGroup:
         bounds = np.cumsum(result.lengths)[:-1]
         versions = [result.token_versions(i) for i in range(len(result.lengths))]
         ids, logprobs = np.split(result.token_ids, bounds), np.split(result.token_logprobs, bounds)
-        return cls(ids, logprobs, versions, finished=[True] * len(result.lengths))
+        return cls(ids, logprobs, versions, [True] * len(result.lengths), result.routed_experts)
 
     @property
     def oldest_version(self) -> int:
@@ -53,25 +55,31 @@ class PartialGroup:
 
     def result(self, key: tuple, seconds: float = 0.0) -> GroupResult:
         """The group as a result (when every completion has ended)."""
-        return result_with_versions(key, self.token_ids, self.logprobs, self.versions, seconds)
+        return result_with_versions(key, self.token_ids, self.logprobs, self.versions, seconds, self.routed_experts)
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and lists only: a checkpoint is read back with `torch.load(weights_only=True)`."""
         import torch
 
+        names = ("token_ids", "logprobs", "versions") + (("routed_experts",) if self.routed_experts is not None else ())
         return {
-            name: [torch.from_numpy(np.ascontiguousarray(array)) for array in getattr(self, name)]
-            for name in ("token_ids", "logprobs", "versions")
+            name: [torch.from_numpy(np.ascontiguousarray(array)) for array in getattr(self, name)] for name in names
         } | {"finished": list(self.finished)}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> PartialGroup:
-        arrays = {name: [tensor.numpy() for tensor in state[name]] for name in ("token_ids", "logprobs", "versions")}
+        names = ("token_ids", "logprobs", "versions", "routed_experts")
+        arrays = {name: [tensor.numpy() for tensor in state[name]] for name in names if name in state}
         return cls(**arrays, finished=[bool(done) for done in state["finished"]])
 
 
 def result_with_versions(
-    key: tuple, token_ids: list[np.ndarray], logprobs: list[np.ndarray], versions: list[np.ndarray], seconds=0.0
+    key: tuple,
+    token_ids: list[np.ndarray],
+    logprobs: list[np.ndarray],
+    versions: list[np.ndarray],
+    seconds: float = 0.0,
+    routed_experts: list[np.ndarray] | None = None,
 ) -> GroupResult:
     """A `GroupResult` of per-completion arrays with the weights version of every token: its `version` is the oldest
     token's, and `switches` say where a newer one took over in each completion (at its first token, for one that
@@ -86,6 +94,7 @@ def result_with_versions(
         np.concatenate(logprobs) if logprobs else np.zeros(0, dtype=np.float32),
         lengths,
         seconds,
+        routed_experts,
     )
     switches = []
     for completion, per_token in enumerate(versions):

@@ -322,10 +322,11 @@ class StreamingRollout:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
-        """The stream's place; with in-flight weight updates also the groups generated ahead so far (finished, or
-        as far as they were sampled): a resumed run continues them instead of generating them again."""
+        """The stream's place; with in-flight weight updates also the groups generated ahead so far: the finished
+        ones (with their routings under routing replay) and, where answers are streamed, the running ones as far as
+        they were sampled. A resumed run continues them instead of generating them again."""
         state = {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
-        if self.driver is not None and getattr(self.driver.engine, "partial_rollouts", False):
+        if self.driver is not None and getattr(self.driver.engine, "updates_in_flight", False):
             kept = self.driver.partial_groups().items()
             state["groups"] = [(list(key), partial.state_dict()) for key, partial in kept]
         return state
@@ -340,7 +341,10 @@ class StreamingRollout:
         self.cursor.load_state_dict(state["cursor"])
         self.generation = state["generation"]
         if self.driver is not None and state.get("groups"):
-            self.driver.restore({tuple(key): PartialGroup.from_state(kept) for key, kept in state["groups"]})
+            kept = {tuple(key): PartialGroup.from_state(group) for key, group in state["groups"]}
+            if getattr(self.driver.engine, "whole_answers", False):  # routing replay: only what has its routings
+                kept = {key: group for key, group in kept.items() if group.routed_experts is not None}
+            self.driver.restore(kept)
 
 
 class ServerStreamingRollout(StreamingRollout):

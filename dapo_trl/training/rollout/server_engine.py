@@ -47,7 +47,7 @@ class VLLMServerEngine:
     server with them kept (`/pause?mode=keep`; their KV cache too with `keep_kv_cache`), reloads, marks in every
     running answer (streamed: `server_answers.StreamedAnswer`) where the new version takes over, and resumes them.
     With `whole_answers` (routing replay: vLLM 0.31 returns routed experts only there) nothing is streamed, so a row
-    keeps the version it began under and a checkpoint keeps no partial groups.
+    keeps the version it began under and a checkpoint keeps the finished groups only (with their routings).
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
