@@ -355,9 +355,8 @@ class DAPOConfig(GRPOConfig):
             "run, instead of after the old version's requests drain. The server is paused with its requests and "
             "their KV cache kept (vLLM >= 0.31's /pause?mode=keep, VLLM_SERVER_DEV_MODE=1), reloaded and resumed; "
             "a response may hold tokens of several versions (its row is as old as its first token; the importance "
-            "weight corrects each token by its engine log-prob). Checkpoints keep the groups generated ahead and a "
-            "resumed run continues them (with routing_replay, whose answers come whole: the finished ones only). NCCL "
-            "sync (MoE too) or shared storage."
+            "weight corrects each token by its engine log-prob). Checkpoints keep the groups generated ahead, a "
+            "resumed run continues them (routing_replay: the finished ones). NCCL (MoE too) or shared storage."
         },
     )
     rollout_in_flight_kv_cache: str = field(

@@ -44,7 +44,13 @@ from .training.step.batching import (
 )
 from .training.step.forwards import TokenForwards
 from .training.step.policy_loss import PolicyLossStep
-from .training.step.replayed_routing import replayed_routing_for, replaying_round, routing_files, settle_routings
+from .training.step.replayed_routing import (
+    replayed_routing_for,
+    replaying_round,
+    routing_files,
+    settle_routings,
+    with_routings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -147,12 +153,12 @@ class DAPOTrainer(GRPOTrainer):
         self._guard.safe_point("before generating a batch")
         scored = self._generate_and_score_completions(generation_batch)
         micro_batches = trl_seam.shuffle_and_split(scored, self.args.steps_per_generation)
-        return self._planner.plan(settle_routings(self, micro_batches))  # routing replay: their routings
+        return self._planner.plan(settle_routings(self, micro_batches))  # routing replay: the shelves keep theirs
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;
         each part carries its share of the micro-batch, which weighs each of its loss terms (`StepPlanner.parts`)."""
-        *parts, last = self._planner.parts(inputs)
+        *parts, last = self._planner.parts(with_routings(self, inputs))  # routing replay: fetched as it trains
         self._policy_loss.begin_micro_batch(model, [*parts, last])  # the router loss's micro-batch, when split
         earlier = 0.0
         for part in parts:

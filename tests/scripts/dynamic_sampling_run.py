@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.training.step.replayed_routing import with_routings
 from dapo_trl.training.step.steps import SkipEmptySteps
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
@@ -77,6 +78,7 @@ def id_shaping(completion_ids, **kwargs) -> list[float]:
 
 class RecordingTrainer(DAPOTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = with_routings(self, inputs)  # routing replay: fetched here, so the record holds them
         prompts = self.processing_class.batch_decode(inputs["prompt_ids"], skip_special_tokens=True)
         with open(Path(os.environ["DS_OUT"]) / f"trained_rank{self.accelerator.process_index}.jsonl", "a") as f:
             masks = inputs["completion_mask"].bool()

@@ -3,12 +3,13 @@ carry it.
 
 A streamed wave arrives with the engine's routing of every completion (prompt and completion tokens, `moe.
 routing_replay`). While TRL scores the wave, its forwards (old log-probs, carried groups' log-probs) replay those
-routings row by row. The scored rows then put their routings on this process's `RoutingShelf` (host memory) and
-carry only its id (`routing_shelf.ROUTING_ID`) across processes, into carried surplus and into checkpoints. Once the
-step's batch is dealt, each process fetches its own rows' routings (`settle`) as two host row tensors aligned with
-TRL's layout, `prompt_routed_experts` (left-padded like prompt_ids) and `completion_routed_experts` (right-padded
-like completion_ids), which ride into its micro-batches; the policy's forward in the loss replays them from there,
-one pack at a time on the accelerator.
+routings row by row. The scored rows then put their routings on this process's `RoutingShelf` (host memory, real
+tokens only) and carry only its id (`routing_shelf.ROUTING_ID`) across processes, into the step's micro-batches,
+carried surplus and checkpoints. Once the step's batch is dealt, the shelves drop what it does not use (`settle`);
+as each micro-batch is about to train, every process fetches its rows' routings (`fetch`) as two host row tensors
+aligned with TRL's layout at the micro-batch's width, `prompt_routed_experts` (left-padded like prompt_ids) and
+`completion_routed_experts` (right-padded like completion_ids); the policy's forward in the loss replays them from
+there, one pack at a time on the accelerator. So a process holds, beside its shelf, one micro-batch's routing, padded.
 """
 
 from __future__ import annotations
@@ -101,18 +102,25 @@ class ReplayedRouting:
         carried: dict[str, torch.Tensor] | None,
         gather_objects: Callable[[list[Any]], list[Any]],
     ) -> None:
-        """Each of this process's micro-batches of the step's batch gets its rows' routings (fetched from the
-        processes that scored them, a micro-batch at a time) as host row tensors; the shelf then keeps only the
-        carried groups' routings. Collective: every process has as many micro-batches (`gather_objects`: each
-        process's list, in process order)."""
-        for micro_batch in micro_batches:
-            ids = micro_batch.pop(ROUTING_ID)
-            routings = self.shelf.fetch(gather_objects([ids.tolist()]))
-            mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
-            full = routing_from_rows(routings, mask, self.routing)
-            width = micro_batch["prompt_mask"].size(1)
-            micro_batch[PROMPT_ROUTING], micro_batch[COMPLETION_ROUTING] = full[:, :width], full[:, width:]
-        self.shelf.keep_only([] if carried is None else carried[ROUTING_ID].tolist())
+        """The step's batch is dealt (this process's `micro_batches`, their rows carrying ids): every shelf keeps the
+        routings of the batch's rows, fetched as each micro-batch trains (`fetch`), and of the carried groups, and
+        drops the rest. Collective (`gather_objects`: each process's list, in process order)."""
+        mine = [row_id for batch in micro_batches for row_id in batch[ROUTING_ID].tolist()]
+        used = {row_id for ids in gather_objects([mine]) for row_id in ids}
+        self.shelf.keep_only(used | set([] if carried is None else carried[ROUTING_ID].tolist()))
+
+    def fetch(self, micro_batch: dict[str, Any], gather_objects: Callable[[list[Any]], list[Any]]) -> dict[str, Any]:
+        """The micro-batch about to train with its rows' routings, fetched from the processes holding them, as host
+        row tensors at its width (its ids dropped: the holders dropped what they sent). Collective: every process
+        fetches its micro-batch of the same step together."""
+        ids = micro_batch[ROUTING_ID]
+        routings = self.shelf.fetch(gather_objects([ids.tolist()]))
+        mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
+        full = routing_from_rows(routings, mask, self.routing)
+        width = micro_batch["prompt_mask"].size(1)
+        fetched = {key: value for key, value in micro_batch.items() if key != ROUTING_ID}
+        fetched[PROMPT_ROUTING], fetched[COMPLETION_ROUTING] = full[:, :width], full[:, width:]
+        return fetched
 
 
 def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRouting | None:
@@ -144,12 +152,20 @@ def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRou
 
 
 def settle_routings(trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """This process's micro-batches of the step's batch with their rows' routings (`ReplayedRouting.settle`) under
-    routing replay; as they are otherwise."""
+    """This process's micro-batches of the step's batch, the shelves left with their routings (`ReplayedRouting.
+    settle`) under routing replay; as they are otherwise."""
     if trainer._replayed_routing is not None:
         sampler = trainer._sampler
         trainer._replayed_routing.settle(micro_batches, sampler.carried, sampler.process.gather_objects)
     return micro_batches
+
+
+def with_routings(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]:
+    """A training micro-batch with its rows' routings (`ReplayedRouting.fetch`) under routing replay; else (and for
+    micro-batches of an older checkpoint, which carry their routings) as it is."""
+    if trainer._replayed_routing is None or ROUTING_ID not in micro_batch:
+        return micro_batch
+    return trainer._replayed_routing.fetch(micro_batch, trainer._sampler.process.gather_objects)
 
 
 def routing_files(replayed: ReplayedRouting | None) -> dict[str, RoutingShelf]:
