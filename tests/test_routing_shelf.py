@@ -17,7 +17,7 @@ import torch.multiprocessing
 from dapo_trl.moe.architecture import Routing
 from dapo_trl.training.faults.checkpoints import IncompleteCheckpointError, load_process_state, process_file
 from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, Filling, ScoredRound, row_padding
-from dapo_trl.training.step.replayed_routing import COMPLETION_ROUTING, PROMPT_ROUTING
+from dapo_trl.training.step.replayed_routing import COMPLETION_ROUTING, PROMPT_ROUTING, ReplayedRouting
 from dapo_trl.training.step.routing_shelf import NO_ROUTING, ROUTING_ID, RoutingShelf, all_to_all_exchange
 
 WIDE = Routing(layers=3, top_k=2, num_experts=300)  # int16 routings: the exchange moves them as bytes
@@ -146,3 +146,24 @@ def test_carried_routings_resume_only_on_as_many_processes(tmp_path):
     empty = RoutingShelf(WIDE, index=0, processes=1, exchange=None, rows_per_round=1)
     torch.save({"processes": 2, "state": empty.state_dict()}, tmp_path / process_file("dapo_routings", 0))
     load_process_state(str(tmp_path), {"dapo_routings": empty}, 0, 1, "cpu")  # nothing carried: any count resumes
+
+
+def test_a_micro_batch_fetches_its_routings_as_it_trains_at_its_own_width():
+    """`settle` (the batch dealt) keeps the batch's and the carried rows' routings and drops the rest; `fetch` (a
+    micro-batch about to train) lays each row's routing out as its masks: the prompt left-padded, the completion
+    right-padded, to the micro-batch's width, and the shelf no longer holds what it handed over."""
+    shelf = RoutingShelf(WIDE, index=0, processes=1, exchange=None, rows_per_round=2)
+    replayed = ReplayedRouting(SimpleNamespace(routing=WIDE), shelf)
+    routings = [torch.full((tokens, 3, 2), 1 + row) for row, tokens in enumerate((4, 2, 5, 3))]
+    ids = shelf.put(routings)
+    # Row 0: 4 attended tokens, a routing of 4; row 2: 6, a routing of 5 (vLLM records no routing of the last token).
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    completion_mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    micro_batch = {ROUTING_ID: ids[[0, 2]], "prompt_mask": prompt_mask, "completion_mask": completion_mask}
+    replayed.settle([micro_batch], {ROUTING_ID: ids[[3]]}, lambda items: items)
+    assert sorted(shelf.rows) == sorted(ids[[0, 2, 3]].tolist())  # row 1: neither trained nor carried
+    fetched = replayed.fetch(micro_batch, lambda items: items)
+    assert ROUTING_ID not in fetched and sorted(shelf.rows) == [int(ids[3])]
+    prompt, completion = fetched[PROMPT_ROUTING][..., 0, 0], fetched[COMPLETION_ROUTING][..., 0, 0]
+    assert prompt.tolist() == [[0, 1, 1], [3, 3, 3]] and completion.tolist() == [[1, 1, 0], [3, 3, 0]]
+    assert fetched[PROMPT_ROUTING].dtype == WIDE.dtype and fetched[PROMPT_ROUTING].device.type == "cpu"

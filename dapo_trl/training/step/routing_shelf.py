@@ -8,11 +8,13 @@ every process like the others, a DAPO batch's routings (512 x 16 x 20k tokens) w
   recorded tokens only, no padding), under an id; the rows carry only the id (`ROUTING_ID`), which dynamic sampling
   gathers, keeps, carries and checkpoints like any other row field;
 - rows dynamic sampling drops are released as it drops them (`release`);
-- once the step's batch is dealt (`batching.process_share`), each process fetches its rows' routings from the
-  processes holding them (`fetch`: all-to-all exchanges of a few rows per pair at a time, so under NCCL the
-  accelerator holds about a micro-batch's worth in flight) and gives them to its rows as the host tensors its
-  micro-batches carry; a forward moves one pack's routing to the accelerator (`packing.pack_rows`);
-- carried groups' routings stay with the process that scored them, in its checkpoint file (`state_dict`).
+- once the step's batch is dealt (`batching.process_share`), the shelves keep its rows' routings (`keep_only`) and,
+  as each micro-batch is about to train, every process fetches its rows' routings from the processes holding them
+  (`fetch`: all-to-all exchanges of a few rows per pair at a time, so under NCCL the accelerator holds about a
+  micro-batch's worth in flight) as the host tensors that micro-batch trains with; a forward moves one pack's routing
+  to the accelerator (`packing.pack_rows`);
+- the rows not yet fetched and the carried groups' routings stay with the process that scored them, in its
+  checkpoint file (`state_dict`).
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ class RoutingShelf:
             self.rows.pop(int(row_id), None)
 
     def keep_only(self, ids: Iterable[int]) -> None:
-        """Drop every routing but those of `ids` (the carried groups' rows, at a step's end)."""
+        """Drop every routing but those of `ids` (the batch's rows and the carried groups', once the batch is dealt)."""
         kept = {int(row_id) for row_id in ids}
         self.rows = {row_id: routing for row_id, routing in self.rows.items() if row_id in kept}
 
