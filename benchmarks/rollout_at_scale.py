@@ -871,6 +871,15 @@ def main(argv: list[str] | None = None) -> int:
         f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%; "
         f"a step = one rollout = {args.updates} optimizer update{'s' if args.updates > 1 else ''}"
     )
+    trainer_s = (1 - k1["wait"]) * k1["seconds_per_step"]  # the trainer's own work per step, wherever it waits
+    engine_s = k1["busy"] * k1["seconds_per_step"]  # the engine's, at the rate it generated
+    print(
+        f"ceilings at k=1: the trainer works {trainer_s:.0f} s a step (scoring passes, {args.updates} "
+        f"update{'s' if args.updates > 1 else ''}, weight sync) and the engine {engine_s:.0f} s (its "
+        f"{k1['generated'] / 1e6:.1f}M tokens at the rate it ran), so no overlap of the two, in flight or not, runs "
+        f"more than {rounds['seconds_per_step'] / max(trainer_s, engine_s):.2f}x the steps/hour of rounds without "
+        f"a faster engine or trainer (the trainer alone would allow {rounds['seconds_per_step'] / trainer_s:.2f}x)"
+    )
     for arm in (arm for arm in IN_FLIGHT if arm in results):
         row = results[arm]
         print(
