@@ -16,6 +16,7 @@ import torch.multiprocessing
 
 from dapo_trl.moe.architecture import Routing
 from dapo_trl.training.faults.checkpoints import IncompleteCheckpointError, load_process_state, process_file
+from dapo_trl.training.faults.preemption import StepEndState
 from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, Filling, ScoredRound, row_padding
 from dapo_trl.training.step.replayed_routing import COMPLETION_ROUTING, PROMPT_ROUTING, ReplayedRouting
 from dapo_trl.training.step.routing_shelf import NO_ROUTING, ROUTING_ID, RoutingShelf, all_to_all_exchange
@@ -167,3 +168,24 @@ def test_a_micro_batch_fetches_its_routings_as_it_trains_at_its_own_width():
     prompt, completion = fetched[PROMPT_ROUTING][..., 0, 0], fetched[COMPLETION_ROUTING][..., 0, 0]
     assert prompt.tolist() == [[0, 1, 1], [3, 3, 3]] and completion.tolist() == [[1, 1, 0], [3, 3, 0]]
     assert fetched[PROMPT_ROUTING].dtype == WIDE.dtype and fetched[PROMPT_ROUTING].device.type == "cpu"
+
+
+def test_a_step_abandoned_after_its_micro_batch_fetched_gets_the_routings_back():
+    """A preemption abandons a step after its micro-batch fetched (the holders dropped what they sent): restoring
+    the last step's end (`StepEndState`, as the run guard does before it writes that step's checkpoint) puts the
+    routings back on the shelf, so the checkpoint and the resumed step have them."""
+    shelf = RoutingShelf(WIDE, index=0, processes=1, exchange=None, rows_per_round=2)
+    replayed = ReplayedRouting(SimpleNamespace(routing=WIDE), shelf)
+    ids = shelf.put([row_routing(0, row) for row in range(2)])
+    micro_batch = {
+        ROUTING_ID: ids,
+        "prompt_mask": torch.ones(2, 1, dtype=torch.long),
+        "completion_mask": torch.ones(2, 11, dtype=torch.long),
+    }
+    step_end = StepEndState.capture(0, {}, {"dapo_routings": shelf}, {})
+    first = replayed.fetch(micro_batch, lambda items: items)
+    assert not shelf.rows
+    step_end.restore({}, {"dapo_routings": shelf}, "cpu")
+    again = replayed.fetch(micro_batch, lambda items: items)
+    assert torch.equal(first[COMPLETION_ROUTING], again[COMPLETION_ROUTING])
+    assert again[COMPLETION_ROUTING].count_nonzero() > 0
