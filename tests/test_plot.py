@@ -215,9 +215,11 @@ def test_command_help_and_run(tmp_path):
     assert set(read_series_file(tmp_path / "out")["panels"]) == set(EXPECTED_PANELS)
 
 
-def test_importing_the_package_does_not_import_matplotlib():
-    code = "import sys, dapo_trl, dapo_trl.cli, dapo_trl.plot; print('matplotlib' in sys.modules)"
-    result = run_command([sys.executable, "-c", code])
+def test_importing_the_package_does_not_import_matplotlib(tmp_path):
+    """In a fresh interpreter (the warm launcher's: torch, TRL and the trainer imported, matplotlib not)."""
+    script = tmp_path / "imports.py"
+    script.write_text("import sys, dapo_trl, dapo_trl.cli, dapo_trl.plot\nprint('matplotlib' in sys.modules)\n")
+    result = run_command([sys.executable, str(script)])
     assert result.stdout.strip() == "False"
 
 

@@ -105,6 +105,19 @@ def _kill_group(pid: int) -> None:
         pass
 
 
+def _skip_deepspeeds_inference_all_reduce_op() -> None:
+    """DeepSpeed's CPU backend builds a shared-memory all-reduce op when it starts (C++, about 50 s on 2 cores, again
+    in every new environment) that only its inference all-reduce uses: ZeRO training never calls it, and without it
+    that all-reduce is the process group's. The children skip the build."""
+    try:
+        import deepspeed.ops
+    except ImportError:
+        return
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    if isinstance(compatible, dict):
+        compatible["deepspeed_shm_comm"] = False
+
+
 def serve() -> None:
     replies = os.fdopen(os.dup(1), "w")  # the protocol; anything else printed here goes to stderr
     os.dup2(2, 1)
@@ -113,6 +126,7 @@ def serve() -> None:
             __import__(module)
         except ImportError:
             pass
+    _skip_deepspeeds_inference_all_reduce_op()
 
     def reply(message: dict) -> None:
         replies.write(json.dumps(message) + "\n")
