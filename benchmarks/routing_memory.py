@@ -79,6 +79,12 @@ def worker(rank: int, settings: dict, results: dict) -> None:
         )
         peak = max(peak, shelf.nbytes + batches)
 
+    def gather_objects(items: list) -> list:
+        """Every process's `items[0]`, in process order (the trainer's `Process.gather_objects`)."""
+        gathered = [None] * processes
+        torch.distributed.all_gather_object(gathered, items[0])
+        return gathered
+
     kept_ids: list[list[int]] = []  # global order: each round's rows, process by process
     row_tokens: dict[int, int] = {}  # this process's rows' completion lengths
     target_groups, groups_per_round = settings["prompts"], settings["prompts"]
@@ -100,17 +106,13 @@ def worker(rank: int, settings: dict, results: dict) -> None:
             seed = torch.Generator().manual_seed(1000 * (WAVES_PER_ROUND * round_index + wave) + rank)
             row_kept = (torch.rand(wave_groups, generator=seed) < settings["keep_rate"]).repeat_interleave(GROUP)
             shelf.release(ids[~row_kept].tolist())
-            gathered = [None] * processes
-            torch.distributed.all_gather_object(gathered, ids[row_kept].tolist())
-            kept_ids.extend(gathered)
+            kept_ids.extend(gather_objects([ids[row_kept].tolist()]))
             if sum(len(ids) for ids in kept_ids) >= target_groups * GROUP:
                 break  # the batch is full: the stream cuts the round here (its later waves are not generated)
         round_index += 1
     batch = [row_id for ids in kept_ids for row_id in ids][: target_groups * GROUP]
     shelf.release(set(shelf.rows) - set(batch))  # the surplus beyond the batch: discarded (carried would stay)
-    all_tokens = [None] * processes
-    torch.distributed.all_gather_object(all_tokens, row_tokens)
-    lengths = {row_id: n for part in all_tokens for row_id, n in part.items()}
+    lengths = {row_id: n for part in gather_objects([row_tokens]) for row_id, n in part.items()}
     share = len(batch) // processes
     mine = batch[rank * share : (rank + 1) * share]
     widest = max(lengths[row_id] for row_id in batch)  # every micro-batch padded to it, when fetched at the deal
@@ -121,11 +123,6 @@ def worker(rank: int, settings: dict, results: dict) -> None:
             completion[row, : lengths[row_id]] = 1
         prompt = torch.ones(part.numel(), PROMPT_TOKENS, dtype=torch.long)
         micro.append({ROUTING_ID: part, "prompt_mask": prompt, "completion_mask": completion})
-
-    def gather_objects(items: list) -> list:
-        gathered = [None] * processes
-        torch.distributed.all_gather_object(gathered, items[0])
-        return gathered
 
     replayed.settle(micro, None, gather_objects)
     sample()
