@@ -400,7 +400,11 @@ class HeldEngine:
 
         with self.lock:
             request, done = self.running.pop(key)
-        done(request, GroupResult(key, request.version, [[1, 2]] * 2, [[-0.1, -0.2]] * 2))
+        routings = self.routings(request)
+        done(request, GroupResult(key, request.version, [[1, 2]] * 2, [[-0.1, -0.2]] * 2, routed_experts=routings))
+
+    def routings(self, request):
+        return None
 
     def close(self):
         pass
@@ -448,13 +452,8 @@ class WholeAnswersEngine(HeldEngine):
 
     whole_answers = True
 
-    def finish(self, key):
-        from dapo_trl.training.rollout.rollout_engine import GroupResult
-
-        with self.lock:
-            request, done = self.running.pop(key)
-        routings = [np.full((2, 2, 2), 1 + request.seed, dtype=np.uint8)] * 2  # (prompt + completion - 1, layers, k)
-        done(request, GroupResult(key, request.version, [[1, 2]] * 2, [[-0.1, -0.2]] * 2, routed_experts=routings))
+    def routings(self, request):
+        return [np.full((2, 2, 2), 1 + request.seed, dtype=np.uint8)] * 2  # (prompt + completion - 1, layers, k)
 
 
 def test_with_routing_replay_a_checkpoint_keeps_the_finished_groups_with_their_routings():
