@@ -153,7 +153,8 @@ class DAPOTrainer(GRPOTrainer):
         self._guard.safe_point("before generating a batch")
         scored = self._generate_and_score_completions(generation_batch)
         micro_batches = trl_seam.shuffle_and_split(scored, self.args.steps_per_generation)
-        return self._planner.plan(settle_routings(self, micro_batches))  # routing replay: the shelves keep theirs
+        in_use = self._optimizer_steps.in_use()  # routing replay: the shelves keep theirs and those still training
+        return self._planner.plan(settle_routings(self, micro_batches, in_use))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;

@@ -209,6 +209,58 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
 
 
 @pytest.mark.e2e
+def test_routing_replay_trains_every_ppo_epoch_and_steps_that_span_two_generation_batches(tmp_path):
+    """Routing replay with two PPO epochs (`num_iterations=2`: each micro-batch trains twice, so its routings stay on
+    the shelves until its second pass) and three micro-batches an optimizer step over generation batches of two (a
+    step spans two generation batches: the second is dealt while the first still has a micro-batch to train, whose
+    routings the deal must spare), on one process and on two under ZeRO-3: every micro-batch's two passes replay
+    the same routing, and the two layouts train the same rows with the same routings."""
+    settings = (
+        "moe=true",
+        "routing_replay=true",
+        "rollout_streaming=true",
+        "num_iterations=2",
+        "steps_per_generation=2",
+        "gradient_accumulation_steps=3",
+    )
+    zero3 = str(REPO / "configs" / "deepspeed" / "zero3_cpu_test.json")
+    train(tmp_path / "one", 4, *settings, per_device=4)
+    train(tmp_path / "two", 4, *settings, processes=2, per_device=2, deepspeed=zero3)
+
+    def passes(out, rank: int) -> list[list[tuple]]:
+        """The process's micro-batches in training order: (prompt, completion, advantage, routing) rows."""
+        records = read_jsonl(out / f"trained_rank{rank}.jsonl")
+        return [
+            sorted(
+                zip(
+                    record["prompts"],
+                    map(tuple, record["completion_ids"]),
+                    record["advantages"],
+                    map(repr, record["routings"]),
+                    strict=True,
+                )
+            )
+            for record in records
+        ]
+
+    def by_generation(out, processes: int) -> list[list[tuple]]:
+        """Each generation batch's rows (4 micro-steps: 2 micro-batches x 2 epochs), over all processes."""
+        batches: dict[int, list] = {}
+        for rank in range(processes):
+            trained = passes(out, rank)
+            assert len(trained) == 12  # 4 optimizer steps x 3 micro-batches
+            for index in range(0, len(trained), 4):  # micro-step 4j..4j+3: batch j, epochs 0 and 1
+                first, second = trained[index : index + 2], trained[index + 2 : index + 4]
+                assert first == second  # the second epoch replays what the first did, row for row
+                assert all(row[3] != repr([]) for batch in first for row in batch)
+                batches.setdefault(index // 4, []).extend(row for batch in first for row in batch)
+        return [sorted(rows) for _, rows in sorted(batches.items())]
+
+    one = by_generation(tmp_path / "one", 1)
+    assert len(one) == 3 and by_generation(tmp_path / "two", 2) == one
+
+
+@pytest.mark.e2e
 def test_overlap_with_four_updates_per_rollout_trains_a_lagged_synchronous_runs_batches(tmp_path):
     """DAPO's schedule (several optimizer updates per rollout) overlapped: k = 1 with steps_per_generation 4 and one
     micro-batch per update trains, step by step, what a synchronous run trains whose sampler lags one weights

@@ -48,6 +48,18 @@ def test_a_process_alone_hands_its_rows_back_in_order_and_a_checkpoint_keeps_its
     assert not set(resumed.put([row_routing(0, 9)]).tolist()) & set(ids)  # new ids never reuse a checkpoint's
 
 
+def test_a_micro_batch_keeps_its_routings_until_its_last_ppo_epoch():
+    """`num_iterations` > 1 trains a micro-batch once per epoch: each fetch but the last leaves its routings held."""
+    shelf = RoutingShelf(WIDE, index=0, processes=1, exchange=None, rows_per_round=2)
+    ids = shelf.put([row_routing(0, row) for row in range(3)]).tolist()
+    first = shelf.fetch([[ids[2], ids[0]]], last_use=False)
+    assert sorted(shelf.rows) == sorted(ids)
+    last = shelf.fetch([[ids[2], ids[0]]], last_use=True)
+    assert all(torch.equal(a, b) for a, b in zip(first, last, strict=True)) and sorted(shelf.rows) == [ids[1]]
+    with pytest.raises(RuntimeError, match="holds no routing for rows"):
+        shelf.fetch([[ids[0]]])
+
+
 def _exchange_worker(rank: int, port: int, results: dict) -> None:
     torch.set_num_threads(1)  # forked: no thread pool of the parent's to rely on (and the tensors are tiny)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -60,6 +72,9 @@ def _exchange_worker(rank: int, port: int, results: dict) -> None:
         zero, one = everyone
         # Process 0 trains rows 0-3 of process 1 and two of its own; process 1 the rest; filler rows hold no routing.
         wanted = [[one[0], zero[2], one[3], NO_ROUTING, one[1], zero[5], one[2]], [zero[0], one[5], zero[1]]]
+        held = sorted(shelf.rows)
+        first_epoch = shelf.fetch(wanted, last_use=False)  # num_iterations > 1: the holders keep what they sent
+        kept_for_next_epoch = sorted(shelf.rows) == held
         got = shelf.fetch(wanted)
         expected = {zero[i]: (0, i) for i in range(6)} | {one[i]: (1, i) for i in range(6)}
         own_row = {row_id: row_routing(*where).short() for row_id, where in expected.items()}
@@ -68,6 +83,8 @@ def _exchange_worker(rank: int, port: int, results: dict) -> None:
                 routing is None if row_id == NO_ROUTING else torch.equal(routing, own_row[row_id])
                 for row_id, routing in zip(wanted[rank], got, strict=True)
             ],
+            "kept_for_next_epoch": kept_for_next_epoch,
+            "epochs_agree": all(a is b is None or torch.equal(a, b) for a, b in zip(first_epoch, got, strict=True)),
             "left": sorted(shelf.rows),
             "unwanted": sorted({*(zero if rank == 0 else one)} - {*wanted[0], *wanted[1]}),
         }
@@ -83,13 +100,15 @@ def free_port() -> int:
 
 def test_two_processes_hand_each_row_its_own_routing_and_drop_what_they_sent():
     """Over gloo, two rows a pair per round (four rounds for process 0's rows from process 1): every row of each
-    process's share arrives whole, in its order, whichever process scored it; each keeps only what nobody took."""
+    process's share arrives whole, in its order, whichever process scored it; a fetch before the micro-batch's last
+    PPO epoch leaves everything held, the last keeps only what nobody took."""
     results = torch.multiprocessing.Manager().dict()
     torch.multiprocessing.start_processes(
         _exchange_worker, args=(free_port(), results), nprocs=2, join=True, start_method="fork"
     )
     for rank in (0, 1):
         assert all(results[rank]["matches"]), results[rank]
+        assert results[rank]["kept_for_next_epoch"] and results[rank]["epochs_agree"]
         assert results[rank]["left"] == results[rank]["unwanted"]
 
 

@@ -23,9 +23,12 @@ def test_every_optimizer_step_gets_its_exact_token_count(S, K, iterations, windo
     args = SimpleNamespace(steps_per_generation=S, gradient_accumulation_steps=K, num_iterations=iterations)
     steps = OptimizerSteps(args, "cpu", exact_denominator=True)
     made = []  # (micro-step at which the generation was made, the micro-step it starts at)
+    spared = {}  # made at micro-step -> the ids of the micro-batches still in use then (routing replay spares them)
+    handed = []  # (micro-step, id, whether OptimizerSteps calls it the micro-batch's last use)
 
     def generate(step, prompts):
         made.append((current, step))
+        spared.setdefault(current, set()).update(batch["id"] for batch in steps.in_use())
         return [{"loss_tokens": tokens_of(prompts, index), "id": (prompts, index)} for index in range(S)]
 
     current = 0
@@ -38,6 +41,7 @@ def test_every_optimizer_step_gets_its_exact_token_count(S, K, iterations, windo
         for current in range(start, start + length):
             inputs = steps.micro_batch(current, generate)
             ids.append(inputs["id"])
+            handed.append((current, inputs["id"], steps.last_use(current)))
             expected_id = (current // generate_every, current % S)
             assert inputs["id"] == expected_id  # TRL's buffer slot for this micro-step
         exact = sum(tokens_of(*identifier) for identifier in ids)
@@ -48,6 +52,14 @@ def test_every_optimizer_step_gets_its_exact_token_count(S, K, iterations, windo
     for made_at, first_used in made:
         assert made_at <= first_used and first_used % generate_every == 0
     assert [first for _, first in made] == sorted({k // generate_every * generate_every for k in range(current)})
+    # A micro-batch's last use is its last hand-out (its last PPO epoch), and nothing else is.
+    last_hand_out = {identifier: step for step, identifier, _ in handed}
+    assert [last for _, _, last in handed] == [last_hand_out[identifier] == step for step, identifier, _ in handed]
+    # Whenever a generation batch is made, every micro-batch handed out later that was made earlier is spared.
+    for made_at, _ in made:
+        later = {identifier for step, identifier, _ in handed if step >= made_at}
+        earlier = {identifier for step, identifier, _ in handed if step < made_at} | spared[made_at]
+        assert later & earlier <= spared[made_at]
 
 
 def test_a_micro_step_outside_the_announced_optimizer_step_is_refused():

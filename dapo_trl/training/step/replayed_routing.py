@@ -101,20 +101,27 @@ class ReplayedRouting:
         micro_batches: list[dict[str, Any]],
         carried: dict[str, torch.Tensor] | None,
         gather_objects: Callable[[list[Any]], list[Any]],
+        still_training: list[dict[str, Any]] = (),
     ) -> None:
         """The step's batch is dealt (this process's `micro_batches`, their rows carrying ids): every shelf keeps the
-        routings of the batch's rows, fetched as each micro-batch trains (`fetch`), and of the carried groups, and
-        drops the rest. Collective (`gather_objects`: each process's list, in process order)."""
-        mine = [row_id for batch in micro_batches for row_id in batch[ROUTING_ID].tolist()]
+        routings of the batch's rows, fetched as each micro-batch trains (`fetch`), of the carried groups, and of
+        the micro-batches `still_training` (an earlier generation batch's, when an optimizer step spans two, or
+        a batch made ahead in the same step), and drops the rest. Collective (`gather_objects`: each process's
+        list, in process order)."""
+        batches = [*micro_batches, *(batch for batch in still_training if ROUTING_ID in batch)]
+        mine = [row_id for batch in batches for row_id in batch[ROUTING_ID].tolist()]
         used = {row_id for ids in gather_objects([mine]) for row_id in ids}
         self.shelf.keep_only(used | set([] if carried is None else carried[ROUTING_ID].tolist()))
 
-    def fetch(self, micro_batch: dict[str, Any], gather_objects: Callable[[list[Any]], list[Any]]) -> dict[str, Any]:
+    def fetch(
+        self, micro_batch: dict[str, Any], gather_objects: Callable[[list[Any]], list[Any]], last_use: bool = True
+    ) -> dict[str, Any]:
         """The micro-batch about to train with its rows' routings, fetched from the processes holding them, as host
-        row tensors at its width (its ids dropped: the holders dropped what they sent). Collective: every process
-        fetches its micro-batch of the same step together."""
+        row tensors at its width (its ids dropped). The holders drop what they sent on the micro-batch's
+        `last_use` (its last PPO epoch) and keep it for the next epoch otherwise. Collective: every process fetches
+        its micro-batch of the same step together."""
         ids = micro_batch[ROUTING_ID]
-        routings = self.shelf.fetch(gather_objects([ids.tolist()]))
+        routings = self.shelf.fetch(gather_objects([ids.tolist()]), last_use)
         mask = torch.cat([micro_batch["prompt_mask"], micro_batch["completion_mask"]], dim=1).cpu()
         full = routing_from_rows(routings, mask, self.routing)
         width = micro_batch["prompt_mask"].size(1)
@@ -151,21 +158,28 @@ def replayed_routing_for(trainer: Any, hooks: RouterHooks | None) -> ReplayedRou
     return ReplayedRouting(hooks, shelf)
 
 
-def settle_routings(trainer: Any, micro_batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """This process's micro-batches of the step's batch, the shelves left with their routings (`ReplayedRouting.
-    settle`) under routing replay; as they are otherwise."""
+def settle_routings(
+    trainer: Any, micro_batches: list[dict[str, Any]], still_training: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """This process's micro-batches of the step's batch, the shelves left with their routings and those of the
+    micro-batches `still_training` (`ReplayedRouting.settle`) under routing replay; as they are otherwise."""
     if trainer._replayed_routing is not None:
         sampler = trainer._sampler
-        trainer._replayed_routing.settle(micro_batches, sampler.carried, sampler.process.gather_objects)
+        gather_objects = sampler.process.gather_objects
+        trainer._replayed_routing.settle(micro_batches, sampler.carried, gather_objects, still_training)
     return micro_batches
 
 
 def with_routings(trainer: Any, micro_batch: dict[str, Any]) -> dict[str, Any]:
-    """A training micro-batch with its rows' routings (`ReplayedRouting.fetch`) under routing replay; else (and for
-    micro-batches of an older checkpoint, which carry their routings) as it is."""
+    """The micro-batch of the current micro-step with its rows' routings (`ReplayedRouting.fetch`; kept on the
+    shelves until the micro-batch's last PPO epoch) under routing replay; else (and for micro-batches of an older
+    checkpoint, which carry their routings) as it is."""
+    from .. import trl_seam
+
     if trainer._replayed_routing is None or ROUTING_ID not in micro_batch:
         return micro_batch
-    return trainer._replayed_routing.fetch(micro_batch, trainer._sampler.process.gather_objects)
+    last_use = trainer._optimizer_steps.last_use(trl_seam.micro_step(trainer))
+    return trainer._replayed_routing.fetch(micro_batch, trainer._sampler.process.gather_objects, last_use)
 
 
 def routing_files(replayed: ReplayedRouting | None) -> dict[str, RoutingShelf]:

@@ -83,14 +83,19 @@ class RoutingShelf:
         kept = {int(row_id) for row_id in ids}
         self.rows = {row_id: routing for row_id, routing in self.rows.items() if row_id in kept}
 
-    def fetch(self, wanted: Sequence[Sequence[int]]) -> list[torch.Tensor | None]:
+    def fetch(self, wanted: Sequence[Sequence[int]], last_use: bool = True) -> list[torch.Tensor | None]:
         """This process's rows' routings, in the order of `wanted[self.index]`, where `wanted[p]` lists the ids of
         process p's rows (every process passes the same lists; `NO_ROUTING` gives None). Collective: each process
         sends the routings it holds to the processes whose rows they are, `rows_per_round` per pair and round, and
-        drops what it sent."""
+        drops what it sent when this is the rows' `last_use` (a micro-batch trains once per PPO epoch,
+        `num_iterations`: it keeps its routings on the shelf until its last)."""
         mine = [int(row_id) for row_id in wanted[self.index]]
         if self.processes == 1:
-            return [None if row_id == NO_ROUTING else self.rows.pop(row_id) for row_id in mine]
+            take = self.rows.pop if last_use else self.rows.__getitem__
+            missing = [row_id for row_id in mine if row_id != NO_ROUTING and row_id not in self.rows]
+            if missing:
+                raise RuntimeError(f"routing replay: process {self.index} holds no routing for rows {missing[:5]}")
+            return [None if row_id == NO_ROUTING else take(row_id) for row_id in mine]
         pairs = [[[] for _ in range(self.processes)] for _ in range(self.processes)]  # [holder][consumer] -> ids
         for consumer, ids in enumerate(wanted):
             for row_id in ids:
@@ -103,7 +108,8 @@ class RoutingShelf:
             sends = [ids[window] for ids in pairs[self.index]]
             receives = [pairs[holder][self.index][window] for holder in range(self.processes)]
             received.update(self._exchange_round(sends, receives))
-            self.release(row_id for ids in sends for row_id in ids)
+            if last_use:
+                self.release(row_id for ids in sends for row_id in ids)
         return [None if row_id == NO_ROUTING else received[row_id] for row_id in mine]
 
     def _exchange_round(self, sends: list[list[int]], receives: list[list[int]]) -> dict[int, torch.Tensor]:

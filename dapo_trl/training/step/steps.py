@@ -76,6 +76,18 @@ class OptimizerSteps:
             )
         return inputs
 
+    def last_use(self, step: int) -> bool:
+        """Whether micro-step `step` trains its micro-batch for the last time (its last PPO epoch of
+        `num_iterations`): routing replay keeps the micro-batch's routings until then."""
+        return (
+            step % self.generate_every
+        ) // self.steps_per_generation == self.generate_every // self.steps_per_generation - 1
+
+    def in_use(self) -> list[dict[str, Any]]:
+        """The micro-batches made and not yet trained for the last time: the generation batch in use and those made
+        ahead in this optimizer step (an optimizer step may span two)."""
+        return [*(self.buffer or ()), *(batch for batches in self.ahead.values() for batch in batches)]
+
     def _prepare(self, generate: Generate) -> None:
         """Generate the generation batches starting inside this optimizer step; sum the step's loss tokens."""
         if self.start % self.generate_every == 0:  # the last generation batch is trained: its rows go before the next
