@@ -51,6 +51,8 @@ class PausableServer(FakeCompletions):
 
     def do_GET(self):
         body = {"data": [{"id": "tiny"}]} if self.path == "/v1/models" else {}
+        if self.path == "/is_paused":
+            body = {"is_paused": self.paused.is_set()}
         self._answer(body)
 
     def do_POST(self):
@@ -264,7 +266,73 @@ def test_a_failed_transfer_leaves_no_paused_server_behind(server_engine, monkeyp
     with pytest.raises(RuntimeError, match="the collective timed out"):
         rollout_setup.sync_in_flight(None, driver, 0)
     assert not PausableServer.paused.is_set()  # resumed: the next run finds a server that generates
+    # The next train() in this process: its sync fails at once, naming the failed transfer (it used to wait forever
+    # for the driver's LOADING state to end).
+    again: list[BaseException] = []
+    second = threading.Thread(target=lambda: again.append(pytest.raises(RuntimeError, driver.hold_for_sync).value))
+    second.start()
+    second.join(5)
+    assert not second.is_alive() and "the weight transfer to the engine failed" in str(again[0])
+    assert "the collective timed out" in str(again[0])
     driver.close()
+
+
+def test_a_fence_that_fails_still_resumes_the_server(server_engine, monkeypatch):
+    """The fault between pause and resume: the fence (marking the switch in every running answer) fails after the
+    reload; `/resume` is posted all the same and the error is raised, so the server is not left paused."""
+    done = []
+    server_engine.start(GroupRequest(("stream", 0), [5, 6], 0, version=0), lambda request, result: done.append(1))
+    wait_for(lambda: server_engine._received > 1000)
+
+    def failing_fence(version, quiet=0.05):
+        assert PausableServer.paused.is_set()  # injected between the reload and the resume
+        raise TimeoutError("fence injected to fail")
+
+    monkeypatch.setattr(server_engine, "_fence", failing_fence)
+    with pytest.raises(TimeoutError, match="fence injected"):
+        server_engine.load_weights(1)
+    assert not PausableServer.paused.is_set() and not server_engine.paused_by_us
+    paths = [path for path, _ in PausableServer.calls]
+    assert paths[paths.index("/pause?mode=keep") :] == ["/pause?mode=keep", "reload", "/collective_rpc", "/resume"]
+
+
+def test_a_new_engine_resumes_a_server_an_earlier_run_left_paused(server_engine, caplog):
+    """An earlier run killed between /pause and /resume (the fault `release_pause` cannot cover: kill -9) left the
+    server paused: the next run's engine resumes it before generating, and says so; then its groups finish."""
+    PausableServer.paused.set()  # as `curl -X POST "$URL/pause?mode=keep"` would
+    with caplog.at_level("WARNING"):
+        engine = VLLMServerEngine(server_engine.base_url, RequestSampling(n=1, max_tokens=4), 2, 5)
+    try:
+        assert not PausableServer.paused.is_set()
+        assert any("was paused" in record.getMessage() for record in caplog.records)
+        finished = threading.Event()
+        engine.start(GroupRequest(("after", 0), [5, 6], 0, version=0), lambda request, result: finished.set())
+        assert finished.wait(10)
+    finally:
+        engine.close()
+
+
+def test_every_exit_path_resumes_a_server_the_run_holds_paused(server_engine):
+    """The driver holds the server paused for the trainer's NCCL transfer (`hold_for_sync`) when the run stops:
+    another process failed (fail-together's clean-up and every failure call `withdraw_rollout`), the grace period
+    ran out (`Preemption.on_give_up`), or `train()` ended (`release_server` in its `finally`). Each resumes it."""
+    from types import SimpleNamespace
+
+    from dapo_trl.training.faults.run_guard import RunGuard
+
+    driver = RolloutDriver(server_engine, max_in_flight=4)
+    guard = RunGuard.__new__(RunGuard)  # its exit paths only, over a trainer whose rollout drives this server
+    guard.trainer = SimpleNamespace(_rollout=SimpleNamespace(driver=driver))
+    try:
+        for stop in (guard.withdraw_rollout, lambda: guard.release_server("train() ended")):
+            driver.hold_for_sync()
+            assert PausableServer.paused.is_set() and server_engine.paused_by_us
+            stop()
+            assert not PausableServer.paused.is_set() and not server_engine.paused_by_us
+            driver.synced(0)  # the transfer (had it gone on) ends: a second /resume is harmless
+        assert not server_engine.release_pause("nothing paused")  # no /resume unless we paused it
+    finally:
+        driver.close()
 
 
 def test_with_nothing_running_a_version_loads_as_before(server_engine, monkeypatch):

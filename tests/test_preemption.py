@@ -349,3 +349,30 @@ def test_ctrl_c_interrupts_at_once_after_aborting_the_requests_in_flight():
     finally:
         preemption.on_train_end(None, state, control)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_the_grace_exit_releases_what_the_run_holds_before_it_exits(tmp_path):
+    """The grace period ran out: `on_give_up` (the run guard's: resume a vLLM server held paused) runs before the
+    process exits with the signal's code, even when it fails."""
+    order, exited = [], threading.Event()
+
+    def give_up():
+        order.append("released")
+        raise RuntimeError("the server did not answer")
+
+    preemption = Preemption(
+        [signal.SIGTERM],
+        0.05,
+        lambda flag: flag,
+        str(tmp_path),
+        exit_process=lambda code: (order.append(code), exited.set()),
+        on_give_up=give_up,
+    )
+    state, control = TrainerState(), TrainerControl()
+    preemption.on_train_begin(None, state, control)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exited.wait(10)
+    finally:
+        preemption.on_train_end(None, state, control)
+    assert order == ["released", 128 + signal.SIGTERM]

@@ -20,7 +20,7 @@ from dapo_trl.training.rollout.vllm_backends import reload_server_weights
 
 GROUP, PREFIX = 4, "/proxy/vllm"
 EXPECTED = [("GET", f"{PREFIX}/v1/models"), ("POST", f"{PREFIX}/v1/completions")]
-EXPECTED += [("GET", f"{PREFIX}/metrics"), ("GET", f"{PREFIX}/health")]
+EXPECTED += [("GET", f"{PREFIX}/metrics"), ("GET", f"{PREFIX}/health"), ("GET", f"{PREFIX}/is_paused")]
 
 
 class PrefixedVLLM(http.server.BaseHTTPRequestHandler):

@@ -252,3 +252,38 @@ def test_progress_counts_moving_token_counters_and_answers_not_time():
     blind.close()
     assert token_counters('vllm:generation_tokens_total{a="1"} 3\nvllm:generation_tokens_total{a="2"} 4.5\n') == 7.5
     assert token_counters("other_total 3\n") is None
+
+
+def test_a_pause_we_hold_is_no_stall_and_has_its_own_bound():
+    """While we hold the server paused (a weight transfer) its counters stand still by design: no stall for the
+    stall timeout; past the pause's own bound, its own message (the transfer did not finish). A server without
+    counters is reported once, at start, naming what the watchdog judges by."""
+    stalls = []
+    progress = ServerProgress(
+        "http://x", 0.2, lambda: "vllm:generation_tokens_total 5\n", stalls.append, poll_seconds=0.02, pause_timeout=1.0
+    )
+    assert progress.report_counters()
+    progress.begin()
+    progress.hold()
+    time.sleep(0.6)  # three stall timeouts, still counters, no answer: we hold it paused
+    assert not stalls and progress.stalled_for() == 0.0
+    deadline = time.monotonic() + 5
+    while not stalls and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(stalls) == 1 and "paused for a weight update" in stalls[0] and "ddp_timeout" in stalls[0]
+    progress.release()
+    time.sleep(0.1)
+    assert len(stalls) == 1  # resumed: a full stall window from the resume
+    progress.end()
+    progress.close()
+
+
+def test_a_server_without_token_counters_is_reported_once_at_start(caplog):
+    blind = ServerProgress("http://y", 0.3, lambda: None, poll_seconds=0.05)
+    with caplog.at_level("WARNING"):
+        assert not blind.report_counters()
+    blind.close()
+    warnings = [
+        record.getMessage() for record in caplog.records if "exports no vLLM token counters" in record.getMessage()
+    ]
+    assert len(warnings) == 1 and "bounds the silence of a streamed answer" in warnings[0]

@@ -256,6 +256,7 @@ class Preemption(TrainerCallback, SafePoints):
         output_dir: str,
         exit_process: Callable[[int], Any] = os._exit,
         on_interrupt: Callable[[], Any] = lambda: None,
+        on_give_up: Callable[[], Any] = lambda: None,
         snapshot: Callable[[], StepEndState | None] = lambda: None,
         relay: SignalRelay | None = None,
     ):
@@ -265,6 +266,7 @@ class Preemption(TrainerCallback, SafePoints):
         self.output_dir = output_dir
         self.exit_process = exit_process
         self.on_interrupt = on_interrupt
+        self.on_give_up = on_give_up  # before the grace exit: e.g. resume a server we hold paused
         self.snapshot = snapshot
         self.relay = relay or SignalRelay(0, None)
         self.received: signal.Signals | None = None  # the first preemption signal this process got
@@ -360,6 +362,10 @@ class Preemption(TrainerCallback, SafePoints):
             file=sys.stderr,
             flush=True,
         )
+        try:
+            self.on_give_up()
+        except Exception as exc:  # noqa: BLE001 - exiting anyway
+            logger.error("before the grace exit: %s", exc)
         sys.stdout.flush()
         self.exit_process(128 + self.received.value)
 

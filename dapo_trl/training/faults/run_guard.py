@@ -42,6 +42,7 @@ class RunGuard:
             agreement(accelerator),
             args.output_dir,
             on_interrupt=self.abort_requests,
+            on_give_up=partial(self.release_server, "the preemption grace period ran out"),
             snapshot=self.snapshot,
             relay=SignalRelay(accelerator.process_index, store if accelerator.num_processes > 1 else None),
         )
@@ -69,6 +70,7 @@ class RunGuard:
             raise
         finally:
             self.preemption.restore_signals()
+            self.release_server("train() ended")
 
     def _train_or_stop(self, train: Callable[[], Any]) -> Any:
         try:
@@ -152,6 +154,20 @@ class RunGuard:
             abort_requests(trl_seam.vllm_backend(self.trainer))
 
     def withdraw_rollout(self) -> None:
+        """The engine stops sampling for this run (a failure, Ctrl-C, another process's failure, a preemption), and
+        a server it holds paused is resumed."""
         rollout = self.trainer._rollout
         if rollout is not None and rollout.driver is not None:
-            rollout.driver.withdraw()
+            try:
+                rollout.driver.withdraw()
+            finally:
+                self.release_server("the run is stopping")
+
+    def release_server(self, why: str) -> None:
+        """Resume the vLLM server if the rollout's engine left it paused (between `/pause` and `/resume`: a weight
+        update cut short), so that no exit path leaves it queueing every request behind the pause."""
+        rollout = self.trainer._rollout
+        engine = None if rollout is None or rollout.driver is None else rollout.driver.engine
+        release = getattr(engine, "release_pause", None)
+        if release is not None:
+            release(why)

@@ -118,6 +118,16 @@ class RolloutDriver:
             self._loaded = None
         self.engine.pause()
 
+    def sync_failed(self, exc: BaseException) -> None:
+        """The trainer's sync (`hold_for_sync`) failed: the engine is resumed (no paused server is left behind) and
+        the driver fails with an error naming the transfer, which every later wait, and a later `train()`'s sync,
+        raises at once instead of waiting for a load that will never come."""
+        try:
+            self.engine.resume(None)
+        except Exception as resume_error:  # noqa: BLE001 - the transfer's error is the one to raise
+            logger.error("after the failed weight transfer, resuming the engine failed too: %s", resume_error)
+        self._fail(RuntimeError(f"the weight transfer to the engine failed ({type(exc).__name__}: {exc})"))
+
     def synced(self, version: int) -> None:
         """The trainer's sync (`hold_for_sync`) has loaded `version`: mark it in the running answers, resume them."""
         self.engine.resume(version)

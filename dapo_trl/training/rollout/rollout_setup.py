@@ -5,7 +5,6 @@ and the trainer's dealings with that engine (its weights published, waiting unti
 
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Callable
 from functools import partial
@@ -205,6 +204,7 @@ def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
         in_flight_updates=args.rollout_in_flight_weight_updates,
         keep_kv_cache=args.rollout_in_flight_kv_cache == "keep",
         whole_answers=args.routing_replay,  # vLLM returns routed experts only in whole answers
+        pause_timeout=args.ddp_timeout,  # a pause spans a weight transfer, which the process group bounds
     )
 
 
@@ -248,10 +248,9 @@ def sync_in_flight(trainer: Any, driver: RolloutDriver | None, version: int) -> 
         driver.hold_for_sync()
     try:
         trl_seam.vllm_backend(trainer).sync_weights()
-    except BaseException:
-        if driver is not None:  # the run stops with this error; it leaves no paused server behind
-            with contextlib.suppress(Exception):
-                driver.engine.resume(None)
+    except BaseException as exc:
+        if driver is not None:  # the run stops with this error; it leaves no paused server, nor a driver waiting
+            driver.sync_failed(exc)
         raise
     if driver is not None:
         driver.synced(version)

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import logging
 import ssl
 import threading
 import time
@@ -30,6 +31,9 @@ from .server_http import read_response, server_address, untrusted
 from .server_progress import ServerProgress
 
 READ_AT_ONCE = 4  # answers whose bodies are read at the same time
+RELEASE_SECONDS = 10.0  # how long an exit path waits for the server to answer `/resume` (`release_pause`)
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMServerEngine:
@@ -54,6 +58,12 @@ class VLLMServerEngine:
     so a 20k-token response that takes 900 s is no timeout; a frozen server fails every running request within
     `timeout` plus one poll, naming its URL. A reload and every small request (models, metrics, health) must be
     answered within `timeout`.
+
+    A server this engine paused is always resumed: `/resume` runs in a `finally` of every load, a failed fence
+    included; `release_pause` resumes it from the exit paths (a peer's failure, the grace exit, Ctrl-C, the end of
+    `train()`); and a new engine resumes a server an earlier run left paused (`/is_paused`), saying so. While it
+    holds the server paused the progress watchdog judges the pause by its own bound (`pause_timeout`: a weight
+    transfer's), not the stall timeout.
     """
 
     def __init__(
@@ -68,6 +78,7 @@ class VLLMServerEngine:
         in_flight_updates: bool = False,
         keep_kv_cache: bool = False,
         whole_answers: bool = False,
+        pause_timeout: float | None = None,
     ):
         self.base_url = base_url.strip().rstrip("/")
         self._host, self._port, self._path, self._ssl = server_address(self.base_url)
@@ -94,9 +105,16 @@ class VLLMServerEngine:
         # id(request) -> (request, its streamed answers: one, or one per completion a resumed group continues)
         self._answers: dict[int, tuple[GroupRequest, list[StreamedAnswer]]] = {}
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
+        self._paused_by_us = (
+            False  # set before POST /pause (a lost answer may still have paused it), cleared by /resume
+        )
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
-        self.progress = ServerProgress(self.base_url, timeout, self._metrics_text, self._fail_running)
+        self.progress = ServerProgress(
+            self.base_url, timeout, self._metrics_text, self._fail_running, pause_timeout=pause_timeout
+        )
+        self.progress.report_counters()  # once, at start: what the watchdog will judge progress by
+        self.resume_if_left_paused()
 
     def last_progress(self) -> float:
         """`time.monotonic()` when the server last made progress (for waits above the engine, e.g. a wave's)."""
@@ -194,8 +212,8 @@ class VLLMServerEngine:
 
     def _load_in_flight(self, version: int) -> None:
         """Pause the server with our requests kept, reload, mark the switch in every answer, resume."""
-        self.pause()
         try:
+            self.pause()
             # The pause cleared the prefix cache, or kept it with the running requests' KV cache (vLLM refuses a reset
             # while they hold blocks): either way, no reset now.
             self._reload(self.base_url, f"{self.weights_server_root}/v{version}", self.timeout, False)
@@ -206,17 +224,69 @@ class VLLMServerEngine:
         self.resume(version)
 
     def pause(self) -> None:
-        """Pause the server with our requests kept (their KV cache too with `keep_kv_cache`), for a weights load."""
-        self.progress.progressed()  # the counters stand still while it is paused: that is no stall
+        """Pause the server with our requests kept (their KV cache too with `keep_kv_cache`), for a weights load.
+        The watchdog judges the pause by its own bound until `resume` (the counters stand still: no stall)."""
+        self._paused_by_us = True
+        self.progress.hold()
         self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
 
     def resume(self, version: int | None) -> None:
         """Version `version` is loaded: mark where it takes over in every running answer, and resume them (None: a
-        load that failed; resumed only so that no paused server is left behind)."""
-        if version is not None and self.partial_rollouts:  # whole answers: no switch to mark
-            asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
+        load that failed; resumed only so that no paused server is left behind). `/resume` is posted whatever the
+        fence does (a fence that times out raises after it)."""
+        try:
+            if version is not None and self.partial_rollouts:  # whole answers: no switch to mark
+                asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
+        finally:
+            self._post_control("/resume")
+            self._paused_by_us = False
+            self.progress.release()
+
+    @property
+    def paused_by_us(self) -> bool:
+        """Whether this engine paused the server and has not resumed it yet."""
+        return self._paused_by_us
+
+    def release_pause(self, why: str) -> bool:
+        """Resume the server if this engine left it paused (an exit path: `why`), within `RELEASE_SECONDS`; whether
+        it did. Never raises: it runs where the process is stopping for another error."""
+        if not self._paused_by_us:
+            return False
+        try:
+            self._post_control("/resume", timeout=min(self.timeout, RELEASE_SECONDS))
+        except Exception as exc:  # noqa: BLE001 - the process is stopping for another error
+            logger.error(
+                "the vLLM server at %s was left paused (%s) and did not answer /resume: %s", self.base_url, why, exc
+            )
+            return False
+        self._paused_by_us = False
+        self.progress.release()
+        logger.warning(
+            "resumed the vLLM server at %s, which this run had paused for a weight update (%s)", self.base_url, why
+        )
+        return True
+
+    def resume_if_left_paused(self) -> bool:
+        """A server an earlier run left paused (stopped between `/pause` and `/resume`: killed, preempted) would
+        queue every request of ours behind the pause: resume it, and say so; whether it was paused. A server
+        without dev mode has no `/is_paused` (nor `/pause`): nothing to do."""
+        try:
+            status, body = self._get("/is_paused", timeout=min(self.timeout, RELEASE_SECONDS))
+        except EngineUnavailable:
+            return False
+        try:
+            paused = status == 200 and json.loads(body or b"{}").get("is_paused") is True
+        except (ValueError, AttributeError):  # not vLLM's answer (a proxy's page): nothing known to resume
+            paused = False
+        if not paused:
+            return False
+        logger.warning(
+            "the vLLM server at %s was paused (a run stopped between /pause and /resume?): resuming it before "
+            "generating",
+            self.base_url,
+        )
         self._post_control("/resume")
-        self.progress.progressed()
+        return True
 
     async def _fence(self, version: int, quiet: float = 0.05) -> None:
         """Once what the paused server sent has arrived (no answer of ours received a byte for `quiet` seconds),
@@ -268,9 +338,9 @@ class VLLMServerEngine:
         payload = self.request_payload(replace(request, prompt_ids=prompt, seed=seed, partial=None))
         return {**payload, "n": 1, "max_tokens": payload["max_tokens"] - len(kept)}
 
-    def _post_control(self, path: str) -> None:
+    def _post_control(self, path: str, timeout: float | None = None) -> None:
         """POST to a dev-mode control endpoint (`/pause`, `/resume`); an error answer names the endpoint."""
-        connection = self._connection(self.timeout)
+        connection = self._connection(self.timeout if timeout is None else timeout)
         try:
             connection.request("POST", self._path + path)
             answer = connection.getresponse()
@@ -443,6 +513,7 @@ class VLLMServerEngine:
     def _streamed_into(self, answer: StreamedAnswer) -> Callable[[bytes], None]:
         def feed(data: bytes) -> None:
             self._received += len(data)
+            self.progress.progressed()  # a streamed byte is progress: the timeout bounds silence, not length
             self.progress.progressed()  # tokens of ours arrive: the server makes progress
             answer.feed(data)
 

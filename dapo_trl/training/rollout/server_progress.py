@@ -9,8 +9,12 @@ when its token counters move (`vllm:generation_tokens_total`, `vllm:prompt_token
 anyone's request: vLLM schedules first come, first served) or when a request of ours is answered. After
 `stall_timeout` seconds without either, it calls `on_stall(message)`: the clients fail their outstanding requests
 with that message, naming the server's URL. A frozen server (its process stopped) answers no poll, which counts as
-no progress. A server without vLLM's counters (another engine, a proxy that hides /metrics) is judged by our answers
-alone: then a request must be answered within `stall_timeout`, as before.
+no progress. A server without vLLM's counters (another engine, a proxy that hides /metrics) is judged by what it
+sends us alone (answers, and the bytes of streamed answers), which `report_counters` says once at start.
+
+While we hold the server paused for a weight update (`hold` ... `release`), its counters stand still by design: the
+watchdog then judges the pause by its own bound (`pause_timeout`, a weight transfer's: a ZeRO-3 gather of every
+parameter and the broadcast), with its own message, not by `stall_timeout`.
 """
 
 from __future__ import annotations
@@ -64,8 +68,11 @@ class ServerProgress:
         on_stall: Callable[[str], None] | None = None,
         poll_seconds: float | None = None,
         on_abandon: Callable[[], None] | None = None,
+        pause_timeout: float | None = None,
     ):
         self.url = url
+        self.pause_timeout = stall_timeout if pause_timeout is None else max(pause_timeout, stall_timeout)
+        self._held_since: float | None = None  # `hold()`: we hold the server paused since then
         self.stall_timeout = stall_timeout
         self.read_metrics = read_metrics
         self.on_stall = on_stall
@@ -104,6 +111,29 @@ class ServerProgress:
         with self._lock:
             self._last_progress = time.monotonic()
 
+    def hold(self) -> None:
+        """We pause the server (a weight update): the stall clock stops; the pause is bounded by `pause_timeout`."""
+        with self._lock:
+            self._held_since = time.monotonic()
+
+    def release(self) -> None:
+        """We resumed the server: the stall clock restarts now."""
+        with self._lock:
+            self._held_since = None
+            self._last_progress = time.monotonic()
+
+    def held_for(self) -> float:
+        with self._lock:
+            return 0.0 if self._held_since is None else time.monotonic() - self._held_since
+
+    def report_counters(self) -> bool:
+        """Read the server's counters once (at start) and say, once, when it has none: then the watchdog judges by
+        what the server sends us (answers, streamed bytes). Whether it has them."""
+        self._poll()
+        with self._lock:
+            self._last_total = None  # the next busy period compares against a fresh reading
+        return self.counters_available
+
     @property
     def last_progress(self) -> float:
         """`time.monotonic()` of the last progress (or of the start of the current busy period)."""
@@ -111,8 +141,18 @@ class ServerProgress:
             return self._last_progress
 
     def stalled_for(self) -> float:
+        """Seconds without progress while requests are outstanding (0 while we hold the server paused)."""
         with self._lock:
-            return time.monotonic() - self._last_progress if self._outstanding else 0.0
+            if self._held_since is not None or not self._outstanding:
+                return 0.0
+            return time.monotonic() - self._last_progress
+
+    def pause_message(self, seconds: float) -> str:
+        return (
+            f"the vLLM server at {self.url} has been paused for a weight update for {seconds:.0f} s, past its bound "
+            f"of {self.pause_timeout:g} s (the process-group timeout, ddp_timeout): the weight transfer or reload did "
+            "not finish. Our requests there are failed; the server is resumed as the run stops."
+        )
 
     def stall_message(self, seconds: float) -> str:
         measured = "its token counters (/metrics) did not move and " if self.counters_available else ""
@@ -140,17 +180,25 @@ class ServerProgress:
                 self.on_abandon()  # on every tick: a connection opened since the last one is shut too
                 time.sleep(min(self.poll_seconds, ABANDON_POLL_SECONDS))
                 continue
-            self._poll()
-            stalled = self.stalled_for()
-            if stalled > self.stall_timeout:
-                self.stalls += 1
-                message = self.stall_message(stalled)
-                logger.error("%s", message)
+            held = self.held_for()
+            if held > self.pause_timeout:
                 with self._lock:
-                    self._last_progress = time.monotonic()
-                if self.on_stall is not None:
-                    self.on_stall(message)
+                    self._held_since = time.monotonic()  # reported once per bound
+                self._stalled(self.pause_message(held))
+            elif not held:  # (paused by us: the counters stand still by design)
+                self._poll()
+                stalled = self.stalled_for()
+                if stalled > self.stall_timeout:
+                    with self._lock:
+                        self._last_progress = time.monotonic()  # the clock restarts: a later request's full window
+                    self._stalled(self.stall_message(stalled))
             self._nap(self.poll_seconds)
+
+    def _stalled(self, message: str) -> None:
+        self.stalls += 1
+        logger.error("%s", message)
+        if self.on_stall is not None:
+            self.on_stall(message)
 
     def _nap(self, seconds: float) -> None:
         """Sleep between polls, waking for `abandon_when()` within `ABANDON_POLL_SECONDS`."""
@@ -175,8 +223,10 @@ class ServerProgress:
         total = None if text is None else token_counters(text)
         if total is None:
             if self.counters_available:
-                logger.info(
-                    "%s exports no vLLM token counters: a request there must be answered within %g s",
+                logger.warning(
+                    "%s exports no vLLM token counters on /metrics (a proxy that does not forward it, or another "
+                    "engine): its progress is judged by what it sends us alone, so vllm_request_timeout=%g s bounds "
+                    "the silence of a streamed answer, and the whole length of an answer that is not streamed",
                     self.url,
                     self.stall_timeout,
                 )
