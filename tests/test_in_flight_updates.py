@@ -398,6 +398,30 @@ def test_the_driver_finishes_a_kept_group_at_once_and_continues_a_partial_one():
     driver.close()
 
 
+def test_a_checkpoint_keeps_the_groups_given_back_until_they_run_and_a_step_end_copies_no_token():
+    """Groups a checkpoint gave back (`restore`) and not admitted yet are in the next checkpoint too (a preemption
+    restores the step's end into the driver, then saves); `merge` adds the groups taken as far as they got at the
+    stop over those; the step-end snapshot holds the finished groups by reference (O(groups))."""
+    engine = HeldEngine()
+    driver = RolloutDriver(engine, max_in_flight=8)
+    kept = PartialGroup([np.array([1])] * 2, [np.array([-0.1], dtype=np.float32)] * 2, [np.zeros(1)] * 2, [False] * 2)
+    later = PartialGroup(
+        [np.array([1, 2])] * 2, [np.array([-0.1, -0.2], dtype=np.float32)] * 2, [np.zeros(2)] * 2, [False] * 2
+    )
+    driver.restore({("stream", 4): kept, ("stream", 5): kept})
+    driver.restore({("stream", 5): later}, merge=True)
+    assert driver.partial_groups() == {("stream", 4): kept, ("stream", 5): later}
+    driver.plan([GroupRequest(("stream", 0), [5], 0, version=0)])
+    driver.publish(0)
+    wait_for(lambda: ("stream", 0) in engine.running)
+    engine.finish(("stream", 0))
+    assert driver.ready_prefix([("stream", 0)], 1, timeout=5) == 1
+    held = driver.finished_results()
+    assert held[("stream", 0)] is driver._done[("stream", 0)]  # the same result object: nothing copied
+    assert set(driver.partial_groups()) == {("stream", 0), ("stream", 4), ("stream", 5)}
+    driver.close()
+
+
 # ------------------------------------------------------------------------------------------ parsing the stream
 def test_a_fence_inside_an_event_gives_the_whole_event_to_the_old_version():
     answer = StreamedAnswer(2, version=0)

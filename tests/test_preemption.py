@@ -286,6 +286,57 @@ def test_a_signal_while_the_main_process_waits_for_a_streamed_wave_stops_every_p
     assert_same_weights(final_params(full), final_params(preempted))
 
 
+@pytest.mark.e2e
+def test_a_preemption_checkpoint_keeps_the_groups_generated_ahead(tmp_path):
+    """k = 1 with in-flight weight updates (the fake engine loads each version as it is published and checkpoints
+    keep the groups generated ahead): SIGTERM as step 3 asks for its groups. The preemption's checkpoint-2 keeps
+    the groups the engine had generated ahead, as a periodic checkpoint would (before: none, the rollout was
+    withdrawn before the save), the resumed run restores them (`rollout/groups_restored`), and every step trains
+    the prompts the uninterrupted run trains: none lost, none twice."""
+    script = str(SCRIPTS / "streaming_run.py")
+    common = (
+        "rollout_streaming=true",
+        "rollout_max_staleness=1",
+        "in_flight=true",
+        "filter_groups_enable=false",  # every step trains its stream's prompts, whatever the timing
+        "steps_per_generation=2",
+        "gradient_accumulation_steps=1",
+        "save_strategy=steps",
+        "save_steps=100",
+        "preempt_rank=0",
+    )
+    full, preempted = tmp_path / "full", tmp_path / "preempted"
+    run_command(python_command(script, str(full), "4", "6", *common))
+    result = run_command(
+        python_command(script, str(preempted), "4", "6", *common, "preempt_wave_at_step=2", "hold_seconds=60")
+    )
+    assert "abandoned optimizer step 3" in result.stderr, result.stderr[-3000:]
+    kept = torch.load(preempted / "run" / "checkpoint-2" / "dapo_rollout_state.pt", weights_only=True)["groups"]
+    assert kept, "the preemption's checkpoint kept no group generated ahead"
+    first_leg = len(read_jsonl(preempted / "trained_rank0.jsonl"))  # its abandoned step's forward is recorded too
+    run_command(python_command(script, str(preempted), "4", "6", *common, "resume=latest"))
+    history = read_json(preempted / "log_history.json")
+    restored = [entry["rollout/groups_restored"] for entry in history if "rollout/groups_restored" in entry]
+    assert restored[1] == len(kept), restored  # after checkpoint-2's history, the resumed run's first batch: all
+
+    def prompts(records: list[dict]) -> dict[int, list]:
+        steps: dict[int, list] = {}
+        for record in records:
+            steps.setdefault(record["step"], []).extend(record["prompts"])
+        return {step: sorted(rows) for step, rows in steps.items()}
+
+    legs = read_jsonl(preempted / "trained_rank0.jsonl")
+    completed = [record for record in legs[:first_leg] if record["step"] < 2]  # steps 1-2, saved in checkpoint-2
+    trained, uninterrupted = prompts(completed + legs[first_leg:]), prompts(read_jsonl(full / "trained_rank0.jsonl"))
+    assert sorted(uninterrupted) == list(range(6)) and trained == uninterrupted
+
+
+def read_json(path):
+    import json
+
+    return json.loads(path.read_text())
+
+
 def assert_same_weights(expected: dict, got: dict) -> None:
     assert expected.keys() == got.keys()
     for name in expected:

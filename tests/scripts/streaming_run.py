@@ -4,7 +4,8 @@ completions returned where TRL would generate). Same usage and outputs as dynami
 options timing_seed (the engine's random delays), engine_delay (its longest delay, seconds), engine_per_process=true
 (a fake engine on every process, each generating the groups it owns, as with colocated vLLM), engine_lag=N (the
 engine samples weights version v - N when asked for v), stream_only=true (every round's prompts from the seeded
-stream, as at rollout_max_staleness >= 1), resume,
+stream, as at rollout_max_staleness >= 1), in_flight=true (the engine loads each version as it is published, under
+running groups, and checkpoints keep the finished groups generated ahead, as with in-flight weight updates), resume,
 crash_after_save (the process dies right after writing that step's checkpoint), tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
 the same fake generation answers) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
@@ -58,7 +59,14 @@ from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 # test_streaming_refuses_k1_for_an_engine_of_your_own checks the refusal users get.
 rollout_setup.check_off_policy_correction = lambda args: None
 
-ENGINE = {"timing_seed": 0, "engine_delay": 0.03, "engine_per_process": False, "engine_lag": 0, "stream_only": False}
+ENGINE = {
+    "timing_seed": 0,
+    "engine_delay": 0.03,
+    "engine_per_process": False,
+    "engine_lag": 0,
+    "stream_only": False,
+    "in_flight": False,
+}
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
 PREEMPT_WAVE = {"preempt_wave_at_step": None, "preempt_rank": 1, "hold_seconds": 120.0}
 TRAINER = []  # the trainer, for the injected failures
@@ -140,6 +148,7 @@ class FakeGenerationTrainer(RecordingTrainer):
         timing = ENGINE["timing_seed"] + self.accelerator.process_index, ENGINE["engine_delay"]
         routing = self._replayed_routing.routing if self._replayed_routing is not None else None
         self.fake_engine = LaggingEngine(self.num_generations, eos, max_tokens, *timing, self.tool_call_ids, routing)
+        self.fake_engine.updates_in_flight = ENGINE["in_flight"]  # loads under running requests; keeps groups ahead
         return self.fake_engine
 
     def _generate_and_score_completions(self, inputs):

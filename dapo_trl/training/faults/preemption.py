@@ -163,12 +163,17 @@ class StepEndState:
     def capture(
         cls, step: int, run_parts: dict[str, Any], process_parts: dict[str, Any], counters: dict[str, Any]
     ) -> StepEndState:
-        """Each part's `state_dict()`, its containers copied."""
+        """Each part's `step_end_state()` where it has one (what a preemption restores, taken cheaply at every
+        step's end), else its `state_dict()`, its containers copied."""
+
+        def state(part: Any) -> Any:
+            return copy_containers(getattr(part, "step_end_state", part.state_dict)())
+
         return cls(
             step,
             rng_states(),
-            {file: copy_containers(part.state_dict()) for file, part in run_parts.items()},
-            {stem: copy_containers(part.state_dict()) for stem, part in process_parts.items()},
+            {file: state(part) for file, part in run_parts.items()},
+            {stem: state(part) for stem, part in process_parts.items()},
             dict(counters),
         )
 

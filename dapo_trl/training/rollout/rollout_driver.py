@@ -230,18 +230,27 @@ class RolloutDriver:
 
     def partial_groups(self) -> dict[tuple, PartialGroup]:
         """What a checkpoint keeps of the groups planned for later (in-flight weight updates): the finished ones not
-        yet taken, and the running ones as far as they were sampled where answers are streamed."""
+        yet taken, the running ones as far as they were sampled where answers are streamed, and those a checkpoint
+        gave back (`restore`) that are not admitted yet."""
         partials = getattr(self.engine, "partial_groups", dict)()  # first: a group finishing meanwhile is then done
         with self._cond:
             kept = {key: PartialGroup.of_result(result) for key, result in self._done.items()}
             running = set(self._in_flight)
-        return {key: partial for key, partial in partials.items() if key in running and key not in kept} | kept
+            restored = dict(self._restored)
+        running_partials = {key: partial for key, partial in partials.items() if key in running and key not in kept}
+        return restored | running_partials | kept
 
-    def restore(self, groups: dict[tuple, PartialGroup]) -> None:
-        """Groups a checkpoint kept (`partial_groups`): when planned again, a finished one is done at once and a
-        running one continues from its kept tokens, unless the version bound of its batch no longer takes it."""
+    def finished_results(self) -> dict[tuple, GroupResult]:
+        """The finished groups not yet taken, by reference (a step's end: O(groups), nothing copied)."""
         with self._cond:
-            self._restored = dict(groups)
+            return dict(self._done)
+
+    def restore(self, groups: dict[tuple, PartialGroup], merge: bool = False) -> None:
+        """Groups a checkpoint kept (`partial_groups`): when planned again, a finished one is done at once and a
+        running one continues from its kept tokens, unless the version bound of its batch no longer takes it.
+        `merge`: added to (and replacing, key by key) those already given back."""
+        with self._cond:
+            self._restored = {**self._restored, **groups} if merge else dict(groups)
 
     def take_metrics(self) -> DriverStats:
         with self._cond:

@@ -321,15 +321,33 @@ class StreamingRollout:
         return share_spans(group_count, self.group_size, self.process.index, self.process.count)
 
     # ------------------------------------------------------------------------------------------- checkpoints
+    @property
+    def keeps_groups_ahead(self) -> bool:
+        """Whether checkpoints keep the groups generated ahead (in-flight weight updates: partial rollouts)."""
+        return self.driver is not None and getattr(self.driver.engine, "updates_in_flight", False)
+
     def state_dict(self) -> dict[str, Any]:
         """The stream's place; with in-flight weight updates also the groups generated ahead so far: the finished
         ones (with their routings under routing replay) and, where answers are streamed, the running ones as far as
         they were sampled. A resumed run continues them instead of generating them again."""
-        state = {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
-        if self.driver is not None and getattr(self.driver.engine, "updates_in_flight", False):
+        state = self._place()
+        if self.keeps_groups_ahead:
             kept = self.driver.partial_groups().items()
             state["groups"] = [(list(key), partial.state_dict()) for key, partial in kept]
         return state
+
+    def step_end_state(self) -> dict[str, Any]:
+        """What a preemption restores of an optimizer step's end (`StepEndState`, taken at every step's end): the
+        stream's place and the finished groups held then, by reference (O(groups), no token copied). The groups
+        still running then, and those generated since, are taken as far as they got when the preemption stops the
+        run (`groups_ahead`, `keep_ahead`)."""
+        state = self._place()
+        if self.keeps_groups_ahead:
+            state["held"] = self.driver.finished_results()
+        return state
+
+    def _place(self) -> dict[str, Any]:
+        return {"cursor": self.cursor.state_dict(), "generation": self.generation, "staleness": self.staleness}
 
     def load_state_dict(self, state: dict[str, Any], device: Any = None) -> None:
         saved = state.get("staleness", state.get("lag"))  # "lag": checkpoints written before the rename
@@ -340,11 +358,27 @@ class StreamingRollout:
             )
         self.cursor.load_state_dict(state["cursor"])
         self.generation = state["generation"]
-        if self.driver is not None and state.get("groups"):
-            kept = {tuple(key): PartialGroup.from_state(group) for key, group in state["groups"]}
-            if getattr(self.driver.engine, "whole_answers", False):  # routing replay: only what has its routings
-                kept = {key: group for key, group in kept.items() if group.routed_experts is not None}
-            self.driver.restore(kept)
+        if self.driver is None:
+            return
+        kept = {tuple(key): PartialGroup.from_state(group) for key, group in state.get("groups") or ()}
+        kept |= {key: PartialGroup.of_result(result) for key, result in state.get("held", {}).items()}
+        if kept:
+            self.driver.restore(self._replayable(kept))
+
+    def groups_ahead(self) -> dict[tuple, PartialGroup]:
+        """The groups generated ahead as far as they got now (a preemption, before the rollout is withdrawn)."""
+        return self.driver.partial_groups() if self.keeps_groups_ahead else {}
+
+    def keep_ahead(self, groups: dict[tuple, PartialGroup]) -> None:
+        """Add `groups` (`groups_ahead`, taken before a preemption withdrew the rollout) to what the driver restores,
+        after the step's end was put back: the checkpoint then keeps them, as a periodic one would."""
+        if groups and self.driver is not None:
+            self.driver.restore(self._replayable(groups), merge=True)
+
+    def _replayable(self, groups: dict[tuple, PartialGroup]) -> dict[tuple, PartialGroup]:
+        if getattr(self.driver.engine, "whole_answers", False):  # routing replay: only what has its routings
+            return {key: group for key, group in groups.items() if group.routed_experts is not None}
+        return groups
 
 
 class ServerStreamingRollout(StreamingRollout):
