@@ -123,7 +123,8 @@ class DAPOTrainer(GRPOTrainer):
     # ----------------------------------------------------------------------------------------------------- rewards
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         self._shaping.hide(self)  # TRL scores the user's functions alone (a round may follow a shown one)
-        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        with self._guard.scoring_rewards():  # a preemption interrupts the user's functions: a safe point
+            rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         rewards_per_func = self._shaping.append(self, rewards_per_func, completion_ids_list, gather, self._generation)
         if self._round is not None:  # a dynamic-sampling round (`_score_round`) reads its accuracy
             self._round.rewards_per_func = rewards_per_func
@@ -153,8 +154,8 @@ class DAPOTrainer(GRPOTrainer):
         self._guard.safe_point("before generating a batch")
         scored = self._generate_and_score_completions(generation_batch)
         micro_batches = trl_seam.shuffle_and_split(scored, self.args.steps_per_generation)
-        in_use = self._optimizer_steps.in_use()  # routing replay: the shelves keep theirs and those still training
-        return self._planner.plan(settle_routings(self, micro_batches, in_use))
+        # Routing replay: the shelves keep this batch's routings and those of the micro-batches still training.
+        return self._planner.plan(settle_routings(self, micro_batches, self._optimizer_steps.in_use()))
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """With a token budget, all but the last part of the micro-batch are backpropagated here, without a sync;
@@ -278,13 +279,8 @@ class DAPOTrainer(GRPOTrainer):
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
         scoring = RoundScoring(prepared, None if engine is None else engine.generate_turns, streamed=True)
         scoring.routed_experts, scoring.engine_logprobs = prepared.pop("routed_experts", None), prepared["logprobs"]
-        pending = trl_seam.metrics(self, "train")
-        before = {name: len(values) for name, values in pending.items() if batch_metrics.replaced(name)}
-        scored = self._score_round(rows, scoring)
-        for name, values in pending.items():  # per-pass figures: the step's own come from the rows it decided on
-            if batch_metrics.replaced(name):
-                del values[before.get(name, 0) :]
-        return scored
+        with batch_metrics.per_pass_figures_dropped(trl_seam.metrics(self, "train")):  # the step's come from its rows
+            return self._score_round(rows, scoring)
 
     @property
     def colocated_rollout_engines(self) -> bool:

@@ -9,6 +9,7 @@ round, a training forward; streaming_run.py's engine holding a wave), or to run_
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -218,8 +219,9 @@ def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_
     tmp_path, processes, deepspeed, environment
 ):
     """Steps of two micro-batches, dynamic sampling in rounds. SIGTERM reaches one process (the last) while the reward
-    scores step 2's first round: every process abandons step 2 between rounds (its second round is never
-    generated), writes checkpoint-1 complete and exits 0. Requeued with latest, it is signalled during step 3's first
+    scores step 2's first round, a reward that then takes 120 s on every process (past the 30 s grace): every process
+    interrupts it and abandons step 2 while scoring rewards (its second round is never generated), writes
+    checkpoint-1 complete and exits 0. Requeued with latest, it is signalled during step 3's first
     training forward: abandoned before micro-batch 1, checkpoint-2. Requeued again, it ends with the uninterrupted
     run's weights, to the bit. With one process, step 2 is abandoned in its training, and the requeued run (saving
     every 2 steps) gets SIGTERM while checkpoint-2 is written: that save finishes, step 3 is abandoned before it
@@ -237,10 +239,11 @@ def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_
         first = ("save_steps=2", "preempt_at_step=1", "preempt_during=training")
         second = ("sigterm_while_writing=checkpoint-2/dapo_sampling_state.pt", "resume=latest")
         where = ("step 2 before a training forward", "step 3 before generating a batch")
-    else:
-        first = ("preempt_at_step=1", "preempt_during=round", f"preempt_rank={last}")
+    else:  # the reward then takes 120 s on every process: interrupted, not waited for past the 30 s grace
+        slow = ("slow_reward_at_step=1", "slow_reward_seconds=120", "preemption_grace_seconds=30")
+        first = ("preempt_at_step=1", "preempt_during=round", f"preempt_rank={last}", *slow)
         second = ("preempt_at_step=2", "preempt_during=training", f"preempt_rank={last}", "resume=latest")
-        where = ("step 2 between dynamic-sampling rounds", "step 3 before a training forward")
+        where = ("step 2 while scoring rewards", "step 3 before a training forward")
     result = run_command(python_command(script, str(preempted), batch, "3", *common, *first, **launch))
     assert "SIGTERM received" in result.stderr and f"abandoned optimizer {where[0]}" in result.stderr, result.stderr
     assert [(preempted / f"preempted_rank{rank}.txt").read_text() for rank in range(processes)] == ["True"] * processes
@@ -283,6 +286,34 @@ def test_a_signal_while_the_main_process_waits_for_a_streamed_wave_stops_every_p
     assert found and float(found.group(1)) < 30, result.stderr[-3000:]  # not once the held groups (120 s) came
     assert checkpoints(preempted) == ["checkpoint-1"]
     run_command(python_command(script, str(preempted), "4", "2", *common, "resume=latest", weights, **launch))
+    assert_same_weights(final_params(full), final_params(preempted))
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("mode, processes", [("rounds", 1), ("streaming", 2)], ids=["rounds-1-process", "stream-2"])
+def test_a_reward_that_holds_the_step_is_interrupted_and_the_requeued_run_ends_bit_for_bit(tmp_path, mode, processes):
+    """A reward that takes 120 s (a judge, a sandbox, a remote service) on every process from step 2, and SIGTERM to
+    process 0 as it begins, with a grace period of 20 s: the reward is interrupted on every process (the signalled
+    one by its handler, the other through the launcher's store), every process abandons step 2 while scoring
+    rewards, writes checkpoint-1 and exits 0 well within the grace; requeued, the run ends with the uninterrupted
+    run's weights, to the bit. Rounds on one process; streaming (k = 0) on two. Before, the step waited for the
+    reward, and the grace exit (143) left no checkpoint."""
+    streaming = mode == "streaming"
+    script = str(SCRIPTS / ("streaming_run.py" if streaming else "dynamic_sampling_run.py"))
+    common = ("save_strategy=steps", "save_steps=100", "preemption_grace_seconds=20")
+    common += ("rollout_streaming=true",) if streaming else ("mixed_share=0.3", "gradient_accumulation_steps=2")
+    launch, batch = {"num_processes": processes}, str(4 // processes * (2 if streaming else 1))
+    weights = ("final_params=true",) if streaming else ()  # dynamic_sampling_run.py always writes them
+    full, preempted = tmp_path / "full", tmp_path / "preempted"
+    run_command(python_command(script, str(full), batch, "3", *common, *weights, **launch))
+    hold = ("preempt_at_step=1", "preempt_during=round", "preempt_rank=0")
+    hold += ("slow_reward_at_step=1", "slow_reward_seconds=120")
+    started = time.monotonic()
+    result = run_command(python_command(script, str(preempted), batch, "3", *common, *hold, **launch))
+    assert time.monotonic() - started < 60, result.stderr[-3000:]  # not the reward's 120 s
+    assert result.stderr.count("abandoned optimizer step 2 while scoring rewards") == processes, result.stderr[-3000:]
+    assert checkpoints(preempted) == ["checkpoint-1"]
+    run_command(python_command(script, str(preempted), batch, "3", *common, "resume=latest", *weights, **launch))
     assert_same_weights(final_params(full), final_params(preempted))
 
 
@@ -427,3 +458,60 @@ def test_the_grace_exit_releases_what_the_run_holds_before_it_exits(tmp_path):
     finally:
         preemption.on_train_end(None, state, control)
     assert order == ["released", 128 + signal.SIGTERM]
+
+
+def test_a_reward_waiting_on_its_async_work_is_interrupted_and_the_processes_agree(tmp_path):
+    """Inside a user-code region (`Preemption.user_code`, what DAPOTrainer scores rewards in) the main thread waits
+    for an async reward's future, as TRL waits for its async reward functions: a signal arriving during the wait
+    interrupts it at once, and the region ends in `StepAbandoned`. A region whose code finishes abandons nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    preemption = Preemption([signal.SIGUSR1], 60, lambda flag: flag, str(tmp_path))
+    state, control = TrainerState(), TrainerControl()
+    preemption.on_train_begin(None, state, control)
+    pool, started, release = ThreadPoolExecutor(1), threading.Event(), threading.Event()
+    try:
+        preemption.on_step_begin(None, state, control)
+        with preemption.user_code("while scoring rewards") as finished:
+            finished()  # a reward that returned: nothing to abandon
+        signaller = threading.Thread(target=lambda: (started.wait(10), os.kill(os.getpid(), signal.SIGUSR1)))
+        signaller.start()
+        begun = time.monotonic()
+        with pytest.raises(StepAbandoned, match="while scoring rewards"):
+            with preemption.user_code("while scoring rewards") as finished:
+                future = pool.submit(lambda: (started.set(), release.wait(120)))
+                future.result()  # interrupted here
+                finished()
+        assert time.monotonic() - begun < 10
+        signaller.join()
+    finally:
+        release.set()
+        pool.shutdown()
+        preemption.on_train_end(None, state, control)
+
+
+def test_region_outcomes_agree_through_the_store_without_a_collective():
+    """Two processes (threads here, each with its own store client) report each region's outcome: any interrupted
+    one makes both abandon; both finished, neither; the region's keys are gone once both have read them."""
+    from dapo_trl.training.faults.user_code import RegionOutcomes
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False)  # noqa: E731
+    outcomes = [RegionOutcomes(connect, rank, 2, "test/user_code") for rank in range(2)]
+    for serial, interrupted in ((1, [False, False]), (2, [False, True]), (3, [True, True])):
+        decided = [None, None]
+
+        def report(rank: int, serial: int = serial, interrupted: list = interrupted, decided: list = decided) -> None:
+            decided[rank] = outcomes[rank].agree(serial, interrupted[rank])
+
+        threads = [threading.Thread(target=report, args=(rank,)) for rank in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert decided == [any(interrupted)] * 2
+        assert not master.check([f"test/user_code/{serial}"])
+    assert RegionOutcomes(None, 0, 1, "x").agree(1, True) and not RegionOutcomes(None, 1, 2, "x").available

@@ -103,15 +103,10 @@ def test_no_module_but_the_seam_touches_a_trainers_private_attributes():
     assert not offenders, offenders
 
 
-def test_modules_stay_readable_and_the_trainer_only_orchestrates():
-    """No module of the package over 450 lines, and DAPOTrainer (overrides and the few public hooks) within 300:
-    what grows goes to the subpackage of its concern (dapo_trl/training/*/)."""
-    long = {
-        str(path.relative_to(PACKAGE)): lines
-        for path in PACKAGE.rglob("*.py")
-        if (lines := len(path.read_text().splitlines())) > 450
-    }
-    assert not long, long
+def test_the_trainer_only_orchestrates():
+    """DAPOTrainer (overrides and the few public hooks) within 300 lines: what grows goes to the subpackage of its
+    concern (dapo_trl/training/*/). Other modules are grouped by concern, not held to a line count (a count would
+    make code be split or squeezed to fit it)."""
     trainer = next(
         node
         for node in ast.parse((PACKAGE / "trainer.py").read_text()).body

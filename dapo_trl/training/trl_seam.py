@@ -107,6 +107,7 @@ MODULE_NAMES = (
     PrivateName("trl.models", "prepare_deepspeed", "the reference model under DeepSpeed"),
     PrivateName("trl.models", "prepare_fsdp", "the reference model under FSDP"),
     PrivateName("trl.trainer.grpo_trainer", "VLLMGeneration", "swapped for our vLLM backend while GRPOTrainer builds"),
+    PrivateName("trl.trainer.grpo_trainer", "gather", "the processes agree before the rewards' gather (preemption)"),
 )
 # TRL's vLLM backend, which `vllm_backends` subclasses.
 VLLM_BACKEND_METHODS = (
@@ -327,6 +328,25 @@ def vllm_engine_factory(factory: Callable[..., Any]) -> Iterator[Any]:
         yield original
     finally:
         vllm_generation_module.LLM = original
+
+
+@contextlib.contextmanager
+def before_reward_gather(before: Callable[[], None]) -> Iterator[None]:
+    """Within the block, TRL's gather (the end of `_calculate_rewards`: the rewards of every process's rows) calls
+    `before()` first: the user's reward functions are done there, and every process agrees whether to go on."""
+    import trl.trainer.grpo_trainer as grpo_module
+
+    original = grpo_module.gather
+
+    def gather(tensor: Any) -> Any:
+        before()
+        return original(tensor)
+
+    grpo_module.gather = gather
+    try:
+        yield
+    finally:
+        grpo_module.gather = original
 
 
 @contextlib.contextmanager

@@ -7,6 +7,8 @@ Script options among the overrides: mixed_share, resume, crash_after_save; preem
 process in the middle of optimizer step N + 1, on rank preempt_rank, default 0, from inside preempt_during: `round`,
 the first call of the reward function (scoring the step's first dynamic-sampling round), or `training`, the step's
 first training forward (micro-batch 0): the run abandons the step, saves checkpoint-N and stops);
+slow_reward_at_step=N with slow_reward_seconds=S (the reward sleeps S seconds in optimizer step N + 1, on every
+process, after any preempt_during=round signal: a reward that holds the step);
 kill_while_writing=checkpoint-N/FILE (SIGKILL halfway through writing that file with torch.save),
 sigterm_while_writing=checkpoint-N/FILE (SIGTERM as that file is written);
 iterable=true (the train set as a
@@ -25,6 +27,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -42,7 +45,13 @@ from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 NUM_GENERATIONS = 4
 SCRIPT_OPTIONS = {"constant_from_step": None, "reward": "parity"}
-PREEMPT = {"preempt_at_step": None, "preempt_rank": 0, "preempt_during": "round"}
+PREEMPT = {
+    "preempt_at_step": None,
+    "preempt_rank": 0,
+    "preempt_during": "round",
+    "slow_reward_at_step": None,
+    "slow_reward_seconds": 0.0,
+}
 
 
 def difficulty_dataset(mixed_share: float, size: int = 60) -> Dataset:
@@ -61,6 +70,8 @@ def known_difficulty_reward(prompts, completions, completion_ids, trainer_state=
     with open(out / f"prompts_seen_rank{rank}.jsonl", "a") as f:
         f.write(json.dumps({"step": trainer_state.global_step, "prompts": prompts}) + "\n")
     preempt_here("round", trainer_state.global_step, rank)
+    if trainer_state.global_step == PREEMPT["slow_reward_at_step"]:
+        time.sleep(PREEMPT["slow_reward_seconds"])  # a judge or a remote reward service that takes its time
     constant_from = SCRIPT_OPTIONS["constant_from_step"]
     if constant_from is not None and trainer_state.global_step >= constant_from:
         return [-1.0] * len(prompts)

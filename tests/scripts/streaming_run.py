@@ -18,7 +18,9 @@ where gloo would see its socket close), until the launcher stops it. Each proces
 OUT/error_rank{r}.txt. A preemption while the main process waits for a wave: preempt_wave_at_step=N (the engine,
 asked for the first group of optimizer step N + 1, sends SIGTERM to process preempt_rank, default 1, and holds that
 step's groups for hold_seconds, default 120, so the wave cannot finish first); final_params=true writes the final
-weights to OUT/final_params.pt, as dynamic_sampling_run.py does.
+weights to OUT/final_params.pt, as dynamic_sampling_run.py does. dynamic_sampling_run.py's preempt_at_step with
+preempt_during=round (the signal from the reward) and slow_reward_at_step / slow_reward_seconds work here too
+(preempt_rank names the signalled process).
 """
 
 import dataclasses
@@ -34,6 +36,7 @@ from pathlib import Path
 import torch
 from denominator_run import full_parameters
 from dynamic_sampling_run import (
+    PREEMPT,
     SCRIPT_OPTIONS,
     CrashAfterSave,
     RecordingTrainer,
@@ -249,6 +252,9 @@ def main() -> None:
         FAILURE[option] = overrides.pop(option, FAILURE[option])
     for option in PREEMPT_WAVE:
         PREEMPT_WAVE[option] = overrides.pop(option, PREEMPT_WAVE[option])
+    for option in ("preempt_at_step", "preempt_during", "slow_reward_at_step", "slow_reward_seconds"):
+        PREEMPT[option] = overrides.pop(option, PREEMPT[option])
+    PREEMPT["preempt_rank"] = PREEMPT_WAVE["preempt_rank"]  # one option names the signalled process
     final_params = overrides.pop("final_params", False)
     SCRIPT_OPTIONS["reward"] = "ids"  # the reward reads the completions, so the batches depend on them
     out.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,9 @@ raise a flag, which the processes agree on at "safe points" that every process r
 generation batch, between dynamic-sampling rounds, during a generation round (server mode: the main process aborts
 its request, and TRL hands every process `AbandonedRound` markers in place of completions), while waiting for a
 streamed wave, before every training forward (each micro-batch and token-budget part), and at each optimizer step's
-end. Colocated vLLM and transformers' generate finish their round first (there is no request to abort). At a safe
+end. Scoring rewards is one too: the user's reward functions (judges, sandboxes, remote services) are interrupted
+by the signal in the main thread and every process agrees before TRL's gather (`user_code`). Colocated vLLM and
+transformers' generate finish their round first (there is no request to abort). At a safe
 point inside a step every process raises `StepAbandoned`; `RunGuard` then writes the checkpoint of the last
 completed optimizer step and `train()` returns, `trainer.preempted` is true, and `train_dapo.py` exits 0. The same
 command with `--resume_from_checkpoint latest` continues exactly: it regenerates the abandoned step from the same
@@ -27,6 +29,7 @@ which TRL's client would otherwise wait for, up to their timeout, before the Key
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import random
@@ -36,7 +39,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +48,7 @@ import torch
 from transformers import TrainerCallback
 
 from .checkpoints import complete_checkpoints
+from .user_code import RELAY_SIGNAL, RegionOutcomes, UserCodeInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +196,8 @@ class SignalRelay:
     blocked in the broadcast of a streamed wave (while the main process waits for the engine) could not say it was
     signalled. Here the signal's wakeup byte (`signal.set_wakeup_fd`) wakes a thread that records the signal
     (`on_signal`) and sets a key in the launcher's store; on the main process the same thread watches that key
-    (`peer_signalled`). Without a launcher's store (`connect` None: one process) it does nothing."""
+    (`peer_signalled`, on every process: one running user code is interrupted, `Preemption.user_code`). Without a
+    launcher's store (`connect` None: one process) it does nothing."""
 
     def __init__(self, process_index: int, connect: Callable[[], Any] | None, poll_seconds: float = RELAY_POLL_SECONDS):
         self.process_index = process_index
@@ -204,8 +209,15 @@ class SignalRelay:
         self._sockets: tuple[socket.socket, socket.socket] | None = None
         self._previous_fd = -1
 
-    def start(self, key: str, signals: list[signal.Signals], on_signal: Callable[[signal.Signals], None]) -> None:
-        """From the main thread, once the signal handlers are installed."""
+    def start(
+        self,
+        key: str,
+        signals: list[signal.Signals],
+        on_signal: Callable[[signal.Signals], None],
+        on_peer_signal: Callable[[], None] = lambda: None,
+    ) -> None:
+        """From the main thread, once the signal handlers are installed; `on_peer_signal` is called (from the relay's
+        thread) once another process's signal is seen."""
         if self.connect is None or not signals:
             return
         self.peer_signalled.clear()
@@ -215,7 +227,10 @@ class SignalRelay:
         self._previous_fd = signal.set_wakeup_fd(writer.fileno(), warn_on_full_buffer=False)
         numbers = {int(sig) for sig in signals}
         self._thread = threading.Thread(
-            target=self._relay, args=(key, numbers, on_signal), name="dapo-preemption-relay", daemon=True
+            target=self._relay,
+            args=(key, numbers, on_signal, on_peer_signal),
+            name="dapo-preemption-relay",
+            daemon=True,
         )
         self._thread.start()
 
@@ -230,7 +245,13 @@ class SignalRelay:
         for end in self._sockets:
             end.close()
 
-    def _relay(self, key: str, numbers: set[int], on_signal: Callable[[signal.Signals], None]) -> None:
+    def _relay(
+        self,
+        key: str,
+        numbers: set[int],
+        on_signal: Callable[[signal.Signals], None],
+        on_peer_signal: Callable[[], None],
+    ) -> None:
         try:
             store, published = self.connect(), False
             reader = self._sockets[0]
@@ -241,8 +262,9 @@ class SignalRelay:
                         on_signal(signal.Signals(caught[0]))
                         store.set(key, str(self.process_index))
                         published = True
-                if self.process_index == 0 and not self.peer_signalled.is_set() and store.check([key]):
+                if not published and not self.peer_signalled.is_set() and store.check([key]):
                     self.peer_signalled.set()
+                    on_peer_signal()
         except Exception as error:  # noqa: BLE001 - the launcher's store went away: the launcher is ending the run
             logger.debug("stopped relaying preemption signals between processes: %s", error)
 
@@ -264,6 +286,7 @@ class Preemption(TrainerCallback, SafePoints):
         on_give_up: Callable[[], Any] = lambda: None,
         snapshot: Callable[[], StepEndState | None] = lambda: None,
         relay: SignalRelay | None = None,
+        num_processes: int = 1,
     ):
         self.signals = signals
         self.grace_seconds = grace_seconds
@@ -274,6 +297,10 @@ class Preemption(TrainerCallback, SafePoints):
         self.on_give_up = on_give_up  # before the grace exit: e.g. resume a server we hold paused
         self.snapshot = snapshot
         self.relay = relay or SignalRelay(0, None)
+        self.num_processes = num_processes
+        self.outcomes: RegionOutcomes | None = None  # per train(): each user-code region's outcome on every process
+        self._in_user_code = False  # the main thread runs user code that a preemption signal interrupts
+        self._regions = 0  # user-code regions entered in this train(): the same count on every process
         self.received: signal.Signals | None = None  # the first preemption signal this process got
         self.preempted = False  # every process agreed to stop: the run saved its checkpoint and stopped
         self.step_end: StepEndState | None = None  # the last completed step's state (`snapshot()`)
@@ -300,9 +327,25 @@ class Preemption(TrainerCallback, SafePoints):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not a handler of the caller's own
             self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
+        if self.signals and RELAY_SIGNAL is not None:
+            self._previous[RELAY_SIGNAL] = signal.signal(RELAY_SIGNAL, self._on_relayed_signal)
         self._runs += 1
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self.relay.start(f"dapo_trl/preemption/{attempt}/{self._runs}", self.signals, self._receive)
+        self._regions = 0
+        self.outcomes = RegionOutcomes(
+            self.relay.connect,
+            self.relay.process_index,
+            self.num_processes,
+            f"dapo_trl/user_code/{attempt}/{self._runs}",
+        )
+        if self.signals and not self.outcomes.available:
+            logger.warning(
+                "%d processes without a launcher's store (torchrun's): a preemption waits for reward functions to "
+                "return (launch with accelerate launch --multi_gpu, torchrun or run_dapo.sh)",
+                self.num_processes,
+            )
+        key = f"dapo_trl/preemption/{attempt}/{self._runs}"
+        self.relay.start(key, self.signals, self._receive, self._interrupt_user_code)
         warning = torchrun_warning(self.grace_seconds, dict(os.environ)) if self.signals else None
         if warning and state.is_local_process_zero:
             logger.warning(warning)
@@ -323,6 +366,23 @@ class Preemption(TrainerCallback, SafePoints):
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self._receive(signal.Signals(signum))
+        self._raise_in_user_code(f"{signal.Signals(signum).name} received")
+
+    def _on_relayed_signal(self, signum: int, frame: Any) -> None:
+        """`RELAY_SIGNAL`, from this process's relay thread: another process was signalled."""
+        self._raise_in_user_code("another process was signalled")
+
+    def _raise_in_user_code(self, why: str) -> None:
+        """In the main thread, inside a user-code region (a handler runs between two bytecodes of it): interrupt it."""
+        if self._in_user_code:
+            self._in_user_code = False  # once
+            raise UserCodeInterrupted(why)
+
+    def _interrupt_user_code(self) -> None:
+        """From the relay's thread, once another process's signal is seen: a main thread inside user code gets
+        `RELAY_SIGNAL` (a real signal: it also ends a sleep or a blocking read there)."""
+        if self._in_user_code and RELAY_SIGNAL is not None:
+            signal.pthread_kill(threading.main_thread().ident, RELAY_SIGNAL)
 
     def _receive(self, sig: signal.Signals) -> None:
         """A preemption signal, from the handler or the relay's thread (which see the same signal): the first one
@@ -385,6 +445,49 @@ class Preemption(TrainerCallback, SafePoints):
     def abandon(self, where: str) -> None:
         self.abandoned_at = time.monotonic()
         super().abandon(where)
+
+    @contextlib.contextmanager
+    def user_code(self, where: str) -> Iterator[Callable[[], None]]:
+        """A user-code region (`user_code` module): within the block a preemption signal, this process's or any
+        other's, raises `UserCodeInterrupted` in the main thread. Yields `finished`, to be called once the user's
+        code is done and before the block's collective (TRL's gather): every process then reports its outcome, and
+        all raise `StepAbandoned` (`where`) when any was interrupted; an interrupted region reports and raises it as
+        the block unwinds. Outside a training step, off the main thread, or without signals: a plain block."""
+        armed = (
+            bool(self.signals)
+            and self._training
+            and self.in_step
+            and threading.current_thread() is threading.main_thread()
+            and self.outcomes is not None
+            and self.outcomes.available
+        )
+        if not armed:
+            yield lambda: None
+            return
+        self._regions += 1
+        region, reported = self._regions, []
+
+        def report(interrupted: bool) -> bool:
+            self._in_user_code = False
+            reported.append(interrupted)
+            return self.outcomes.agree(region, interrupted)
+
+        def finished() -> None:
+            if not reported and report(False):
+                self.abandon(where)
+
+        self._in_user_code = True
+        try:
+            if self.received is not None or self.relay.peer_signalled.is_set():  # signalled before it began
+                raise UserCodeInterrupted("signalled before the user code began")
+            yield finished
+        except UserCodeInterrupted:
+            if not reported:
+                report(True)
+            self.abandon(where)
+        finally:
+            self._in_user_code = False
+        finished()  # a block that did not call it (nothing to gather): the processes still agree
 
     # ------------------------------------------------------------------------------------------------ steps
     def on_step_begin(self, args, state, control, **kwargs):

@@ -5,12 +5,14 @@ completed step is saved and `train()` returns."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
+import torch
 from transformers.trainer_utils import TrainOutput
 
 from .. import trl_seam
@@ -45,6 +47,7 @@ class RunGuard:
             on_give_up=partial(self.release_server, "the preemption grace period ran out"),
             snapshot=self.snapshot,
             relay=SignalRelay(accelerator.process_index, store if accelerator.num_processes > 1 else None),
+            num_processes=accelerator.num_processes,
         )
         trainer.add_callback(self.preemption)
         client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # server mode, main process
@@ -82,6 +85,20 @@ class RunGuard:
         """A point of a training step that every process reaches in the same order (`Preemption.safe_point`)."""
         if self.trainer.model.training:
             self.preemption.safe_point(where)
+
+    @contextlib.contextmanager
+    def scoring_rewards(self) -> Iterator[None]:
+        """Within the block TRL scores a batch's rewards with the user's functions (a judge, a sandbox, a remote
+        service may take minutes): a preemption signal interrupts them, and every process agrees before TRL gathers
+        the rewards, abandoning the step together (`Preemption.user_code`). Reward models (`nn.Module`) run
+        forwards, whose collectives under ZeRO-3 cannot be interrupted on one process alone: with one, the block
+        is plain and the step is abandoned at the next safe point, as before."""
+        trainer = self.trainer
+        if not trainer.model.training or any(isinstance(func, torch.nn.Module) for func in trainer.reward_funcs):
+            yield
+            return
+        with self.preemption.user_code("while scoring rewards") as finished, trl_seam.before_reward_gather(finished):
+            yield
 
     def check_round(self, completion_ids: list) -> None:
         """After TRL's generation round, on every process: a round the main process abandoned for a preemption

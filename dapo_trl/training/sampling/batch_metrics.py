@@ -11,6 +11,8 @@ filled the batch (with carried surplus, whole rounds: they are always scored who
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +37,17 @@ REPLACED = (
 
 def replaced(name: str) -> bool:
     return name in REPLACED or name.startswith("rewards/")
+
+
+@contextlib.contextmanager
+def per_pass_figures_dropped(pending: dict[str, list]) -> Iterator[None]:
+    """TRL's per-pass figures that the block (a streamed wave's scoring pass) appends to `pending` (TRL's metrics)
+    are dropped at its end: the step's own come from the rows it decided on (`trained_batch_metrics`)."""
+    before = {name: len(values) for name, values in pending.items() if replaced(name)}
+    yield
+    for name, values in pending.items():
+        if replaced(name):
+            del values[before.get(name, 0) :]
 
 
 def row_statistics(rewards_per_func: torch.Tensor, lengths: torch.Tensor, truncated: torch.Tensor) -> dict:
