@@ -366,7 +366,8 @@ class DAPOConfig(GRPOConfig):
             "(vLLM's default): their KV cache is dropped and recomputed by the new weights when they resume, so "
             "every later token is exactly the new version's, at the cost of one prefill of each running context. "
             "'keep': the KV cache the old weights wrote is reused (no prefill); later tokens then carry a small "
-            "mismatch that the importance weight absorbs (measured in docs/rollout.md)."
+            "mismatch that the importance weight absorbs (measured in docs/rollout.md). New requests never reuse an "
+            "older version's prefix cache: each version's requests carry a cache_salt of their own."
         },
     )
     rollout_max_in_flight_groups: int | None = field(

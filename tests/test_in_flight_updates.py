@@ -47,6 +47,7 @@ class PausableServer(FakeCompletions):
     paused = threading.Event()
     step = threading.Lock()  # held while a step's tokens are written: /pause returns between steps, as vLLM's does
     calls: list = []
+    salts: list = []  # each completion request's cache_salt
     generated = 0  # tokens generated for whole answers
 
     def do_GET(self):
@@ -69,6 +70,7 @@ class PausableServer(FakeCompletions):
         if self.path == "/collective_rpc":
             self.loaded[0] = int(body["kwargs"]["weights_path"].rsplit("/v", 1)[1])
             return self._answer({})
+        PausableServer.salts.append(body.get("cache_salt"))
         assert body["n"] in (N, 1)
         if not body.get("stream"):  # a whole answer, with routed experts (routing replay)
             return self._answer(self._whole(body["max_tokens"], len(body["prompt"][0]), body["n"]))
@@ -130,6 +132,7 @@ class PausableServer(FakeCompletions):
 @pytest.fixture
 def server_engine(tmp_path):
     PausableServer.loaded[0], PausableServer.calls, PausableServer.generated = 0, [], 0
+    PausableServer.salts = []
     PausableServer.paused.clear()
     for version in range(3):
         (tmp_path / f"v{version}").mkdir()
@@ -275,6 +278,23 @@ def test_a_failed_transfer_leaves_no_paused_server_behind(server_engine, monkeyp
     assert not second.is_alive() and "the weight transfer to the engine failed" in str(again[0])
     assert "the collective timed out" in str(again[0])
     driver.close()
+
+
+def test_with_the_kv_cache_kept_each_version_gets_a_prefix_cache_of_its_own(server_engine):
+    """`rollout_in_flight_kv_cache keep`: the pauses keep vLLM's prefix cache, so each request carries its version's
+    `cache_salt` (a request started after a switch never reuses prompt blocks an older version computed; measured on
+    vLLM-CPU in tests/test_vllm.py); recompute (the pause clears the cache) sends none."""
+    finished = threading.Event()
+    server_engine.start(GroupRequest(("plain", 0), [5, 6], 0, version=0), lambda request, result: finished.set())
+    assert finished.wait(20)
+    server_engine.keep_kv_cache = True
+    answers = []
+    for version in (0, 3):
+        done = threading.Event()
+        request = GroupRequest(("salted", version), [5, 6], version, version=version)
+        server_engine.start(request, lambda request, result, done=done: (answers.append(result), done.set()))
+        assert done.wait(20)
+    assert PausableServer.salts == [None, "dapo-trl-weights-v0", "dapo-trl-weights-v3"]
 
 
 def test_a_fence_that_fails_still_resumes_the_server(server_engine, monkeypatch):

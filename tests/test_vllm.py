@@ -260,7 +260,8 @@ def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
     it: before the switch the engine's log-probs are version 0's to float32 noise; after it, with the KV cache
     recomputed (vLLM's default) version 1's to float32 noise, and with the old KV cache kept, nearer version 1's
     than version 0's (the gap the importance weight absorbs, printed and recorded in docs/rollout.md). Groups kept as
-    a checkpoint keeps them are continued from their kept tokens by a new engine, each token once."""
+    a checkpoint keeps them are continued from their kept tokens by a new engine, each token once. With the KV cache
+    kept, a group started after 1, 2 or 3 switches is its own version's: the prefix cache is per version."""
     script = [f"{vllm_venv}/bin/python", str(SCRIPTS / "vllm_in_flight.py"), str(tmp_path), model_dir, shared_server]
     print(run_command(script, timeout=300).stdout[-3000:])
     report = json.loads((tmp_path / "in_flight.json").read_text())
@@ -276,6 +277,14 @@ def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
     # Kept by a checkpoint, the engine gone, continued by a new one under version 1: nothing sampled twice or lost.
     resumed = report["resume"]
     assert resumed["kept_tokens_then_continued"] and resumed["tokens"]["sampled_by_v1"]["gap_to_v1_max"] <= 1e-4
+    # `keep` through 3 switches: each version's requests get a prefix cache of their own (the engine's cache_salt),
+    # so a new group of a long prompt started after switch s is version s's to float32 noise; without the salt it
+    # reuses the prompt's blocks version 0 computed (the mismatch the docs show growing with the switches).
+    run_command([*script, "switches"], timeout=300)
+    switches = json.loads((tmp_path / "switches.json").read_text())
+    assert [entry["switches"] for entry in switches["salted"]] == [1, 2, 3], switches
+    assert all(entry["gap_max"] <= 1e-4 for entry in switches["salted"]), switches
+    assert all(entry["gap_mean"] > 1e-4 for entry in switches["unsalted"]), switches  # the stale prefix is seen
 
 
 def test_in_flight_groups_kept_by_a_checkpoint_are_continued_after_a_kill(

