@@ -19,7 +19,10 @@ weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save
 `resume=PATH` resumes from a checkpoint; `freeze_server=PID` stops the server process PID (SIGSTOP), and
 `kill_server=PID` kills its process group, just before step 2's first generation request (`ServerFault`);
 `frozen_server=PID` stops the server's process group for good as step 1 begins (`FrozenServerAtStep1`); a run that
-fails writes the time it failed to OUT/failed_at.
+fails writes the time it failed to OUT/failed_at. Faults of the fast path (tests/scripts/fault_harness.py), from
+optimizer step `fault_step` on: `fault=kill_in_reload` (the process kills itself, as kill -9 would, inside an in-flight
+reload: between the server's /pause and /resume), `fault=fail_fence` (the fence that marks the switch in every running
+answer fails), `fault=sigterm_in_reward` (SIGTERM as the reward scores, a reward that then takes 120 s).
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
 TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
@@ -55,9 +58,39 @@ TOLERANCE = 1e-5
 CHECK_TEXT = "What is 12 plus 7? First, 12 + 7 = 19.\nAnswer: 19"
 
 
-def parity_reward(completion_ids, **kwargs) -> list[float]:
+FAULT = {"fault": None, "fault_step": 1}
+
+
+def parity_reward(completion_ids, trainer_state=None, **kwargs) -> list[float]:
     """+1 / -1 by the parity of the completion's token-id sum: random-looking, so groups have spread (or not)."""
+    if FAULT["fault"] == "sigterm_in_reward" and trainer_state is not None:
+        if trainer_state.global_step == FAULT["fault_step"]:
+            FAULT["fault"] = None  # once
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(120)  # a judge or a remote reward service that takes its time
     return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
+
+
+def inject_engine_fault(trainer: DAPOTrainer) -> None:
+    """`fault=kill_in_reload` / `fail_fence`: hooks on the streaming engine's reload and fence (driver's thread)."""
+    engine = trainer._rollout.driver.engine
+    reload, fence = engine._reload, engine._fence
+
+    def due() -> bool:
+        return trainer.state.global_step >= FAULT["fault_step"]
+
+    def killing_reload(base_url, weights, timeout, reset_prefix_cache=True):
+        if FAULT["fault"] == "kill_in_reload" and not reset_prefix_cache and due():  # in flight: the server paused
+            print("fault: killed between /pause and /resume", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return reload(base_url, weights, timeout, reset_prefix_cache)
+
+    async def failing_fence(version, quiet=0.05):
+        if FAULT["fault"] == "fail_fence" and due():
+            raise TimeoutError("fault injected: the fence did not settle")
+        return await fence(version, quiet)
+
+    engine._reload, engine._fence = killing_reload, failing_fence
 
 
 class CrashAfterSave(TrainerCallback):
@@ -238,6 +271,8 @@ def main() -> None:
     resume, crash_after = overrides.pop("resume", None), overrides.pop("crash_after_save", None)
     freeze_server, kill_server = overrides.pop("freeze_server", None), overrides.pop("kill_server", None)
     frozen_server = overrides.pop("frozen_server", None)
+    for option in FAULT:
+        FAULT[option] = overrides.pop(option, FAULT[option])
     out.mkdir(parents=True, exist_ok=True)
     settings.update(
         output_dir=str(out / "run"),
@@ -292,6 +327,8 @@ def main() -> None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         if frozen_server is not None:
             trainer.add_callback(FrozenServerAtStep1(frozen_server))
+        if FAULT["fault"] in ("kill_in_reload", "fail_fence"):
+            inject_engine_fault(trainer)
         try:
             trainer.train(resume_from_checkpoint=resume)
         except Exception:
