@@ -253,6 +253,8 @@ def test_a_step_abandoned_mid_step_saves_the_last_one_and_the_requeued_run_ends_
         assert all(record["step"] == 0 for record in read_jsonl(preempted / "trained_rank0.jsonl"))
     result = run_command(python_command(script, str(preempted), batch, "3", *common, *second, **launch))
     assert f"abandoned optimizer {where[1]}" in result.stderr, result.stderr[-3000:]
+    if processes == 1:  # the save the signal came during is the newest state: it is not written again
+        assert "nothing newer than checkpoint-2" in result.stderr, result.stderr[-3000:]
     assert checkpoints(preempted) == ["checkpoint-1", "checkpoint-2"]
     run_command(python_command(script, str(preempted), batch, "3", *common, "resume=latest", **launch))
     assert_same_weights(final_params(full), final_params(preempted))
@@ -393,9 +395,12 @@ RUN_DAPO_TINY = {
 
 
 @pytest.mark.e2e
-def test_run_dapo_forwards_sigterm_and_the_requeued_command_resumes(tmp_path):
-    """The scheduler signals run_dapo.sh (2 processes under torchrun): it forwards the signal to the training
-    processes, which save and stop; the script exits 0 within the grace period, and the same command resumes."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_run_dapo_forwards_the_signal_and_the_requeued_command_resumes(tmp_path, sig):
+    """The scheduler signals run_dapo.sh (2 processes under torchrun): SIGTERM (Kubernetes, SLURM's preemption) or
+    SIGUSR1 (SLURM's warning, `--signal=B:USR1@600` in examples/slurm_dapo.sbatch; torchrun kills its workers on it
+    unless told to forward it). The script forwards it to the training processes, which save and stop; the script
+    exits 0 within the grace period, and the same command resumes."""
     out = tmp_path / "out"
     env = offline_environment({**RUN_DAPO_TINY, "OUTPUT_DIR": str(out), "MASTER_PORT": str(29700 + os.getpid() % 200)})
     command = ["./run_dapo.sh", "--max_steps", "60", "--resume_from_checkpoint", "latest"]
@@ -405,12 +410,12 @@ def test_run_dapo_forwards_sigterm_and_the_requeued_command_resumes(tmp_path):
         while not (out / "checkpoint-1" / "dapo_checkpoint.json").exists():  # training has begun
             assert process.poll() is None and time.monotonic() < deadline, process.communicate()
             time.sleep(0.1)
-        process.send_signal(signal.SIGTERM)
+        process.send_signal(sig)
         stdout, stderr = process.communicate(timeout=120)
     finally:
         process.kill()
     assert process.returncode == 0, stderr[-4000:]
-    assert "preempted after step" in stdout and "SIGTERM received" in stderr
+    assert "preempted after step" in stdout and f"{sig.name} received" in stderr
     stopped = int(stdout.split("preempted after step ")[1].split(":")[0])
     assert stopped < 60 and (out / f"checkpoint-{stopped}" / "dapo_checkpoint.json").exists()
     again = run_command([*command[:2], str(stopped + 1), *command[3:]], env=env)

@@ -36,7 +36,7 @@ from dapo_trl.training.rollout.stream_plan import group_seed, plan_horizon
 from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRound
 from dapo_trl.training.sampling.streams import PromptStream
 
-from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command
+from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command, run_unchecked
 from .scripts.fake_engine import FakeEngine, fake_completion
 
 SCRIPT = str(SCRIPTS / "streaming_run.py")
@@ -150,7 +150,8 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
     remaining micro-batches come from the checkpoint, not from a new generation; carried groups keep the weights
     version that sampled them, and their routing, across the checkpoint). The two processes replay different
     routings (their experts differ pass by pass) and ZeRO-3, its MoE blocks leaf modules, does not hang. Under
-    ZeRO-3 each scoring forward gathers every parameter: one per scoring pass, a few per generation batch."""
+    ZeRO-3 each scoring forward gathers every parameter: one per scoring pass, a few per generation batch. The
+    checkpoint resumed on one process is refused, naming the fix."""
     settings = (
         "moe=true",
         "routing_replay=true",
@@ -206,6 +207,13 @@ def test_overlap_survives_a_crash_and_any_timing_under_zero3(tmp_path):
         assert passes <= MAX_WAVES_PER_ROUND * rounds + MAX_TAIL_WAVES
         # passes + 1: routing replay's mismatch without replay scores a batch's first wave once more
         assert passes <= resumed[4] <= 2 * 2 * (passes + 1), (resumed[4], passes)
+    # checkpoint-3, inside generation batch 1, holds each process's own rows: resumed on one process it is refused,
+    # naming the fix, before anything trains.
+    refused = run_unchecked(
+        python_command(SCRIPT, str(tmp_path / "one"), "8", "6", *settings, f"resume={checkpoint}", num_processes=1)
+    )
+    assert refused.returncode != 0 and "saved by 2 processes" in refused.stderr, refused.stderr[-3000:]
+    assert "resume with 2 processes" in refused.stderr and not (tmp_path / "one" / "trained_rank0.jsonl").exists()
 
 
 @pytest.mark.e2e
