@@ -143,11 +143,12 @@ class ScriptedToolCalls(DAPOTrainer):
 class RecordedStreaming(DAPOTrainer):
     """Server streaming that records what each step trained (OUT/trained.jsonl) and, with `check_versions`, the
     largest gap per step between the engine's sampling log-probs and the trainer's re-scoring of the same rows under
-    the weights version that sampled them (read back from vllm_weight_sync_dir/v<version>)."""
+    the weights version that sampled them (the trainer's own weights when it published that version)."""
 
     out: Path
     check_versions = False
     version_gaps: dict[int, float] = {}
+    trainer_versions: dict[int, dict] = {}  # version -> the trainer's weights when it published it
     _version_model = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -170,16 +171,20 @@ class RecordedStreaming(DAPOTrainer):
             self.version_gaps[step] = max(self.version_gaps.get(step, 0.0), gap)
         return scored
 
+    def publish_rollout_weights(self, version: int) -> None:
+        """The trainer's own weights as they are when it publishes `version` (`check_versions`): what the re-score
+        compares the engine with, not the file the engine loaded (a publish that wrote other weights must fail)."""
+        if self.check_versions:
+            weights = self.accelerator.unwrap_model(self.model).state_dict()
+            self.trainer_versions[version] = {name: tensor.detach().clone() for name, tensor in weights.items()}
+        super().publish_rollout_weights(version)
+
     def gap_to_sampling_version(self, rows: dict, version: int) -> float:
         import copy
 
-        from safetensors.torch import load_file
-
         if self._version_model is None:
             self._version_model = copy.deepcopy(self.accelerator.unwrap_model(self.model)).eval()
-        state = load_file(str(Path(self.args.vllm_weight_sync_dir) / f"v{version}" / "model.safetensors"))
-        missing, _ = self._version_model.load_state_dict(state, strict=False)
-        assert not [name for name in missing if "rotary" not in name], missing
+        self._version_model.load_state_dict(self.trainer_versions[version])
         ids = torch.cat([rows["prompt_ids"], rows["completion_ids"]], dim=1)
         mask = torch.cat([rows["prompt_mask"], rows["completion_mask"]], dim=1)
         with torch.no_grad():
