@@ -501,7 +501,9 @@ def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(
 ):
     """The trainer kills the server (kill -9) just before step 2's first generation request; a new server starts on
     its port: the trainer waits, reloads the weights of its step into the new server, sends the lost requests again
-    (streamed: the driver's groups, with their seeds), and finishes every step."""
+    (streamed: the driver's groups, with their seeds), and finishes every step, each sampled with the trainer's
+    weights (the engine's sampling log-probs against the trainer's: a run that skipped the reload samples step 2 with
+    the base weights and fails this)."""
     url, server = server_and_process
     log_path = tmp_path / "train.log"
     command = [
@@ -529,6 +531,10 @@ def test_a_server_killed_and_restarted_is_waited_for_and_the_run_goes_on(
     assert "waiting up to 300 s for it to come back" in output and "answers again" in output, output[-4000:]
     history = json.loads((tmp_path / "out" / "log_history.json").read_text())
     assert [entry["step"] for entry in history if "loss" in entry] == [1, 2, 3, 4]
+    # The restarted server holds the base weights: every step after it sampled with the trainer's (the weights of
+    # the last sync reloaded), not the base ones: its sampling log-probs are the trainer's to float32 noise.
+    gaps = [entry["sampling/sampling_logp_difference/max"] for entry in history if "loss" in entry]
+    assert max(gaps) <= 1e-4, gaps
 
 
 def test_a_dead_server_stops_the_run_with_a_clear_error(vllm_venv, model_dir, server_and_process, tmp_path):
