@@ -29,6 +29,7 @@ from .preemption import (
 )
 
 logger = logging.getLogger(__name__)
+RELEASE_WAIT_SECONDS = 10.0  # at train()'s end, how long a weight load in progress may take to resume the server
 
 
 class RunGuard:
@@ -73,7 +74,7 @@ class RunGuard:
             raise
         finally:
             self.preemption.restore_signals()
-            self.release_server("train() ended")
+            self.release_server("train() ended", wait=RELEASE_WAIT_SECONDS)
 
     def _train_or_stop(self, train: Callable[[], Any]) -> Any:
         try:
@@ -184,11 +185,12 @@ class RunGuard:
             finally:
                 self.release_server("the run is stopping")
 
-    def release_server(self, why: str) -> None:
+    def release_server(self, why: str, wait: float = 0.0) -> None:
         """Resume the vLLM server if the rollout's engine left it paused (between `/pause` and `/resume`: a weight
-        update cut short), so that no exit path leaves it queueing every request behind the pause."""
+        update cut short), so that no exit path leaves it queueing every request behind the pause. `wait`: seconds
+        a load still running on the driver's thread may take to resume it itself (the end of `train()`)."""
         rollout = self.trainer._rollout
         engine = None if rollout is None or rollout.driver is None else rollout.driver.engine
         release = getattr(engine, "release_pause", None)
         if release is not None:
-            release(why)
+            release(why, wait)

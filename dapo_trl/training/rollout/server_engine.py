@@ -251,9 +251,13 @@ class VLLMServerEngine:
         """Whether this engine paused the server and has not resumed it yet."""
         return self._paused_by_us
 
-    def release_pause(self, why: str) -> bool:
+    def release_pause(self, why: str, wait: float = 0.0) -> bool:
         """Resume the server if this engine left it paused (an exit path: `why`), within `RELEASE_SECONDS`; whether
-        it did. Never raises: it runs where the process is stopping for another error."""
+        it did. `wait`: seconds a load in progress (the driver's thread between its pause and resume) may take to
+        resume it itself first. Never raises: it runs where the process is stopping for another error."""
+        deadline = time.monotonic() + wait
+        while self._paused_by_us and time.monotonic() < deadline:
+            time.sleep(0.05)
         if not self._paused_by_us:
             return False
         try:
