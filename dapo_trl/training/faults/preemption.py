@@ -195,9 +195,9 @@ class SignalRelay:
     outside Python: Python runs a signal handler only once the main thread is back in the interpreter, so a process
     blocked in the broadcast of a streamed wave (while the main process waits for the engine) could not say it was
     signalled. Here the signal's wakeup byte (`signal.set_wakeup_fd`) wakes a thread that records the signal
-    (`on_signal`) and sets a key in the launcher's store; on the main process the same thread watches that key
-    (`peer_signalled`, on every process: one running user code is interrupted, `Preemption.user_code`). Without a
-    launcher's store (`connect` None: one process) it does nothing."""
+    (`on_signal`) and sets a key in the launcher's store; on every other process the same thread watches that key
+    (`peer_signalled`: the main process stops waiting for a wave, a process running user code is interrupted,
+    `on_peer_signal`). Without a launcher's store (`connect` None: one process) it does nothing."""
 
     def __init__(self, process_index: int, connect: Callable[[], Any] | None, poll_seconds: float = RELAY_POLL_SECONDS):
         self.process_index = process_index
