@@ -291,19 +291,26 @@ def test_the_fast_path_survives_each_injected_fault(vllm_venv, model_dir, shared
     """tests/scripts/fault_harness.py against the real server (k = 1, in-flight updates, 4 updates per rollout), each
     fault injected from step 5 by a hook, then the run requeued with `latest`: killed -9 between /pause and /resume
     (the server is left paused: the requeued run resumes it, says so, and finishes); the fence failing (the run stops
-    naming it, the server resumed); SIGTERM in a reward that then takes 120 s (abandoned at once, exit 0). After
+    naming it, the server resumed); SIGTERM in a reward that then takes 120 s (abandoned at once, exit 0), as the
+    engine starts a group, and as a micro-batch's loss begins (abandoned at the next safe point). After
     each: the server not paused, the checkpoint's groups generated ahead restored, every step's prompts trained once.
     The table it prints is the one in docs/reliability.md."""
     script = [f"{vllm_venv}/bin/python", str(SCRIPTS / "fault_harness.py"), str(tmp_path), model_dir, shared_server]
     print(run_command(script, timeout=900).stdout[-3000:])
     faults = json.loads((tmp_path / "faults.json").read_text())["faults"]
     for name, case in faults.items():
+        assert case["injected"], (name, case)  # the hook was reached: the fault happened
         assert case["checkpoints"][:1] == ["checkpoint-4"] and case["resumed_exit"] == 0, (name, case)
-        assert not case["paused_after_resume"] and case["every_step_once"] and case["groups_restored"] >= 1, case
+        assert not case["paused_after_resume"] and case["every_step_once"], (name, case)
+        if name != "fail_fence":  # the failed engine generated nothing more for its checkpoint to keep
+            assert case["groups_restored"] >= 1, (name, case)
     killed, fence, reward = faults["kill_in_reload"], faults["fail_fence"], faults["sigterm_in_reward"]
     assert killed["exit"] == -signal.SIGKILL and killed["paused_after_fault"] and killed["resumed_said_paused"]
     assert fence["exit"] == 1 and "fence did not settle" in fence["error"] and not fence["paused_after_fault"]
+    # The load of version 1 failed early in batch 1: the run stops when it next waits for the engine, batch 2's wave.
     assert reward["exit"] == 0 and "while scoring rewards" in reward["error"] and reward["seconds"] < 60
+    for name in ("sigterm_in_generation", "sigterm_in_training"):  # abandoned at the next safe point, exit 0
+        assert faults[name]["exit"] == 0 and "preempted: abandoned optimizer step 5" in faults[name]["error"]
 
 
 def test_in_flight_groups_kept_by_a_checkpoint_are_continued_after_a_kill(

@@ -4,7 +4,7 @@ requeued as a scheduler would, and what survived checked.
 Usage: python fault_harness.py OUT MODEL_DIR BASE_URL
 The server runs MODEL_DIR in float32 and dev mode (as tests/test_vllm.py starts it). Every run is tests/scripts/
 vllm_run.py's streaming trainer: k = 1 with in-flight weight updates over shared storage, 4 optimizer updates per
-rollout, 8 steps, a checkpoint every 4, dynamic sampling off (so every step trains its stream's prompts, whatever
+rollout, 12 steps, a checkpoint every 4, dynamic sampling off (so every step trains its stream's prompts, whatever
 the timing: what "no group lost or trained twice" can be checked against). First an uninterrupted run; then, per
 fault, a run with the fault injected from step 5 (the first of generation batch 1: version 1 loads in flight under
 batch 2's groups, checkpoint-4 written just before), and the same command resumed with `latest`. Checked after each:
@@ -33,7 +33,7 @@ COMMON = (
     "steps_per_generation=4",
     "gradient_accumulation_steps=1",
     "per_device_train_batch_size=2",
-    "max_steps=8",
+    "max_steps=12",
     "save_strategy=steps",
     "save_steps=4",
     "preemption_grace_seconds=30",
@@ -42,7 +42,10 @@ FAULTS = {
     "kill_in_reload": "kill -9 of the training process between /pause and /resume (inside an in-flight reload)",
     "fail_fence": "the fence marking the switch in the running answers fails (after the reload, before /resume)",
     "sigterm_in_reward": "SIGTERM while a reward scores, the reward then taking 120 s (grace 30 s)",
+    "sigterm_in_generation": "SIGTERM as the engine starts a group (generating ahead, versions loading in flight)",
+    "sigterm_in_training": "SIGTERM as a micro-batch's loss begins",
 }
+STEPS = 12  # 3 generation batches: batch 2 is waited for, so a failure of the engine's while it runs surfaces
 FAULT_STEP = 4  # from the first step of generation batch 1: the load of version 1 is in flight
 
 
@@ -78,6 +81,7 @@ def error_line(output: str) -> str:
 def fault_case(name: str, root: Path, model_dir: str, url: str, reference: dict[int, list]) -> dict:
     out = root / name
     code, output, seconds = run(out, model_dir, url, f"fault={name}", f"fault_step={FAULT_STEP}")
+    was_injected = (out / "fault_injected").exists()
     paused_after_fault = server_paused(url)
     first_leg = trained_records(out)
     saved = sorted(path.name for path in (out / "run").glob("checkpoint-*"))
@@ -92,10 +96,11 @@ def fault_case(name: str, root: Path, model_dir: str, url: str, reference: dict[
     ]
     # What the faulty run trained up to its newest checkpoint stands; the rest was thrown away with the fault.
     kept = [record for record in first_leg if record["step"] < newest]
-    resumed = [record for record in trained_records(out)[len(first_leg) :] if record["step"] < 8]
+    resumed = [record for record in trained_records(out)[len(first_leg) :] if record["step"] < STEPS]
     trained = prompts_by_step(kept + resumed)
     return {
         "fault": FAULTS[name],
+        "injected": was_injected,
         "exit": code,
         "seconds": round(seconds, 1),
         "error": error_line(output),
@@ -134,7 +139,7 @@ def main(root: Path, model_dir: str, url: str, names: list[str]) -> None:
     code, output, _ = run(root / "uninterrupted", model_dir, url)
     assert code == 0, output[-3000:]
     reference = prompts_by_step(trained_records(root / "uninterrupted"))
-    assert sorted(reference) == list(range(8)), sorted(reference)
+    assert sorted(reference) == list(range(STEPS)), sorted(reference)
     report = {"faults": {name: fault_case(name, root, model_dir, url, reference) for name in names}}
     (root / "faults.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

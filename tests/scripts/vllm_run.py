@@ -22,7 +22,10 @@ weights version that sampled the rows (OUT/version_gaps.json); `crash_after_save
 fails writes the time it failed to OUT/failed_at. Faults of the fast path (tests/scripts/fault_harness.py), from
 optimizer step `fault_step` on: `fault=kill_in_reload` (the process kills itself, as kill -9 would, inside an in-flight
 reload: between the server's /pause and /resume), `fault=fail_fence` (the fence that marks the switch in every running
-answer fails), `fault=sigterm_in_reward` (SIGTERM as the reward scores, a reward that then takes 120 s).
+answer fails; both in the first in-flight load of version 1 or later, which an anchor group running through it
+makes sure of), `fault=sigterm_in_reward` (SIGTERM as the reward scores, a reward that then takes 120 s),
+`fault=sigterm_in_generation` (SIGTERM from the engine as it starts a group of version 1 or later: generating ahead),
+`fault=sigterm_in_training` (SIGTERM as a micro-batch's loss begins).
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
 TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
@@ -44,7 +47,7 @@ from transformers import TrainerCallback
 from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.training.rollout.rollout_engine import GroupResult
+from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, for the probes (this runs as a script)
 from vllm_probes import (
@@ -65,32 +68,64 @@ def parity_reward(completion_ids, trainer_state=None, **kwargs) -> list[float]:
     """+1 / -1 by the parity of the completion's token-id sum: random-looking, so groups have spread (or not)."""
     if FAULT["fault"] == "sigterm_in_reward" and trainer_state is not None:
         if trainer_state.global_step == FAULT["fault_step"]:
+            injected(RecordedStreaming.out)
             FAULT["fault"] = None  # once
             os.kill(os.getpid(), signal.SIGTERM)
             time.sleep(120)  # a judge or a remote reward service that takes its time
     return [1.0 if sum(ids) % 2 == 0 else -1.0 for ids in completion_ids]
 
 
-def inject_engine_fault(trainer: DAPOTrainer) -> None:
-    """`fault=kill_in_reload` / `fail_fence`: hooks on the streaming engine's reload and fence (driver's thread)."""
-    engine = trainer._rollout.driver.engine
-    reload, fence = engine._reload, engine._fence
+def injected(out: Path) -> None:
+    """Record that the fault was injected (the harness checks it was: a fault never reached proves nothing)."""
+    (out / "fault_injected").write_text(str(FAULT["fault"]))
 
-    def due() -> bool:
-        return trainer.state.global_step >= FAULT["fault_step"]
+
+def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
+    """`fault=kill_in_reload` / `fail_fence` / `sigterm_in_generation`: hooks on the streaming engine (driver's
+    thread). A load is in flight only while requests run: when version 1 or later is published (`publish_rollout_
+    weights`), an anchor group of 900 tokens starts first, so that load pauses the server with it running."""
+    engine = trainer._rollout.driver.engine
+    reload, fence, start, payload = engine._reload, engine._fence, engine.start, engine.request_payload
 
     def killing_reload(base_url, weights, timeout, reset_prefix_cache=True):
-        if FAULT["fault"] == "kill_in_reload" and not reset_prefix_cache and due():  # in flight: the server paused
+        if FAULT["fault"] == "kill_in_reload" and not reset_prefix_cache:  # in flight: the server is paused
+            injected(out)
             print("fault: killed between /pause and /resume", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
         return reload(base_url, weights, timeout, reset_prefix_cache)
 
     async def failing_fence(version, quiet=0.05):
-        if FAULT["fault"] == "fail_fence" and due():
+        if FAULT["fault"] == "fail_fence":
+            injected(out)
             raise TimeoutError("fault injected: the fence did not settle")
         return await fence(version, quiet)
 
-    engine._reload, engine._fence = killing_reload, failing_fence
+    def signalling_start(request, done):
+        if FAULT["fault"] == "sigterm_in_generation" and request.key[0] != "anchor" and request.version >= 1:
+            injected(out)
+            FAULT["fault"] = None  # once
+            os.kill(os.getpid(), signal.SIGTERM)
+        return start(request, done)
+
+    def anchored_payload(request):
+        body = payload(request)
+        if request.key[0] == "anchor":
+            body.update(max_tokens=900, ignore_eos=True)  # seconds on the CPU: it outlasts the load
+        return body
+
+    def publish(version: int) -> None:
+        if FAULT["fault"] in ("kill_in_reload", "fail_fence") and version >= 1 and trainer.accelerator.is_main_process:
+            anchor = GroupRequest(("anchor", version), [5, 6, 7], version, version=version - 1)
+            start(anchor, lambda request, result: None)
+            deadline = time.monotonic() + 60
+            while not engine.running() and time.monotonic() < deadline:
+                time.sleep(0.01)  # the anchor's request is on its way: the load below finds it running
+        trainer_publish(version)
+
+    trainer_publish = trainer.publish_rollout_weights
+    trainer.publish_rollout_weights = publish
+    engine._reload, engine._fence, engine.start = killing_reload, failing_fence, signalling_start
+    engine.request_payload = anchored_payload
 
 
 class CrashAfterSave(TrainerCallback):
@@ -152,6 +187,10 @@ class RecordedStreaming(DAPOTrainer):
     _version_model = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if FAULT["fault"] == "sigterm_in_training" and self.state.global_step >= FAULT["fault_step"]:
+            injected(self.out)
+            FAULT["fault"] = None  # once
+            os.kill(os.getpid(), signal.SIGTERM)
         masks = inputs["completion_mask"].bool()
         record = {
             "step": self.state.global_step,
@@ -332,8 +371,8 @@ def main() -> None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         if frozen_server is not None:
             trainer.add_callback(FrozenServerAtStep1(frozen_server))
-        if FAULT["fault"] in ("kill_in_reload", "fail_fence"):
-            inject_engine_fault(trainer)
+        if FAULT["fault"] in ("kill_in_reload", "fail_fence", "sigterm_in_generation"):
+            inject_engine_fault(trainer, out)
         try:
             trainer.train(resume_from_checkpoint=resume)
         except Exception:
