@@ -93,12 +93,18 @@ def test_a_step_that_outlasts_the_grace_period_exits_with_the_signals_code_namin
     mark_complete(tmp_path / "checkpoint-4")
     (tmp_path / "checkpoint-6").mkdir()  # interrupted save: not the one to resume
     exited, codes = threading.Event(), []
+
+    def give_up():  # the run guard's: resume a vLLM server held paused; it runs first, even when it fails
+        codes.append("released")
+        raise RuntimeError("the server did not answer")
+
     preemption = Preemption(
         [signal.SIGTERM],
         0.05,
         lambda flag: flag,
         str(tmp_path),
         exit_process=lambda code: (codes.append(code), exited.set()),
+        on_give_up=give_up,
     )
     state, control = TrainerState(), TrainerControl()
     preemption.on_train_begin(None, state, control)
@@ -107,7 +113,7 @@ def test_a_step_that_outlasts_the_grace_period_exits_with_the_signals_code_namin
         assert exited.wait(10)
     finally:
         preemption.on_train_end(None, state, control)
-    assert codes == [128 + signal.SIGTERM]
+    assert codes == ["released", 128 + signal.SIGTERM]
     error = capsys.readouterr().err
     assert "preemption_grace_seconds=0.05" in error and str(tmp_path / "checkpoint-4") in error
 
@@ -436,33 +442,6 @@ def test_ctrl_c_interrupts_at_once_after_aborting_the_requests_in_flight():
     finally:
         preemption.on_train_end(None, state, control)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-
-
-def test_the_grace_exit_releases_what_the_run_holds_before_it_exits(tmp_path):
-    """The grace period ran out: `on_give_up` (the run guard's: resume a vLLM server held paused) runs before the
-    process exits with the signal's code, even when it fails."""
-    order, exited = [], threading.Event()
-
-    def give_up():
-        order.append("released")
-        raise RuntimeError("the server did not answer")
-
-    preemption = Preemption(
-        [signal.SIGTERM],
-        0.05,
-        lambda flag: flag,
-        str(tmp_path),
-        exit_process=lambda code: (order.append(code), exited.set()),
-        on_give_up=give_up,
-    )
-    state, control = TrainerState(), TrainerControl()
-    preemption.on_train_begin(None, state, control)
-    try:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert exited.wait(10)
-    finally:
-        preemption.on_train_end(None, state, control)
-    assert order == ["released", 128 + signal.SIGTERM]
 
 
 def test_a_reward_waiting_on_its_async_work_is_interrupted_and_the_processes_agree(tmp_path):
