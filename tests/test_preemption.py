@@ -484,7 +484,7 @@ def test_region_outcomes_agree_through_the_store_without_a_collective():
         port = probe.getsockname()[1]
     master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     connect = lambda: dist.TCPStore("127.0.0.1", port, is_master=False)  # noqa: E731
-    outcomes = [RegionOutcomes(connect, rank, 2, "test/user_code") for rank in range(2)]
+    outcomes = [RegionOutcomes(connect, 2, "test/user_code") for _ in range(2)]
     for serial, interrupted in ((1, [False, False]), (2, [False, True]), (3, [True, True])):
         decided = [None, None]
 
@@ -498,4 +498,4 @@ def test_region_outcomes_agree_through_the_store_without_a_collective():
             thread.join(10)
         assert decided == [any(interrupted)] * 2
         assert not master.check([f"test/user_code/{serial}"])
-    assert RegionOutcomes(None, 0, 1, "x").agree(1, True) and not RegionOutcomes(None, 1, 2, "x").available
+    assert RegionOutcomes(None, 1, "x").agree(1, True) and not RegionOutcomes(None, 2, "x").available

@@ -332,12 +332,8 @@ class Preemption(TrainerCallback, SafePoints):
         self._runs += 1
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         self._regions = 0
-        self.outcomes = RegionOutcomes(
-            self.relay.connect,
-            self.relay.process_index,
-            self.num_processes,
-            f"dapo_trl/user_code/{attempt}/{self._runs}",
-        )
+        prefix = f"dapo_trl/user_code/{attempt}/{self._runs}"
+        self.outcomes = RegionOutcomes(self.relay.connect, self.num_processes, prefix)
         if self.signals and not self.outcomes.available:
             logger.warning(
                 "%d processes without a launcher's store (torchrun's): a preemption waits for reward functions to "

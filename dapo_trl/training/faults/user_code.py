@@ -41,13 +41,10 @@ class RegionOutcomes:
     store, with no collective: `agree(serial, interrupted)` returns on every process once all have reported region
     `serial`, whether any was interrupted. Each region is one counter key, deleted by the last process to read it."""
 
-    def __init__(self, connect: Callable[[], Any] | None, process_index: int, num_processes: int, prefix: str):
-        self.connect, self.process_index, self.num_processes, self.prefix = (
-            connect,
-            process_index,
-            num_processes,
-            prefix,
-        )
+    def __init__(self, connect: Callable[[], Any] | None, num_processes: int, prefix: str):
+        self.connect = connect  # a client of the launcher's store (None: one process, or no launcher)
+        self.num_processes = num_processes
+        self.prefix = prefix  # this train()'s keys
         self._store: Any = None
 
     @property

@@ -105,9 +105,8 @@ class VLLMServerEngine:
         # id(request) -> (request, its streamed answers: one, or one per completion a resumed group continues)
         self._answers: dict[int, tuple[GroupRequest, list[StreamedAnswer]]] = {}
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
-        self._paused_by_us = (
-            False  # set before POST /pause (a lost answer may still have paused it), cleared by /resume
-        )
+        # Set before POST /pause (an answer lost on the way may still have paused it), cleared once /resume answers.
+        self._paused_by_us = False
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
         self.progress = ServerProgress(
