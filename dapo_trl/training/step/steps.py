@@ -46,6 +46,7 @@ class OptimizerSteps:
 
     def __init__(self, args: DAPOConfig, device: Any, exact_denominator: bool):
         self.steps_per_generation = args.steps_per_generation
+        self.num_iterations = args.num_iterations
         self.generate_every = args.steps_per_generation * args.num_iterations
         self.device = device
         self.exact_denominator = exact_denominator
@@ -79,9 +80,8 @@ class OptimizerSteps:
     def last_use(self, step: int) -> bool:
         """Whether micro-step `step` trains its micro-batch for the last time (its last PPO epoch of
         `num_iterations`): routing replay keeps the micro-batch's routings until then."""
-        return (
-            step % self.generate_every
-        ) // self.steps_per_generation == self.generate_every // self.steps_per_generation - 1
+        epoch = (step % self.generate_every) // self.steps_per_generation
+        return epoch == self.num_iterations - 1
 
     def in_use(self) -> list[dict[str, Any]]:
         """The micro-batches made and not yet trained for the last time: the generation batch in use and those made
