@@ -317,36 +317,38 @@ def shuffle_and_split(generation_batch: dict[str, Any], parts: int) -> list[dict
 
 
 @contextlib.contextmanager
-def vllm_engine_factory(factory: Callable[..., Any]) -> Iterator[Any]:
-    """TRL's colocate backend builds its in-process engine through `factory` (called with TRL's arguments) within
-    the block; yields vLLM's own `LLM` class for the factory to call."""
-    import trl.generation.vllm_generation as vllm_generation_module
-
-    original = vllm_generation_module.LLM
-    vllm_generation_module.LLM = factory
+def _module_attribute(module_name: str, name: str, value: Any) -> Iterator[Any]:
+    """Within the block, TRL module `module_name`'s global `name` is `value` (restored on exit); yields the original.
+    TRL's code looks such names up in its module's globals when it runs, so this is where one can be replaced."""
+    module = importlib.import_module(module_name)
+    original = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield original
     finally:
-        vllm_generation_module.LLM = original
+        setattr(module, name, original)
+
+
+@contextlib.contextmanager
+def vllm_engine_factory(factory: Callable[..., Any]) -> Iterator[Any]:
+    """TRL's colocate backend builds its in-process engine through `factory` (called with TRL's arguments) within
+    the block; yields vLLM's own `LLM` class for the factory to call."""
+    with _module_attribute("trl.generation.vllm_generation", "LLM", factory) as original:
+        yield original
 
 
 @contextlib.contextmanager
 def before_reward_gather(before: Callable[[], None]) -> Iterator[None]:
     """Within the block, TRL's gather (the end of `_calculate_rewards`: the rewards of every process's rows) calls
     `before()` first: the user's reward functions are done there, and every process agrees whether to go on."""
-    import trl.trainer.grpo_trainer as grpo_module
-
-    original = grpo_module.gather
+    original = trl_function("gather")
 
     def gather(tensor: Any) -> Any:
         before()
         return original(tensor)
 
-    grpo_module.gather = gather
-    try:
+    with _module_attribute("trl.trainer.grpo_trainer", "gather", gather):
         yield
-    finally:
-        grpo_module.gather = original
 
 
 @contextlib.contextmanager
@@ -354,11 +356,5 @@ def vllm_backend_class(backend_class: type) -> Iterator[None]:
     """GRPOTrainer's constructor builds `backend_class` instead of TRL's `VLLMGeneration` (restored on exit): it
     looks the class up in its module's globals, so this is where TRL's backend can be replaced without copying
     GRPOTrainer's constructor arguments."""
-    import trl.trainer.grpo_trainer as grpo_module
-
-    original = grpo_module.VLLMGeneration
-    grpo_module.VLLMGeneration = backend_class
-    try:
+    with _module_attribute("trl.trainer.grpo_trainer", "VLLMGeneration", backend_class):
         yield
-    finally:
-        grpo_module.VLLMGeneration = original

@@ -474,7 +474,7 @@ class Preemption(TrainerCallback, SafePoints):
 
         self._in_user_code = True
         try:
-            if self.received is not None or self.relay.peer_signalled.is_set():  # signalled before it began
+            if self.requested():  # signalled before it began (this process or another)
                 raise UserCodeInterrupted("signalled before the user code began")
             yield finished
         except UserCodeInterrupted:

@@ -241,9 +241,7 @@ class VLLMServerEngine:
             if version is not None and self.partial_rollouts:  # whole answers: no switch to mark
                 asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         finally:
-            self._post_control("/resume")
-            self._paused_by_us = False
-            self.progress.release()
+            self._post_resume()
 
     @property
     def paused_by_us(self) -> bool:
@@ -260,14 +258,12 @@ class VLLMServerEngine:
         if not self._paused_by_us:
             return False
         try:
-            self._post_control("/resume", timeout=min(self.timeout, RELEASE_SECONDS))
+            self._post_resume(timeout=min(self.timeout, RELEASE_SECONDS))
         except Exception as exc:  # noqa: BLE001 - the process is stopping for another error
             logger.error(
                 "the vLLM server at %s was left paused (%s) and did not answer /resume: %s", self.base_url, why, exc
             )
             return False
-        self._paused_by_us = False
-        self.progress.release()
         logger.warning(
             "resumed the vLLM server at %s, which this run had paused for a weight update (%s)", self.base_url, why
         )
@@ -292,8 +288,14 @@ class VLLMServerEngine:
             "generating",
             self.base_url,
         )
-        self._post_control("/resume")
+        self._post_resume()
         return True
+
+    def _post_resume(self, timeout: float | None = None) -> None:
+        """POST /resume; once it answered, the server is no longer ours to resume and the stall clock runs again."""
+        self._post_control("/resume", timeout)
+        self._paused_by_us = False
+        self.progress.release()
 
     async def _fence(self, version: int, quiet: float = 0.05) -> None:
         """Once what the paused server sent has arrived (no answer of ours received a byte for `quiet` seconds),

@@ -92,9 +92,7 @@ class RoutingShelf:
         mine = [int(row_id) for row_id in wanted[self.index]]
         if self.processes == 1:
             take = self.rows.pop if last_use else self.rows.__getitem__
-            missing = [row_id for row_id in mine if row_id != NO_ROUTING and row_id not in self.rows]
-            if missing:
-                raise RuntimeError(f"routing replay: process {self.index} holds no routing for rows {missing[:5]}")
+            self._require_held(row_id for row_id in mine if row_id != NO_ROUTING)
             return [None if row_id == NO_ROUTING else take(row_id) for row_id in mine]
         pairs = [[[] for _ in range(self.processes)] for _ in range(self.processes)]  # [holder][consumer] -> ids
         for consumer, ids in enumerate(wanted):
@@ -112,11 +110,15 @@ class RoutingShelf:
                 self.release(row_id for ids in sends for row_id in ids)
         return [None if row_id == NO_ROUTING else received[row_id] for row_id in mine]
 
-    def _exchange_round(self, sends: list[list[int]], receives: list[list[int]]) -> dict[int, torch.Tensor]:
-        """One all-to-all round: first each row's token count, then the routings as bytes."""
-        missing = [row_id for ids in sends for row_id in ids if row_id not in self.rows]
+    def _require_held(self, ids: Iterable[int]) -> None:
+        """Every row of `ids` has its routing on this shelf, or the error names the first missing ones."""
+        missing = [row_id for row_id in ids if row_id not in self.rows]
         if missing:
             raise RuntimeError(f"routing replay: process {self.index} holds no routing for rows {missing[:5]}")
+
+    def _exchange_round(self, sends: list[list[int]], receives: list[list[int]]) -> dict[int, torch.Tensor]:
+        """One all-to-all round: first each row's token count, then the routings as bytes."""
+        self._require_held(row_id for ids in sends for row_id in ids)
         counts = [self.rows[row_id].size(0) for ids in sends for row_id in ids]
         sizes = [len(ids) for ids in sends], [len(ids) for ids in receives]
         got = self.exchange(torch.tensor(counts, dtype=torch.int64), *sizes).tolist()
