@@ -520,7 +520,7 @@ def summary(results: list[ConfigResult]) -> str:
 
 def build_model(work: Path) -> str:
     """The built-in tiny model (cached), built in a subprocess so this process needs no torch."""
-    code = "import sys; from dapo_trl.tiny_model import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
+    code = "import sys; from dapo_trl.builtin_models import build_tiny_model; print(build_tiny_model(sys.argv[1]))"
     result = subprocess.run(
         [sys.executable, "-c", code, str(work / "tiny")],
         cwd=REPO,

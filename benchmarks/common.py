@@ -94,7 +94,7 @@ def build_model(kind: str, work: Path, dtype: str) -> tuple[str, Any]:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from dapo_trl.tiny_model import build_tiny_model
+    from dapo_trl.builtin_models import build_tiny_model
 
     tiny = build_tiny_model(work / "tiny")
     tokenizer = AutoTokenizer.from_pretrained(tiny)

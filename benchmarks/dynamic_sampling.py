@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-Every run trains the built-in tiny Qwen2 model (`dapo_trl.tiny_model.build_tiny_model`) with dynamic sampling on a
+Every run trains the built-in tiny Qwen2 model (`dapo_trl.builtin_models.build_tiny_model`) with dynamic sampling on a
 shuffled dataset of `--dataset-size` prompts whose accuracy is known in advance (the same design as
 `tests/scripts/dynamic_sampling_run.py`): "easy k" always scores +1, "hard k" always -1 and "mixed k" scores
 +1 / -1 alternately within its group (by row parity; groups are contiguous and of even size). Exactly the mixed
@@ -66,7 +66,7 @@ from transformers import PrinterCallback  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
 from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
-from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
+from dapo_trl.builtin_models import build_tiny_model  # noqa: E402
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs  # noqa: E402
 
 SEED = 0

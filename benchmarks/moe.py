@@ -82,8 +82,8 @@ def worker(config: str, rows: int, tokens: int, repeats: int, cache: str, model_
     from trl.trainer.utils import add_fused_lm_head
 
     from dapo_trl.algorithm.router_aux import router_load
+    from dapo_trl.builtin_models import build_tiny_model
     from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks
-    from dapo_trl.tiny_model import build_tiny_model
     from dapo_trl.training.step.packing import padding_free_per_token
 
     quiet()

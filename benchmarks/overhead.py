@@ -2,7 +2,7 @@
 
 What is measured
 ----------------
-Both trainers train the built-in tiny Qwen2 model (`dapo_trl.tiny_model.build_tiny_model`) on
+Both trainers train the built-in tiny Qwen2 model (`dapo_trl.builtin_models.tiny_model.build_tiny_model`) on
 `make_arithmetic_dataset(num_problems=512, seed=0)` with the `dapo_math_reward` reward and the same settings (batch 16,
 4 generations per prompt, 32 completion tokens, fp32 on CPU, no checkpointing, fixed seed). `GRPOTrainer` gets a
 `trl.GRPOConfig` with `loss_type="dapo"`, `epsilon_high=0.28`, `weight_decay=0.1` and DAPOConfig's `use_cpu` and
@@ -71,9 +71,9 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from dapo_trl import DAPOConfig, DAPOTrainer  # noqa: E402
 from dapo_trl.algorithm import soft_overlong_penalty  # noqa: E402
+from dapo_trl.builtin_models import build_tiny_model  # noqa: E402
 from dapo_trl.data import make_arithmetic_dataset  # noqa: E402
 from dapo_trl.rewards import dapo_math_reward  # noqa: E402
-from dapo_trl.tiny_model import build_tiny_model  # noqa: E402
 from dapo_trl.training.sampling.overlong import SoftOverlongPenalty  # noqa: E402
 from dapo_trl.training.step.batching import StepPlanner, loss_mask  # noqa: E402
 from dapo_trl.training.step.steps import OptimizerSteps  # noqa: E402

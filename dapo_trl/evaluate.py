@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
     model_path = args.model
-    from .tiny_model import resolve_builtin_model
+    from .builtin_models import resolve_builtin_model
 
     model_path = resolve_builtin_model(model_path)
     datasets = []

@@ -16,11 +16,11 @@ import torch
 from accelerate.utils import gather, gather_object
 from trl import GRPOTrainer
 
+from .builtin_models import resolve_builtin_model
 from .config import DAPOConfig
 from .moe.architecture import set_zero3_leaf_modules
 from .rewards import dapo_math_reward
 from .rewards.verl_default import check_dataset_sources
-from .tiny_model import resolve_builtin_model
 from .tools.runtime import ToolRuntime
 from .training import trl_seam
 from .training.faults import checkpoints

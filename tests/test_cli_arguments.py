@@ -173,7 +173,7 @@ def test_loss_type_help_lists_the_loss_table():
 
 
 def test_model_name_or_path_help_names_the_builtin_default():
-    from dapo_trl.tiny_model import BUILTIN_MODELS
+    from dapo_trl.builtin_models.tiny_model import BUILTIN_MODELS
 
     _, _, model = parse(["--output_dir", "out"])
     assert model.model_name_or_path == BUILTIN_TINY_MODEL and BUILTIN_TINY_MODEL in BUILTIN_MODELS

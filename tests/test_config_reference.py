@@ -1,4 +1,4 @@
-"""docs/config.md, the configuration reference `python -m dapo_trl.config_reference` writes: current, and every field
+"""docs/config.md, the configuration reference `python -m dapo_trl.config.reference` writes: current, and every field
 DAPOConfig adds and every script field of the command line documented in exactly one group."""
 
 import collections
@@ -8,11 +8,11 @@ import inspect
 import pytest
 from trl import GRPOConfig, ScriptArguments
 
-from dapo_trl import config_reference
 from dapo_trl.cli.arguments import DAPOScriptArguments
 from dapo_trl.config import DAPOConfig
-from dapo_trl.config_groups import GROUPS, Group
-from dapo_trl.config_reference import check, main, placement_problems, render
+from dapo_trl.config import reference as config_reference
+from dapo_trl.config.groups import GROUPS, Group
+from dapo_trl.config.reference import check, main, placement_problems, render
 
 from .helpers import REPO
 
@@ -51,7 +51,7 @@ def test_a_forgotten_duplicated_or_stale_field_is_named(monkeypatch):
     first, *rest = GROUPS
     forgotten = Group(first.title, first.intro, first.fields[1:])
     assert placement_problems([forgotten, *rest]) == [
-        f"{first.fields[0]} is in no group of dapo_trl/config_groups.py GROUPS: add it to the group of its concern"
+        f"{first.fields[0]} is in no group of dapo_trl/config/groups.py GROUPS: add it to the group of its concern"
     ]
     twice = Group("Again", "", (first.fields[0],))
     assert placement_problems([*GROUPS, twice]) == [

@@ -6,6 +6,7 @@ import logging
 import pytest
 from datasets import Dataset
 
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.data import (
     DAPO_PROMPT_TEMPLATE,
     STREAM_LOOKAHEAD_ROWS,
@@ -18,7 +19,6 @@ from dapo_trl.data import (
     prepare_prompt_dataset,
 )
 from dapo_trl.rewards import dapo_math_reward
-from dapo_trl.tiny_model import build_tiny_model
 
 from .helpers import SCRIPTS, python_command, run_command, tiny_config
 

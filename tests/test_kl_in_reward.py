@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.algorithm import adaptive_kl_coef, kl_penalty_per_token
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.training.sampling.kl_in_reward import (
     KL_CONTROLLER_STATE_FILE,
     KLController,

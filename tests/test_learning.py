@@ -10,7 +10,7 @@ import pytest
 from datasets import Dataset
 
 from dapo_trl import DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 
 from .helpers import tiny_config
 

@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
 from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.rewards import dapo_math_reward
-from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 from . import reference_losses as ref

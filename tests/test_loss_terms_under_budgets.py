@@ -12,7 +12,7 @@ from datasets import Dataset
 
 from dapo_trl import DAPOTrainer
 from dapo_trl.algorithm.losses import POLICY_LOSSES
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.training.step.batching import FILLER_ROWS
 from dapo_trl.training.step.policy_loss import PolicyLossStep
 

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from dapo_trl.algorithm.router_aux import RouterLoad, load_balancing_loss, router_load
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.moe.architecture import (
     Routing,
     is_moe,
@@ -25,7 +26,6 @@ from dapo_trl.moe.architecture import (
     set_zero3_leaf_modules,
 )
 from dapo_trl.moe.routing_replay import ROUTING_KWARG, RouterHooks, encode_routing, routing_from_rows, score_rule
-from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.rollout.rollout_engine import GroupResult
 from dapo_trl.training.rollout.server_answers import _routed_experts
 from dapo_trl.training.step.packing import pack_rows, padding_free_per_token

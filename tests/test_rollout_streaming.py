@@ -21,7 +21,7 @@ import torch
 from datasets import Dataset
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.training.rollout import colocate_engine, rollout_stream, server_engine
 from dapo_trl.training.rollout.colocate_engine import VLLMColocateEngine
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult, RequestSampling

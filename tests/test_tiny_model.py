@@ -1,4 +1,4 @@
-"""Tests for the offline tiny model factory (dapo_trl.tiny_model)."""
+"""Tests for the offline tiny model factory (dapo_trl.builtin_models.tiny_model)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dapo_trl.tiny_model import (
+from dapo_trl.builtin_models.tiny_model import (
     MARKER_FILE,
     TINY_MODEL_VERSION,
     WARM_START,
@@ -23,7 +23,7 @@ from dapo_trl.tiny_model import (
     default_tiny_model_dir,
     warm_start_examples,
 )
-from dapo_trl.tiny_tokenizer import CHAT_TEMPLATE, QWEN2_PRETOKENIZE_REGEX, tiny_tokenizer_corpus
+from dapo_trl.builtin_models.tiny_tokenizer import CHAT_TEMPLATE, QWEN2_PRETOKENIZE_REGEX, tiny_tokenizer_corpus
 
 CORPUS_SHA256 = "6d432d3ae3b2e08dee723e423a754857c05a16b7274bc7ee73b41f0acdbaa80c"
 ROUND_TRIP_STRINGS = [
@@ -224,7 +224,7 @@ def test_the_shipped_builtin_models_are_this_recipes_build(
 ) -> None:
     """builtin:tiny and builtin:tiny-moe load from the package, never build (an empty cache stays empty); the shipped
     files are what the recipe makes, all but the warm start's weights byte for byte (those depend on the CPU)."""
-    from dapo_trl.tiny_model import BUILTIN_MODELS, packaged_model_dir, resolve_builtin_model
+    from dapo_trl.builtin_models.tiny_model import BUILTIN_MODELS, packaged_model_dir, resolve_builtin_model
 
     monkeypatch.setenv("DAPO_TRL_CACHE", str(tmp_path / "cache"))
     name = next(name for name, built in BUILTIN_MODELS.items() if built == architecture)

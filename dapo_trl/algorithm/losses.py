@@ -3,7 +3,7 @@
 A loss is registered with `register_policy_loss(name, ...)`: its function turns log-probabilities and advantages
 into per-token losses, and its row in `POLICY_LOSSES` says how they are averaged (`Aggregation`), which
 importance-ratio levels it accepts, whether dual-clip applies, and which metrics it logs. Config checks
-(`dapo_trl.config_checks`), the batching (`training.step.batching.StepPlanner`), the metrics (`TokenWeightedMetrics`)
+(`dapo_trl.config.checks`), the batching (`training.step.batching.StepPlanner`), the metrics (`TokenWeightedMetrics`)
 and the training step (`training.step.policy_loss.PolicyLossStep`) all read this table; nothing else names a loss type.
 
 Shapes: N rows (completions), T completion tokens. `advantages` is (N, 1); a loss returns (N, T) per-token values,

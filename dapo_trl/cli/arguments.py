@@ -13,10 +13,10 @@ from typing import Any
 
 from trl import ModelConfig, ScriptArguments, TrlParser
 
+from ..builtin_models import BUILTIN_MODELS
 from ..config import DAPOConfig
 from ..data import BUILTIN_ARITHMETIC
 from ..rewards import REWARD_FUNCTIONS
-from ..tiny_model import BUILTIN_MODELS
 
 TOOL_NAMES = ("code_interpreter",)
 BUILTIN_TINY_MODEL = "builtin:tiny"

@@ -123,7 +123,7 @@ def load_model_and_tokenizer(model_args: ModelConfig, training_args: DAPOConfig)
     script, so that a reference model TRL or DAPOTrainer loads is loaded as the policy was."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..tiny_model import BUILTIN_MODELS, resolve_builtin_model
+    from ..builtin_models import BUILTIN_MODELS, resolve_builtin_model
 
     name = model_args.model_name_or_path or BUILTIN_TINY_MODEL
     if name in BUILTIN_MODELS:

@@ -38,7 +38,7 @@ from script_args import leave_together, parse_overrides
 from transformers import TrainerCallback
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.training.step.replayed_routing import with_routings
 from dapo_trl.training.step.steps import SkipEmptySteps
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs

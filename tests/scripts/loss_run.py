@@ -15,7 +15,7 @@ from datasets import Dataset
 from transformers import AutoModelForCausalLM
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 
 ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 CASES = [(padding_free, temperature) for padding_free in (False, True) for temperature in (1.0, 0.7)]

@@ -15,7 +15,7 @@ from datasets import Dataset
 from script_args import leave_together
 
 from dapo_trl import DAPOConfig, DAPOTrainer
-from dapo_trl.tiny_model import build_tiny_model
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 SHORT = {"prompt": [{"role": "user", "content": "hi"}], "solution": "1"}

@@ -51,8 +51,8 @@ from transformers import AutoTokenizer, TrainerCallback
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.moe.routing_replay import ROUTING_KWARG
-from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.training.rollout import rollout_setup
 from dapo_trl.training.rollout.stream_plan import group_seed
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs

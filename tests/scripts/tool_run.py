@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl.chat_template_utils import qwen2_5_chat_template
 
 from dapo_trl import DAPOConfig, DAPOTrainer
+from dapo_trl.builtin_models import build_tiny_model
 from dapo_trl.rewards import retool_reward
-from dapo_trl.tiny_model import build_tiny_model
 from dapo_trl.tools import LocalSandbox, SandboxLimits
 from dapo_trl.tools.code_interpreter import CodeInterpreter
 from dapo_trl.training.step.batching import loss_mask

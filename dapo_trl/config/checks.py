@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .algorithm import KL_ESTIMATORS, POLICY_LOSSES, policy_loss
+from ..algorithm import KL_ESTIMATORS, POLICY_LOSSES, policy_loss
 
 DAPOConfig = Any  # `dapo_trl.config.DAPOConfig`, which imports this module (so not imported back)
 
@@ -270,7 +270,7 @@ def check_recovery(config: DAPOConfig) -> None:
 
 
 def check_preemption(config: DAPOConfig) -> None:
-    from .training.faults.preemption import parse_signals
+    from ..training.faults.preemption import parse_signals
 
     parse_signals(config.preemption_signals)  # names the field on a bad signal name
     if config.preemption_grace_seconds <= 0:

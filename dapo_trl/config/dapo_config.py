@@ -7,9 +7,9 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from .algorithm import POLICY_LOSSES, Aggregation
-from .config_checks import check_all
-from .config_derived import derive_dapo_fields, derive_platform_defaults
+from ..algorithm import POLICY_LOSSES, Aggregation
+from .checks import check_all
+from .derived import derive_dapo_fields, derive_platform_defaults
 
 DEFAULT_LOSS_TYPE = "dapo"
 

@@ -1,5 +1,5 @@
 """The built-in tiny models' tokenizer: a byte-level BPE trained offline on text like the built-in problems, saved so
-that `AutoTokenizer` loads it as it loads Qwen's (`dapo_trl.tiny_model` builds the models around it)."""
+that `AutoTokenizer` loads it as it loads Qwen's (`dapo_trl.builtin_models.tiny_model` builds the models around it)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def tiny_tokenizer_corpus(seed: int = 0, n_lines: int = _CORPUS_LINES) -> list[s
     Only a pure ``random.Random(seed)`` is used (no global RNG), so the corpus is identical across processes.
     """
     # The real DAPO prompt template, so its pieces get merges; imported here because dapo_trl.data loads `datasets`.
-    from .data import DAPO_PROMPT_TEMPLATE, make_prompt
+    from ..data import DAPO_PROMPT_TEMPLATE, make_prompt
 
     rng = random.Random(seed)
     lines: list[str] = DAPO_PROMPT_TEMPLATE.split("\n\n{problem}\n\n")  # its instruction and its reminder

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from transformers.utils import is_torch_bf16_gpu_available
 
-from .utils.transformers_compat import activation_checkpointing_field
+from ..utils.transformers_compat import activation_checkpointing_field
 
 # Share of max_completion_length used as the overlong buffer when none is given: 4096 / 20480 in the paper.
 DEFAULT_OVERLONG_BUFFER_SHARE = 0.2

@@ -1,5 +1,5 @@
-"""The sections of docs/config.md (`config_reference`): each DAPOConfig field's place on the page, by concern. A new
-field must be placed here: the page is not written while one is in no group (`config_reference.placement_problems`).
+"""The sections of docs/config.md (`reference`): each DAPOConfig field's place on the page, by concern. A new
+field must be placed here: the page is not written while one is in no group (`reference.placement_problems`).
 """
 
 from __future__ import annotations
