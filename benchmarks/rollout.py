@@ -164,7 +164,7 @@ def run_worker(args: argparse.Namespace, in_process: bool = False) -> None:
     from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
     from dapo_trl.training.rollout.server_engine import VLLMServerEngine
     from dapo_trl.training.rollout.stream_plan import group_seed
-    from dapo_trl.training.rollout.vllm_backends import reload_server_weights, rollout_weights_dirs
+    from dapo_trl.training.rollout.vllm_server_api import reload_server_weights, shared_storage_dirs
     from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
     quiet()
@@ -202,7 +202,7 @@ def run_worker(args: argparse.Namespace, in_process: bool = False) -> None:
             sampling = RequestSampling(n=group, max_tokens=max_tokens, temperature=1.0)
             if colocated(args.worker):
                 return ExactLengthColocateEngine(trl_seam.vllm_backend(self).llm, sampling, 600.0)
-            local, server = rollout_weights_dirs(self.args)
+            local, server = shared_storage_dirs(self.args)
             in_flight = {"in_flight_updates": self.args.rollout_in_flight_weight_updates}
             return ExactLengthEngine(
                 args.server, sampling, max_in_flight, 600.0, server, reload_server_weights, local, **in_flight

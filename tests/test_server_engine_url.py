@@ -16,7 +16,7 @@ import pytest
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 from dapo_trl.training.rollout.server_http import server_address as _server_address
-from dapo_trl.training.rollout.vllm_backends import reload_server_weights
+from dapo_trl.training.rollout.vllm_server_api import reload_server_weights
 
 GROUP, PREFIX = 4, "/proxy/vllm"
 EXPECTED = [("GET", f"{PREFIX}/v1/models"), ("POST", f"{PREFIX}/v1/completions")]

@@ -22,7 +22,7 @@ from dapo_trl.training.faults.preemption import AbandonedRound, is_abandoned_rou
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
 from dapo_trl.training.rollout.server_progress import ServerProgress, token_counters, watch_generation
-from dapo_trl.training.rollout.vllm_backends import VLLMServerError, add_timeouts
+from dapo_trl.training.rollout.vllm_server_api import VLLMServerError, add_timeouts
 
 TOKENS_PER_SECOND = 40.0
 

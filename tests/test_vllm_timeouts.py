@@ -9,12 +9,9 @@ from types import SimpleNamespace
 import pytest
 import requests
 
-from dapo_trl.training.rollout.vllm_backends import (
-    VLLMServerError,
-    VLLMServerUnavailable,
-    add_timeouts,
-    make_timeout_backend,
-)
+from dapo_trl.training.rollout import vllm_backends
+from dapo_trl.training.rollout.vllm_backends import VLLMBackend, make_timeout_backend
+from dapo_trl.training.rollout.vllm_server_api import VLLMServerError, VLLMServerUnavailable, add_timeouts
 from dapo_trl.utils.http import TimeoutAdapter
 
 from .helpers import StubServer
@@ -77,12 +74,39 @@ def test_nccl_backend_gets_timeouts_after_trls_own_init(monkeypatch):
     assert adapter.max_retries.read == 0
 
 
+def test_the_backend_is_chosen_once_from_the_arguments(tmp_path, monkeypatch):
+    """`VLLMBackend.of` reads every argument the choice needs; each mode and weight sync gets its class."""
+    from .helpers import tiny_config
+
+    server = tiny_config(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="server",
+        vllm_request_timeout=7.0,
+        vllm_server_recovery_timeout=30.0,
+        vllm_weight_sync="shared_storage",
+        vllm_weight_sync_server_dir="/mnt/shared/weights",
+    )
+    choice = VLLMBackend.of(server)
+    local = str(tmp_path / "vllm_weights")
+    assert choice == VLLMBackend("server", "shared_storage", 7.0, 30.0, local, "/mnt/shared/weights")
+    assert choice.backend_class().__name__ == "SharedStorageVLLMGeneration"
+    server.vllm_weight_sync = "nccl"
+    assert VLLMBackend.of(server).backend_class().__name__ == "TimeoutVLLMGeneration"
+    assert VLLMBackend.of(tiny_config(tmp_path)).backend_class() is None  # transformers' generate
+    colocate = tiny_config(tmp_path, use_vllm=True, vllm_mode="colocate")
+    monkeypatch.setattr(vllm_backends, "vllm_runs_on_cpu", lambda: False)
+    assert VLLMBackend.of(colocate).backend_class() is None  # GPUs: TRL's own
+    monkeypatch.setattr(vllm_backends, "vllm_runs_on_cpu", lambda: True)
+    assert VLLMBackend.of(colocate).backend_class().__name__ == "CPUColocateVLLMGeneration"
+
+
 def test_an_interrupt_aborts_the_requests_waiting_on_a_hung_server(hanging_server):
     """`abort_requests` (Ctrl-C): requests TRL's client waits for in its worker threads fail at once, not after
     their timeout."""
     import threading
 
-    from dapo_trl.training.rollout.vllm_backends import abort_requests
+    from dapo_trl.training.rollout.vllm_server_api import abort_requests
 
     client = trl_like_client()
     add_timeouts(client, 60.0)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from dapo_trl.training.rollout.vllm_backends import server_request
+from dapo_trl.training.rollout.vllm_server_api import server_request
 
 
 def served_model_name(base_url: str, timeout: float = 30.0) -> str:

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, RequestSampling
 from dapo_trl.training.rollout.server_engine import VLLMServerEngine
-from dapo_trl.training.rollout.vllm_backends import reload_server_weights, save_weights
+from dapo_trl.training.rollout.vllm_server_api import reload_server_weights, save_weights
 
 GROUPS, N, TOKENS, PROMPT = 2, 4, 64, [5, 6, 7, 8, 9]
 MODES = ("recompute", "keep", "resume")

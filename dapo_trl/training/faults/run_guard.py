@@ -16,7 +16,7 @@ import torch
 from transformers.trainer_utils import TrainOutput
 
 from .. import trl_seam
-from ..rollout.vllm_backends import abort_requests
+from ..rollout.vllm_server_api import abort_requests
 from .fail_together import FailTogether, launcher_store
 from .preemption import (
     Preemption,

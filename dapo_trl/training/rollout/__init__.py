@@ -7,6 +7,7 @@
 - `server_engine` (a vLLM server's client), `server_answers` (its answers, whole or streamed with each token's weights
   version), `server_progress` (the watchdog that times a server out by its progress, not a response's length),
   `colocate_engine` (colocated vLLM's);
-- `rollout_setup` (builds them and deals with the trainer), `vllm_backends` (TRL's vLLM backend, patched: timeouts,
-  shared-storage weight sync, CPU colocate).
+- `rollout_setup` (builds them and deals with the trainer), `vllm_server_api` (a vLLM server's HTTP API: bounded
+  requests, named failures, the weight files it reloads), `vllm_backends` (TRL's vLLM backend, patched: timeouts,
+  shared-storage weight sync, CPU colocate; chosen once from the run's arguments).
 """

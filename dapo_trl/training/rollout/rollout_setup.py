@@ -21,7 +21,7 @@ from .rollout_driver import RolloutDriver
 from .rollout_engine import GroupEngine, RequestSampling
 from .rollout_stream import ColocatedStreamingRollout, ServerStreamingRollout, StreamingRollout
 from .server_engine import VLLMServerEngine
-from .vllm_backends import ROLLOUT_WEIGHTS_FOLDER, prune_versions, reload_server_weights, rollout_weights_dirs
+from .vllm_server_api import ROLLOUT_WEIGHTS_FOLDER, prune_versions, reload_server_weights, shared_storage_dirs
 
 if TYPE_CHECKING:
     from ...config import DAPOConfig
@@ -191,7 +191,7 @@ def vllm_rollout_engine(trainer: Any, max_in_flight: int) -> GroupEngine:
     if trainer.colocated_rollout_engines:
         return VLLMColocateEngine(trl_seam.vllm_backend(trainer).llm, sampling, args.vllm_request_timeout)
     base_url = args.vllm_server_base_url or f"http://{args.vllm_server_host}:{args.vllm_server_port}"
-    local_root, server_root = rollout_weights_dirs(args)
+    local_root, server_root = shared_storage_dirs(args)
     timeout = args.vllm_request_timeout
     return VLLMServerEngine(
         base_url,
@@ -232,7 +232,7 @@ def publish_weights(trainer: Any, rollout: StreamingRollout, version: int) -> No
     if trainer.args.vllm_weight_sync == "nccl":  # in-flight weight updates: TRL's transfer under the kept requests
         sync_in_flight(trainer, driver, version)
         return
-    local_root, _ = rollout_weights_dirs(trainer.args)
+    local_root, _ = shared_storage_dirs(trainer.args)
     trl_seam.vllm_backend(trainer).publish_weights(os.path.join(local_root, f"v{version}"))
     if driver is not None:
         prune_versions(local_root, keep_from=version - staleness)  # this batch samples from version - staleness
@@ -296,7 +296,7 @@ def save_rollout_versions(args: DAPOConfig, rollout: Any, checkpoint: str | Path
 
     if rollout is None:
         return
-    root, _ = rollout_weights_dirs(args)
+    root, _ = shared_storage_dirs(args)
     for version in range(max(0, rollout.generation - rollout.staleness), rollout.generation):
         source = Path(root) / f"v{version}"
         if source.is_dir():
@@ -308,6 +308,6 @@ def restore_rollout_versions(args: DAPOConfig, checkpoint: str | Path) -> None:
     import shutil
 
     saved = Path(checkpoint) / ROLLOUT_WEIGHTS_FOLDER
-    root, _ = rollout_weights_dirs(args)
+    root, _ = shared_storage_dirs(args)
     for source in saved.glob("v*") if saved.is_dir() else ():
         shutil.copytree(source, Path(root) / source.name, dirs_exist_ok=True)

