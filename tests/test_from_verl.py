@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -484,7 +485,10 @@ def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
     for key in found.values:
         assert sum(line.startswith(f"| `{key}` |") for line in rows) == 1, key
     assert "## Mapped" in report and "## Batch and step arithmetic" in report
-    script_args, config, model_args = parse_recipe(tmp_path / "recipe.yaml")
+    with warnings.catch_warnings(record=True) as caught:  # the installed transformers' names: nothing deprecated
+        warnings.simplefilter("always")
+        script_args, config, model_args = parse_recipe(tmp_path / "recipe.yaml")
+    assert not [str(w.message) for w in caught if "deprecated" in str(w.message)]
     t = translate(found)
     assert config.per_device_train_batch_size * t.batch.world_size * config.steps_per_generation == (
         t.batch.train_batch_size * t.batch.num_generations
@@ -1007,3 +1011,17 @@ def test_megatron_moe_keys_are_reported_as_megatron_only():
     for key in [key for key in t.found.values if ".megatron." in key]:
         assert t.entries[key].how.startswith("Megatron-only: "), key
     assert t.entries["actor_rollout_ref.ref.megatron.expert_model_parallel_size"].status == NOT_NEEDED
+
+
+def test_rollout_expert_parallelism_is_vllms_enable_expert_parallel():
+    """verl's vLLM rollout passes enable_expert_parallel when expert_parallel_size > 1 (and asserts it equals TP x
+    DP): vllm_server.sh gets --enable-expert-parallel, which splits the experts over all TP x DP GPUs."""
+    key = "actor_rollout_ref.rollout.expert_parallel_size"
+    t = translated(MOE_SCRIPT, f"{key}=4")  # gen_tp 4, data parallel 1
+    assert "--enable-expert-parallel" in t.vllm.extra_args
+    assert (t.entries[key].status, t.entries[key].target) == (MAPPED, "vllm_server.sh --enable-expert-parallel")
+    t = translated(MOE_SCRIPT, f"{key}=8")  # not TP x DP: verl would refuse it
+    assert t.entries[key].status == APPROXIMATED and "TP x DP = 4 GPUs" in t.entries[key].how
+    t = translated(MOE_SCRIPT, f"{key}=1")
+    assert "--enable-expert-parallel" not in t.vllm.extra_args and t.entries[key].status == NOT_NEEDED
+    assert "--enable-expert-parallel" not in translated(MOE_SCRIPT).vllm.extra_args  # unset: tensor parallel experts

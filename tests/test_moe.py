@@ -8,6 +8,7 @@ crash and resume under two-process ZeRO-3 (test_rollout_streaming.py), the auxil
 import base64
 import io
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -356,24 +357,28 @@ def test_lora_trains_attention_and_the_experts_of_a_moe_policy(moe_dir, tmp_path
 
     from dapo_trl import DAPOTrainer
 
-    lora = LoraConfig(
+    lora = LoraConfig(  # docs/moe.md's configuration
         r=4,
         lora_alpha=8,
-        target_modules="all-linear",  # attention, and the routers (PEFT wraps them as parameters)
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate"],  # attention, and the routers
         target_parameters=["experts.gate_up_proj", "experts.down_proj"],
         task_type="CAUSAL_LM",
     )
     rows = [{"prompt": f"What is {i} + {i}?", "solution": str(2 * i)} for i in range(8)]
-    trainer = DAPOTrainer(
-        model=str(moe_dir),
-        reward_funcs=lambda completions, **kwargs: [float(len(c) % 2) for c in completions],
-        args=tiny_config(tmp_path, learning_rate=1e-2, filter_groups_enable=False, num_generations=4),
-        train_dataset=Dataset.from_list(rows),
-        peft_config=lora,
-    )
+    with warnings.catch_warnings(record=True) as caught:  # every target exists: PEFT ignores no pattern
+        warnings.simplefilter("always")
+        trainer = DAPOTrainer(
+            model=str(moe_dir),
+            reward_funcs=lambda completions, **kwargs: [float(len(c) % 2) for c in completions],
+            args=tiny_config(tmp_path, learning_rate=1e-2, filter_groups_enable=False, num_generations=4),
+            train_dataset=Dataset.from_list(rows),
+            peft_config=lora,
+        )
+    assert not [str(w.message) for w in caught if "did not match" in str(w.message)]
     assert [cls.__name__ for cls in moe_block_classes(trainer.model)] == ["Qwen3MoeSparseMoeBlock"]  # not PEFT's
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
     trainer.train()
     moved = {name for name, p in trainer.model.named_parameters() if not torch.equal(p, before[name])}
     assert moved and all("lora_" in name for name in moved)
     assert any(".experts." in name for name in moved) and any("self_attn" in name for name in moved)
+    assert any(".mlp.gate." in name for name in moved)  # the routers

@@ -105,7 +105,8 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "top_p",
             "top_k",
             "padding_free",
-            "gradient_checkpointing",
+            "activation_checkpointing",
+            "gradient_checkpointing",  # transformers before the rename (5.17)
         ),
     ),
     ("Tools", ("tool_config", "max_tool_calling_iterations", "tool_max_output_chars")),

