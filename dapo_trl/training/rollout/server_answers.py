@@ -156,6 +156,30 @@ _TOKEN_LOGPROBS = re.compile(rb'"token_logprobs"\s*:\s*\[')
 _ROUTED_EXPERTS = re.compile(rb'"routed_experts"\s*:\s*(null|"[^"]*")')
 
 
+def continued_completions(request: GroupRequest, max_tokens: int) -> list[int]:
+    """The completions of a resumed group (`request.partial`) that had not ended: each is continued by a request of
+    its own."""
+    partial = request.partial
+    return [i for i, done in enumerate(partial.finished) if not done and len(partial.token_ids[i]) < max_tokens]
+
+
+def group_so_far(request: GroupRequest, answers: list[StreamedAnswer], max_tokens: int) -> PartialGroup:
+    """A group's completions so far: its streamed answer's, or a resumed group's kept tokens followed by their
+    continuations' (`answers`, one per `continued_completions`)."""
+    if request.partial is None:
+        return answers[0].partial()
+    prior = request.partial
+    ids, logprobs, versions = list(prior.token_ids), list(prior.logprobs), list(prior.versions)
+    finished = [done or len(ids[i]) >= max_tokens for i, done in enumerate(prior.finished)]
+    for index, answer in zip(continued_completions(request, max_tokens), answers, strict=True):
+        more = answer.partial()
+        ids[index] = np.concatenate([ids[index], more.token_ids[0]])
+        logprobs[index] = np.concatenate([logprobs[index], more.logprobs[0]])
+        versions[index] = np.concatenate([versions[index], more.versions[0]])
+        finished[index] = more.finished[0]
+    return PartialGroup(ids, logprobs, versions, finished)
+
+
 def group_result(request: GroupRequest, raw: bytes, seconds: float) -> GroupResult:
     """A group's answer as flat arrays. The main process reads every generated token of a step here (~25M at the
     paper's 512 x 16 x ~3k), and vLLM's JSON spends ~100 bytes a token on text, token strings, offsets and top

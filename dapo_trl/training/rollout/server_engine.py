@@ -23,15 +23,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .rollout_engine import Callback, EngineUnavailable, GroupRequest, GroupResult, PartialGroup, RequestSampling
-from .server_answers import StreamedAnswer, group_result
+from .server_answers import StreamedAnswer, continued_completions, group_result, group_so_far
 from .server_http import read_response, server_address, untrusted
-from .server_progress import ServerProgress
+from .server_pause import ServerPause
+from .server_progress import ServerProgress, metric_sum
 
 READ_AT_ONCE = 4  # answers whose bodies are read at the same time
-RELEASE_SECONDS = 10.0  # how long an exit path waits for the server to answer `/resume` (`release_pause`)
+QUEUE_METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +46,17 @@ class VLLMServerEngine:
     server sees it), which the trainer wrote with `publish`, and resets the prefix cache (KV computed under the
     previous weights must not be reused).
 
-    In-flight weight updates (`in_flight_updates`, docs/rollout.md): a version loaded while requests run pauses the
-    server with them kept (`/pause?mode=keep`; their KV cache too with `keep_kv_cache`), reloads, marks in every
-    running answer (streamed: `server_answers.StreamedAnswer`) where the new version takes over, and resumes them.
-    With `whole_answers` (routing replay: vLLM 0.31 returns routed experts only there) nothing is streamed, so a row
-    keeps the version it began under and a checkpoint keeps the finished groups only (with their routings).
+    In-flight weight updates (`in_flight_updates`, docs/rollout.md): answers are streamed
+    (`server_answers.StreamedAnswer`), and a version loaded while requests run pauses the server with them kept
+    (`/pause?mode=keep`), reloads, marks in every running answer where the new version takes over, and resumes them
+    (`/resume`): no request restarts and no slot waits for the others to drain. vLLM 0.31 drops the kept requests' KV
+    cache at the pause (and recomputes it with the new weights when they resume) unless `keep_kv_cache`
+    (`clear_cache=false`): then they continue from the KV cache the old weights wrote, and the importance weight
+    absorbs the mismatch. With `whole_answers` (routing replay: vLLM 0.31 returns routed experts only in a whole
+    answer) answers are not streamed: each token's routing is still the version's that sampled the next one (the
+    paused requests' routings before the switch are kept, later ones come from the new weights), but where the switch
+    fell in a response is not known, so a row keeps the version it began under (the staleness bound holds) and a
+    checkpoint keeps the finished groups only (with their routings).
 
     Timeouts measure progress, not length (`server_progress`): a group request fails only when the server has made
     no progress for `timeout` seconds (its token counters still, no answer of ours) while requests are outstanding,
@@ -59,11 +64,11 @@ class VLLMServerEngine:
     `timeout` plus one poll, naming its URL. A reload and every small request (models, metrics, health) must be
     answered within `timeout`.
 
-    A server this engine paused is always resumed: `/resume` runs in a `finally` of every load, a failed fence
-    included; `release_pause` resumes it from the exit paths (a peer's failure, the grace exit, Ctrl-C, the end of
-    `train()`); and a new engine resumes a server an earlier run left paused (`/is_paused`), saying so. While it
-    holds the server paused the progress watchdog judges the pause by its own bound (`pause_timeout`: a weight
-    transfer's), not the stall timeout.
+    A server this engine paused is always resumed (`server_pause.ServerPause`): `/resume` runs in a `finally` of
+    every load, a failed fence included; `release_pause` resumes it from the exit paths (a peer's failure, the grace
+    exit, Ctrl-C, the end of `train()`); and a new engine resumes a server an earlier run left paused
+    (`/is_paused`), saying so. While it holds the server paused the progress watchdog judges the pause by its own
+    bound (`pause_timeout`: a weight transfer's), not the stall timeout.
     """
 
     def __init__(
@@ -105,15 +110,14 @@ class VLLMServerEngine:
         # id(request) -> (request, its streamed answers: one, or one per completion a resumed group continues)
         self._answers: dict[int, tuple[GroupRequest, list[StreamedAnswer]]] = {}
         self._received = 0  # bytes of streamed answers received: the fence waits until they stand still
-        # Set before POST /pause (an answer lost on the way may still have paused it), cleared once /resume answers.
-        self._paused_by_us = False
         self._thread = threading.Thread(target=self._loop.run_forever, name="dapo-rollout-http", daemon=True)
         self._thread.start()
         self.progress = ServerProgress(
             self.base_url, timeout, self._metrics_text, self._fail_running, pause_timeout=pause_timeout
         )
         self.progress.report_counters()  # once, at start: what the watchdog will judge progress by
-        self.resume_if_left_paused()
+        self.pausing = ServerPause(self.base_url, self._post_control, self._get, self.progress, timeout, keep_kv_cache)
+        self.pausing.resume_if_left_paused()
 
     def last_progress(self) -> float:
         """`time.monotonic()` when the server last made progress (for waits above the engine, e.g. a wave's)."""
@@ -184,7 +188,8 @@ class VLLMServerEngine:
             return self._queued + len(self._tasks)
 
     @property
-    def partial_rollouts(self) -> bool:  # running groups known as far as sampled (streamed), for a checkpoint
+    def partial_rollouts(self) -> bool:
+        """Whether running groups are known as far as they were sampled (streamed answers), for a checkpoint."""
         return self.updates_in_flight and not self.whole_answers
 
     def request_payload(self, request: GroupRequest) -> dict[str, Any]:
@@ -227,11 +232,8 @@ class VLLMServerEngine:
         self.resume(version)
 
     def pause(self) -> None:
-        """Pause the server with our requests kept (their KV cache too with `keep_kv_cache`), for a weights load.
-        The watchdog judges the pause by its own bound until `resume` (the counters stand still: no stall)."""
-        self._paused_by_us = True
-        self.progress.hold()
-        self._post_control("/pause?mode=keep" + ("&clear_cache=false" if self.keep_kv_cache else ""))
+        """Pause the server with our requests kept, for a weights load (`ServerPause.pause`)."""
+        self.pausing.pause()
 
     def resume(self, version: int | None) -> None:
         """Version `version` is loaded: mark where it takes over in every running answer, and resume them (None: a
@@ -241,61 +243,16 @@ class VLLMServerEngine:
             if version is not None and self.partial_rollouts:  # whole answers: no switch to mark
                 asyncio.run_coroutine_threadsafe(self._fence(version), self._loop).result(self.timeout)
         finally:
-            self._post_resume()
+            self.pausing.resume()
 
     @property
     def paused_by_us(self) -> bool:
         """Whether this engine paused the server and has not resumed it yet."""
-        return self._paused_by_us
+        return self.pausing.paused_by_us
 
     def release_pause(self, why: str, wait: float = 0.0) -> bool:
-        """Resume the server if this engine left it paused (an exit path: `why`), within `RELEASE_SECONDS`; whether
-        it did. `wait`: seconds a load in progress (the driver's thread between its pause and resume) may take to
-        resume it itself first. Never raises: it runs where the process is stopping for another error."""
-        deadline = time.monotonic() + wait
-        while self._paused_by_us and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if not self._paused_by_us:
-            return False
-        try:
-            self._post_resume(timeout=min(self.timeout, RELEASE_SECONDS))
-        except Exception as exc:  # noqa: BLE001 - the process is stopping for another error
-            logger.error(
-                "the vLLM server at %s was left paused (%s) and did not answer /resume: %s", self.base_url, why, exc
-            )
-            return False
-        logger.warning(
-            "resumed the vLLM server at %s, which this run had paused for a weight update (%s)", self.base_url, why
-        )
-        return True
-
-    def resume_if_left_paused(self) -> bool:
-        """A server an earlier run left paused (stopped between `/pause` and `/resume`: killed, preempted) would
-        queue every request of ours behind the pause: resume it, and say so; whether it was paused. A server
-        without dev mode has no `/is_paused` (nor `/pause`): nothing to do."""
-        try:
-            status, body = self._get("/is_paused", timeout=min(self.timeout, RELEASE_SECONDS))
-        except EngineUnavailable:
-            return False
-        try:
-            paused = status == 200 and json.loads(body or b"{}").get("is_paused") is True
-        except (ValueError, AttributeError):  # not vLLM's answer (a proxy's page): nothing known to resume
-            paused = False
-        if not paused:
-            return False
-        logger.warning(
-            "the vLLM server at %s was paused (a run stopped between /pause and /resume?): resuming it before "
-            "generating",
-            self.base_url,
-        )
-        self._post_resume()
-        return True
-
-    def _post_resume(self, timeout: float | None = None) -> None:
-        """POST /resume; once it answered, the server is no longer ours to resume and the stall clock runs again."""
-        self._post_control("/resume", timeout)
-        self._paused_by_us = False
-        self.progress.release()
+        """Resume the server if this engine left it paused (an exit path: `why`; `ServerPause.release`)."""
+        return self.pausing.release(why, wait)
 
     async def _fence(self, version: int, quiet: float = 0.05) -> None:
         """Once what the paused server sent has arrived (no answer of ours received a byte for `quiet` seconds),
@@ -314,29 +271,10 @@ class VLLMServerEngine:
         checkpoint: a resumed run continues them (`GroupRequest.partial`) instead of generating them again."""
 
         async def collect() -> dict[tuple, PartialGroup]:
-            return {request.key: self._so_far(request, answers) for request, answers in self._answers.values()}
+            most = self.sampling.max_tokens
+            return {request.key: group_so_far(request, answers, most) for request, answers in self._answers.values()}
 
         return asyncio.run_coroutine_threadsafe(collect(), self._loop).result(self.timeout)
-
-    def _continued(self, request: GroupRequest) -> list[int]:
-        """The completions of a resumed group that had not ended: each is continued by a request of its own."""
-        partial, most = request.partial, self.sampling.max_tokens
-        return [i for i, done in enumerate(partial.finished) if not done and len(partial.token_ids[i]) < most]
-
-    def _so_far(self, request: GroupRequest, answers: list[StreamedAnswer]) -> PartialGroup:
-        """A group's completions so far: its answer's, or a resumed group's kept tokens and their continuations."""
-        if request.partial is None:
-            return answers[0].partial()
-        prior = request.partial
-        ids, logprobs, versions = list(prior.token_ids), list(prior.logprobs), list(prior.versions)
-        finished = [done or len(ids[i]) >= self.sampling.max_tokens for i, done in enumerate(prior.finished)]
-        for index, answer in zip(self._continued(request), answers, strict=True):
-            more = answer.partial()
-            ids[index] = np.concatenate([ids[index], more.token_ids[0]])
-            logprobs[index] = np.concatenate([logprobs[index], more.logprobs[0]])
-            versions[index] = np.concatenate([versions[index], more.versions[0]])
-            finished[index] = more.finished[0]
-        return PartialGroup(ids, logprobs, versions, finished)
 
     def _continuation(self, request: GroupRequest, index: int) -> dict[str, Any]:
         """The request that continues completion `index` of a resumed group: its prompt and kept tokens as the
@@ -394,15 +332,8 @@ class VLLMServerEngine:
         """Requests the server runs or queues (`vllm:num_requests_running` + `_waiting` of `/metrics`), or None when
         it exports no such metric (not a vLLM server: nothing to ask)."""
         status, body = self._get("/metrics")
-        if status != 200:
-            return None
-        total, seen = 0.0, False
-        for line in body.decode(errors="replace").splitlines():
-            name = line.split("{", 1)[0].split(" ", 1)[0]
-            if name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-                total += float(line.rsplit(" ", 1)[1])
-                seen = True
-        return int(total) if seen else None
+        total = metric_sum(body.decode(errors="replace"), QUEUE_METRICS) if status == 200 else None
+        return None if total is None else int(total)
 
     def wait_available(self, timeout: float, poll: float = 1.0) -> None:
         """Return once the server answers GET /health again (a restarted server: model loaded), or raise
@@ -441,7 +372,8 @@ class VLLMServerEngine:
         if self.partial_rollouts:  # registered before a fence can run on this loop
             answers = [StreamedAnswer(self.sampling.n, request.version)]
             if request.partial is not None:
-                answers = [StreamedAnswer(1, request.version) for _ in self._continued(request)]
+                continued = continued_completions(request, self.sampling.max_tokens)
+                answers = [StreamedAnswer(1, request.version) for _ in continued]
             self._answers[id(request)] = (request, answers)
         task = self._loop.create_task(self._run(request, done))
         with self._queued_lock:
@@ -465,9 +397,13 @@ class VLLMServerEngine:
             _, answers = self._answers.get(id(request), (request, None))
             async with self._connections:
                 if answers is not None and request.partial is not None:  # a resumed group: continue what it kept
-                    posts = [self._continuation(request, index) for index in self._continued(request)]
-                    sent = [self._post("/v1/completions", *pair) for pair in zip(posts, answers, strict=True)]
-                    status, raw = next((got for got in await asyncio.gather(*sent) if got[0] != 200), (200, b""))
+                    continued = continued_completions(request, self.sampling.max_tokens)
+                    posts = [self._continuation(request, index) for index in continued]
+                    sent = [
+                        self._post("/v1/completions", post, answer) for post, answer in zip(posts, answers, strict=True)
+                    ]
+                    failed = (got for got in await asyncio.gather(*sent) if got[0] != 200)
+                    status, raw = next(failed, (200, b""))
                 else:
                     answer = None if answers is None else answers[0]
                     status, raw = await self._post("/v1/completions", self.request_payload(request), answer)
@@ -478,7 +414,7 @@ class VLLMServerEngine:
             result: GroupResult | BaseException = (
                 group_result(request, raw, seconds)
                 if answers is None
-                else self._so_far(request, answers).result(request.key, seconds)
+                else group_so_far(request, answers, self.sampling.max_tokens).result(request.key, seconds)
             )
         except asyncio.CancelledError:
             stalled = self._stalled.pop(id(request), None)
@@ -523,7 +459,6 @@ class VLLMServerEngine:
         def feed(data: bytes) -> None:
             self._received += len(data)
             self.progress.progressed()  # a streamed byte is progress: the timeout bounds silence, not length
-            self.progress.progressed()  # tokens of ours arrive: the server makes progress
             answer.feed(data)
 
         return feed

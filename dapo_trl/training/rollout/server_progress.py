@@ -2,15 +2,16 @@
 response is long.
 
 At the paper's settings a sequence decodes at ~20-30 tokens/s under a full KV cache: a 20k-token response takes
-700-900 s, a batched round of them 1,400-3,000 s. A timeout on the whole HTTP request (or on a socket read, which for
-a non-streamed completion is the same thing) fails those, however healthy the server. What a stalled server lacks is
-progress: `ServerProgress` polls the server's `/metrics` while requests of ours are outstanding and records progress
-when its token counters move (`vllm:generation_tokens_total`, `vllm:prompt_tokens_total`: decoding or prefill, for
-anyone's request: vLLM schedules first come, first served) or when a request of ours is answered. After
-`stall_timeout` seconds without either, it calls `on_stall(message)`: the clients fail their outstanding requests
-with that message, naming the server's URL. A frozen server (its process stopped) answers no poll, which counts as
-no progress. A server without vLLM's counters (another engine, a proxy that hides /metrics) is judged by what it
-sends us alone (answers, and the bytes of streamed answers), which `report_counters` says once at start.
+700-1,000 s, a batched round of them 25-50 minutes (estimates: docs/figures.md). A timeout on the whole HTTP request
+(or on a socket read, which for a non-streamed completion is the same thing) fails those, however healthy the
+server. What a stalled server lacks is progress: `ServerProgress` polls the server's `/metrics` while requests of
+ours are outstanding and records progress when its token counters move (`vllm:generation_tokens_total`,
+`vllm:prompt_tokens_total`: decoding or prefill, for anyone's request: vLLM schedules first come, first served) or
+when a request of ours is answered. After `stall_timeout` seconds without either, it calls `on_stall(message)`: the
+clients fail their outstanding requests with that message, naming the server's URL. A frozen server (its process
+stopped) answers no poll, which counts as no progress. A server without vLLM's counters (another engine, a proxy
+that hides /metrics) is judged by what it sends us alone (answers, and the bytes of streamed answers), which
+`report_counters` says once at start.
 
 While we hold the server paused for a weight update (`hold` ... `release`), its counters stand still by design: the
 watchdog then judges the pause by its own bound (`pause_timeout`, a weight transfer's: a ZeRO-3 gather of every
@@ -36,12 +37,17 @@ ABANDON_POLL_SECONDS = 0.5  # at most this long between ticks while a request is
 
 def token_counters(metrics_text: str) -> float | None:
     """The sum of the server's token counters (all label sets) in a Prometheus text answer, or None without them."""
+    return metric_sum(metrics_text, PROGRESS_COUNTERS)
+
+
+def metric_sum(metrics_text: str, names: tuple[str, ...]) -> float | None:
+    """The sum of the metrics `names` (all label sets) in a Prometheus text answer, or None when it has none."""
     total, seen = 0.0, False
     for line in metrics_text.splitlines():
         if line.startswith("#"):
             continue
         name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in PROGRESS_COUNTERS:
+        if name in names:
             try:
                 total += float(line.rsplit(" ", 1)[1])
             except (IndexError, ValueError):
@@ -242,7 +248,7 @@ def watch_generation(client: Any, timeout: float, error: type[Exception]) -> Non
     """Bound TRL's generation requests by the server's progress, not their length (`server_progress`).
 
     TRL's `VLLMClient.generate` is one POST /v1/completions for a whole round, answered when its longest response
-    ends: 1,400-3,000 s at the paper's scale. While it runs, reads have no timeout; a watchdog reads the server's
+    ends: 25-50 minutes at the paper's scale. While it runs, reads have no timeout; a watchdog reads the server's
     /metrics and, when the server has made no progress for `timeout` seconds, shuts the request's connection and the
     call raises `error` saying so, naming the URL (not one that means "unreachable": a stalled server is not waited
     for as a restart). `vllm_backends.add_timeouts` must have mounted its adapter first.
