@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..sampling.batch_metrics import decided_groups, trained_batch_metrics
+from ..sampling.batch_metrics import DecidedGroups
 from ..sampling.dynamic_sampling import DynamicSampler, Filling, ScoredRound
 from .rollout_driver import RolloutDriver
 from .rollout_engine import GroupRequest, GroupResult, PartialGroup
@@ -115,8 +114,7 @@ class StreamingRollout:
         rounds = [self._first_round(inputs, round_groups)]
         self._round_groups = round_groups
         self._wait, self._passes, self._tail_passes = 0.0, 0, 0
-        self._decided = Counter()  # groups decided on before the batch filled (`batch_metrics.decided_groups`)
-        self._decided_rows: list[dict[str, Any]] = []  # their `row_stats`
+        self._decided = DecidedGroups(self.group_size, args.filter_groups_carry_surplus)
         while True:
             filling.stats["rounds"] += 1
             filling.round_dropped = []
@@ -124,12 +122,12 @@ class StreamingRollout:
             if filling.full or not sampler.rounds_left(filling):
                 break
             rounds.append(self._keyed(self._take(round_groups)))
-        observed = self._decided["kept"] / max(self._decided["generated"], 1)  # the groups any timing scores
+        observed = self._decided.keep_rate  # over the groups any timing scores
         self.keep_rate = 0.8 * self.keep_rate + 0.2 * max(observed, 0.05)
         batch, metrics = sampler.finish(filling)
         metrics.update(self._staleness(batch.pop(ROW_VERSION), batch.get("completion_mask")))
         metrics["rollout/scoring_passes"] = float(self._passes)
-        metrics.update(self._decided_metrics())
+        metrics.update(self._decided.metrics())
         metrics["rollout/trainer_wait_seconds"] = self._wait
         consumed = {key for groups in rounds for key, _ in groups}
         self.generation += 1
@@ -142,41 +140,6 @@ class StreamingRollout:
                 ahead, cap = self._horizon(len(inputs) * self.process.count, 0), args.max_filter_gen_batches
                 self._plan_stream(min(ahead, cap * round_groups) if cap else ahead)
         return batch, metrics
-
-    def _record_decided(self, scored: ScoredRound, group_kept: list[bool], kept_rows: int, target_rows: int) -> None:
-        """Count the wave's groups that any timing scores for this batch (all of them with carried surplus, whose
-        rounds are always scored whole; else those up to the one that fills the batch), and keep their rows'
-        figures: the step's reward, length and keep metrics are over these. `group_kept` are the sampler's keep
-        decisions of the wave, `kept_rows` what the batch held before it."""
-        size, kept = self.group_size, torch.tensor(group_kept, dtype=torch.bool)
-        decided = (
-            len(kept)
-            if self.sampler.args.filter_groups_carry_surplus
-            else decided_groups(kept, size, kept_rows, target_rows)
-        )
-        self._decided["generated"] += decided
-        self._decided["kept"] += int(kept[:decided].sum())
-        if scored.row_stats is not None and decided:
-            stats = scored.row_stats
-            rows = {key: stats[key][: decided * size] for key in ("rewards_per_func", "lengths", "truncated")}
-            self._decided_rows.append({**rows, "names": stats["names"], "weights": stats["weights"]})
-
-    def _decided_metrics(self) -> dict[str, float]:
-        """The step's reward and completion metrics and keep counts over the decided groups (`_record_decided`);
-        without carried surplus every other group of its rounds counts as cancelled."""
-        metrics = {}
-        if self._decided_rows:
-            last = self._decided_rows[-1]
-            metrics = trained_batch_metrics(self._decided_rows, last["weights"], last["names"], self.group_size)
-        generated, kept = self._decided["generated"], self._decided["kept"]
-        # Every group of the step's rounds is decided (with carried surplus, all of them) or cancelled.
-        metrics["dynamic_sampling/groups_cancelled"] = float(self._decided["planned"] - generated)
-        if not self.sampler.args.filter_groups_carry_surplus:
-            metrics["dynamic_sampling/groups_generated"] = float(generated)
-            metrics["dynamic_sampling/groups_kept"] = float(kept)
-            metrics["dynamic_sampling/keep_rate"] = kept / max(generated, 1)
-            metrics["dynamic_sampling/surplus_discarded_groups"] = 0.0
-        return metrics
 
     def _staleness(self, versions: torch.Tensor, completion_mask: torch.Tensor | None) -> dict[str, float]:
         """Mean and max of (generation - the version that sampled the row) over the batch's trained rows (filler
@@ -246,7 +209,7 @@ class StreamingRollout:
         keys = [key for key, _ in groups]
         start, most = 0, self.least_wave(len(groups))
         self._most = most
-        self._decided["planned"] += len(groups)
+        self._decided.planned += len(groups)
         while start < len(groups):
             least = self._wave_least(filling, most)
             self._plan_ahead(groups[start:], filling, min(least, len(groups) - start))
@@ -260,7 +223,7 @@ class StreamingRollout:
             scored.rows[ROW_VERSION] = torch.tensor(versions, device=scored.rows["advantages"].device)
             kept_before = filling.kept_rows
             self.sampler.add(filling, scored)
-            self._record_decided(scored, filling.group_kept[-count:], kept_before, filling.target_rows)
+            self._decided.record(scored.row_stats, filling.group_kept[-count:], kept_before, filling.target_rows)
             start += count
             if filling.full and not self.sampler.args.filter_groups_carry_surplus:
                 break

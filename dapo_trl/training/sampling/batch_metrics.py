@@ -107,6 +107,48 @@ def trained_batch_metrics(
     return metrics
 
 
+class DecidedGroups:
+    """The groups a streamed step decided on before its batch filled, and the step's metrics over them: all the
+    groups its waves scored with carried surplus (whose rounds are always scored whole), else those up to the one
+    that filled the batch (`decided_groups`). Every other group of the step's rounds counts as cancelled."""
+
+    def __init__(self, group_size: int, carry_surplus: bool):
+        self.group_size, self.carry_surplus = group_size, carry_surplus
+        self.planned = self.generated = self.kept = 0  # groups of the step's rounds; decided; decided and kept
+        self._rows: list[dict[str, Any]] = []  # the decided groups' `row_stats`
+
+    def record(self, row_stats: dict | None, group_kept: list[bool], kept_rows: int, target_rows: int) -> None:
+        """Count the wave's decided groups and keep their rows' figures. `group_kept` are the sampler's keep
+        decisions of the wave, `kept_rows` what the batch held before it."""
+        size, kept = self.group_size, torch.tensor(group_kept, dtype=torch.bool)
+        decided = len(kept) if self.carry_surplus else decided_groups(kept, size, kept_rows, target_rows)
+        self.generated += decided
+        self.kept += int(kept[:decided].sum())
+        if row_stats is not None and decided:
+            rows = {key: row_stats[key][: decided * size] for key in ("rewards_per_func", "lengths", "truncated")}
+            self._rows.append({**rows, "names": row_stats["names"], "weights": row_stats["weights"]})
+
+    @property
+    def keep_rate(self) -> float:
+        """Kept over decided groups (0 before any)."""
+        return self.kept / max(self.generated, 1)
+
+    def metrics(self) -> dict[str, float]:
+        """The step's reward and completion metrics (`trained_batch_metrics`) and keep counts over the decided
+        groups."""
+        metrics = {}
+        if self._rows:
+            last = self._rows[-1]
+            metrics = trained_batch_metrics(self._rows, last["weights"], last["names"], self.group_size)
+        metrics["dynamic_sampling/groups_cancelled"] = float(self.planned - self.generated)
+        if not self.carry_surplus:  # with carried surplus the sampler's own counts over whole rounds stand
+            metrics["dynamic_sampling/groups_generated"] = float(self.generated)
+            metrics["dynamic_sampling/groups_kept"] = float(self.kept)
+            metrics["dynamic_sampling/keep_rate"] = self.keep_rate
+            metrics["dynamic_sampling/surplus_discarded_groups"] = 0.0
+        return metrics
+
+
 def streamed_row_statistics(trainer: Any, rewards_per_func: torch.Tensor, completion_ids_list: list, output: Any):
     """A streamed wave's per-row figures for the step's metrics (`row_statistics`), every process's: lengths as TRL
     counts them (tool results left out, from the generation `output`'s tool mask), truncation, reward columns."""

@@ -17,8 +17,9 @@ How a forward runs on a group of N processes (`SequenceParallel.per_token`):
    the group, and each process keeps its own rows. The gather's backward sums every process's gradient and keeps the
    local shard, so each process's parameter gradient is its shard's share of the group's loss: summed by the usual
    data-parallel average (DDP, ZeRO), the update equals the one without sequence parallelism.
-6. A MoE router's auxiliary loss is built from per-expert sums over the sequence: the shards' router loads are summed
-   over the group first (`sum_router_load`), so every process gets the unsharded sequence's loss.
+6. A mixture-of-experts router's auxiliary loss is a function of per-expert sums over the whole sequence, so each
+   shard's router load (`algorithm.router_aux`) is summed over the group first (`sum_router_load`; its backward
+   summed the same way): every process of the group gets the loss of the unsharded sequence.
 
 Generation, rewards, dynamic sampling, token counts and the loss stay per process as without sequence parallelism:
 only the forwards are shared, so every decision and metric keeps its meaning.
@@ -204,11 +205,13 @@ def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tenso
 
 
 class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) over a group, whose backward sums every process's gradient (as `_GatherSequence`'s does)."""
+    """All-reduce (sum) over a group; the backward sums every process's gradient too (each process's loss reads the
+    group's sum), as `_GatherSequence` does for log-probs."""
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group, total = group, local.clone()
+        ctx.group = group
+        total = local.clone()
         torch_dist.all_reduce(total, group=group)
         return total
 
@@ -353,7 +356,8 @@ class SequenceParallel:
         """The router load of the whole sequence from each shard's: the auxiliary loss of the unsharded sequence."""
         counts = torch.stack([*load.assignments, load.rows]).detach().clone()
         torch_dist.all_reduce(counts, group=self.group)
-        return RouterLoad(counts[:-1], _SumOverGroup.apply(load.probabilities, self.group), counts[-1])
+        probabilities = _SumOverGroup.apply(load.probabilities, self.group)
+        return RouterLoad(counts[:-1], probabilities, counts[-1])
 
     def gather_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> GroupRows:
         """The group's rows, in rank order, prompts left-padded and completions right-padded to the group's widest."""
