@@ -20,7 +20,7 @@ run and are not host work), the keep decisions taken by `DynamicSampler` until 5
 It prints, per process, the peak RSS growth over the process's baseline and its CPU seconds (all threads: the
 event loop that reads the answers, the driver, the main thread), and for the main process its CPU seconds per
 million generated tokens. Goals at the paper's volume: RSS growth under 2 GB per process, main process under 1 CPU
-second per million tokens (an 8-replica 7B engine generates ~50k tokens/s).
+second per million tokens (an 8-replica 7B engine generates ~50k tokens/s, simulated: docs/figures.md#throughput).
 
 `--slowed`: the server generates each response at 5,000 tokens/s, and only 0.1 s of every second (paused 90% of the
 time, as a server slowed ~10x), counting its tokens in `/metrics` as it goes; the client's request timeout is 3 s,

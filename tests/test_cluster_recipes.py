@@ -106,6 +106,16 @@ def test_accelerate_config_and_server_split_the_nodes(folder):
 
 
 @pytest.mark.parametrize("folder", RECIPES, ids=lambda p: p.name)
+def test_a_moe_server_spreads_its_experts_over_every_gpu(folder):
+    """vLLM runs a MoE model's expert layers as one group over the server's DP x TP GPUs (docs/cluster-recipes.md):
+    the MoE recipe makes it expert parallel (--enable-expert-parallel, passed on to `vllm serve`); a dense model has
+    no experts to split."""
+    model = yaml.safe_load((folder / "recipe.yaml").read_text())["model_name_or_path"]
+    (command,) = re.findall(r"^exec scripts/start_vllm_server\.sh .*$", (folder / "serve.sh").read_text(), flags=re.M)
+    assert ("--enable-expert-parallel" in command.split()) == is_moe(model)
+
+
+@pytest.mark.parametrize("folder", RECIPES, ids=lambda p: p.name)
 def test_recipe_parses_with_the_papers_batch_on_its_processes(folder, tmp_path, monkeypatch):
     processes = trainer_processes(folder)
     script, config, model = parse_recipe(folder, tmp_path, monkeypatch, processes)

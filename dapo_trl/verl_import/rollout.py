@@ -126,6 +126,16 @@ def map_rollout(t: Translation) -> None:
         value = t.found.values[key]
         extra += [flag] if value is True else [flag, show_value(value)]
         t.mark(key, APPROXIMATED, f"vllm_server.sh {flag}", "passed to vllm serve under the same name")
+    expert_parallel = rollout + "expert_parallel_size"
+    if t.given(expert_parallel) and int(t.value(expert_parallel)) > 1:
+        # verl's vLLM rollout passes enable_expert_parallel and asserts expert_parallel_size = TP x DP: vLLM splits a
+        # MoE model's experts over all TP x DP GPUs of the engine.
+        ep, gpus = int(t.value(expert_parallel)), tp * dp
+        extra.append("--enable-expert-parallel")
+        how = f"vLLM's expert parallelism: the experts split over TP x DP = {gpus} GPUs"
+        if ep != gpus:
+            how += f" (verl requires expert_parallel_size = TP x DP, here {ep})"
+        t.mark(expert_parallel, MAPPED if ep == gpus else APPROXIMATED, "vllm_server.sh --enable-expert-parallel", how)
     model = str(t.recipe.get("model_name_or_path", "MODEL_PATH"))
     t.vllm = VLLMServer(model, tp, dp, memory, length, str(t.value(rollout + "dtype")), extra)
     if engine in ("vllm", "sglang"):
