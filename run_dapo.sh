@@ -20,11 +20,22 @@
 # (processes: NUM_PROCESSES, else ACCELERATE_CONFIG's num_processes, else 1; PER_DEVICE_BATCH_SIZE, default 16, is
 # lowered to fit). Set GRADIENT_ACCUMULATION_STEPS yourself to choose the layout: STEPS_PER_GENERATION then defaults
 # to it x UPDATES_PER_ROLLOUT. `DRY_RUN=1 ./run_dapo.sh` prints the command.
+# Generation (one line on stderr at start says which): on a vLLM server when VLLM_SERVER_HOST is set (start it first
+# with scripts/start_vllm_server.sh), with vLLM colocated on every training GPU when VLLM_MODE=colocate, and otherwise
+# with transformers' generate in the training processes, which runs anywhere but is very slow at responses of up to
+# 20480 tokens (under ZeRO-3 every token gathers the sharded weights): the line is then a warning.
+# The default model, Qwen2.5-32B, needs the 64 training GPUs of examples/qwen2.5-32b-16x8 (its token budget and
+# sequence parallelism 8); on fewer GPUs train a smaller model.
 # Every knob is an environment variable; extra arguments go to train_dapo.py and win over these.
-#   MODEL_PATH=Qwen/Qwen2.5-32B ACCELERATE_CONFIG=configs/accelerate/zero3_1node_8gpu.yaml ./run_dapo.sh
+# Qwen2.5-7B on one node of 8 GPUs, with the token budget and sequence parallelism of examples/qwen2.5-7b-2x8:
+#   MODEL_PATH=Qwen/Qwen2.5-7B ACCELERATE_CONFIG=configs/accelerate/zero3_1node_8gpu.yaml VLLM_MODE=colocate \
+#     MAX_TOKENS_PER_MICROBATCH=18432 SEQUENCE_PARALLEL_SIZE=2 ./run_dapo.sh --attn_implementation flash_attention_2
+# On 2 training nodes with a vLLM server on a third (examples/slurm_dapo.sbatch runs this on every training node):
 #   NNODES=2 NODE_RANK=$SLURM_NODEID MASTER_ADDR=node0 ACCELERATE_CONFIG=configs/accelerate/zero3_2nodes_16gpu.yaml \
-#     VLLM_SERVER_HOST=node2 ./run_dapo.sh            (see examples/slurm_dapo.sbatch)
-#   MODEL_PATH=./my-model DATASET=./dapo_math_17k.parquet ./run_dapo.sh --max_steps 100
+#     VLLM_SERVER_HOST=node2 MODEL_PATH=Qwen/Qwen2.5-7B MAX_TOKENS_PER_MICROBATCH=18432 SEQUENCE_PARALLEL_SIZE=2 \
+#     ./run_dapo.sh --attn_implementation flash_attention_2
+# A local model and data file, 100 optimizer steps: MODEL_PATH=./my-model DATASET=./dapo_math_17k.parquet \
+#     ./run_dapo.sh --max_steps 100
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -98,6 +109,9 @@ MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"
 MASTER_PORT_SET="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-29500}"
 VLLM_SERVER_HOST="${VLLM_SERVER_HOST:-}"        # set to generate on a separate vLLM server (vllm_mode=server)
+VLLM_MODE="${VLLM_MODE:-}"                      # server (the default with VLLM_SERVER_HOST), colocate, or empty:
+                                                # transformers' generate when VLLM_SERVER_HOST is not set
+VLLM_GPU_MEMORY_UTILIZATION="${VLLM_GPU_MEMORY_UTILIZATION:-0.3}"   # colocate: each GPU's share for vLLM
 VLLM_SERVER_PORT="${VLLM_SERVER_PORT:-8000}"
 VLLM_WEIGHT_SYNC="${VLLM_WEIGHT_SYNC:-nccl}"    # or shared_storage (VLLM_WEIGHT_SYNC_DIR, default OUTPUT_DIR/vllm_weights)
 VLLM_WEIGHT_SYNC_DIR="${VLLM_WEIGHT_SYNC_DIR:-}"
@@ -140,7 +154,25 @@ if [[ -n "$EVAL_DATASET" ]]; then   # TRL's own eval pass at 1 response per prom
          --eval_num_samples "$EVAL_NUM_SAMPLES" --eval_temperature 1.0 --eval_top_p 0.7 --num_generations_eval 1)
 fi
 
-if [[ -n "$VLLM_SERVER_HOST" ]]; then
+[[ -z "$VLLM_MODE" && -n "$VLLM_SERVER_HOST" ]] && VLLM_MODE=server
+case "$VLLM_MODE" in
+  server)
+    if [[ -z "$VLLM_SERVER_HOST" ]]; then
+      echo "run_dapo.sh: VLLM_MODE=server needs VLLM_SERVER_HOST, the host of the vLLM server" >&2; exit 2
+    fi
+    echo "run_dapo.sh: generating on the vLLM server at http://$VLLM_SERVER_HOST:$VLLM_SERVER_PORT" >&2 ;;
+  colocate)
+    echo "run_dapo.sh: generating with vLLM colocated on every training GPU" \
+      "(vllm_gpu_memory_utilization $VLLM_GPU_MEMORY_UTILIZATION)" >&2
+    args+=(--use_vllm true --vllm_mode colocate --vllm_gpu_memory_utilization "$VLLM_GPU_MEMORY_UTILIZATION"
+           --vllm_max_model_length "$((MAX_PROMPT_LENGTH + MAX_COMPLETION_LENGTH))") ;;
+  "")
+    echo "run_dapo.sh: warning: generating with transformers' generate (neither VLLM_SERVER_HOST nor" \
+      "VLLM_MODE=colocate is set): very slow at responses of up to $MAX_COMPLETION_LENGTH tokens" >&2 ;;
+  *)
+    echo "run_dapo.sh: VLLM_MODE=$VLLM_MODE: expected server, colocate or empty" >&2; exit 2 ;;
+esac
+if [[ "$VLLM_MODE" == server ]]; then
   args+=(--use_vllm true --vllm_mode server --vllm_server_host "$VLLM_SERVER_HOST" --vllm_server_port "$VLLM_SERVER_PORT"
          --vllm_weight_sync "$VLLM_WEIGHT_SYNC" --rollout_streaming "$ROLLOUT_STREAMING"
          --rollout_max_staleness "$ROLLOUT_MAX_STALENESS")

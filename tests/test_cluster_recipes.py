@@ -207,3 +207,66 @@ def test_the_guide_links_every_recipe_and_names_its_first_commands():
     for folder in RECIPES:
         assert f"](../examples/{folder.name}/)" in guide, f"docs/cluster-recipes.md does not link {folder.name}"
         assert f"examples/{folder.name}/serve.sh" in guide and f"examples/{folder.name}/train.sh" in guide
+
+
+def guide_batch_table() -> dict[str, dict[str, str]]:
+    """docs/cluster-recipes.md's batch table, by recipe folder: {column: value}."""
+    guide = (REPO / "docs" / "cluster-recipes.md").read_text()
+    header = next(line for line in guide.splitlines() if line.startswith("| recipe | P |"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    rows = {}
+    for line in guide[guide.index(header) :].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = dict(zip(columns, (cell.strip() for cell in line.strip("|").split("|")), strict=True))
+        shape = re.search(r"(\d+) x (\d+)$", cells["recipe"])
+        (folder,) = [f for f in RECIPES if f.name.endswith(f"-{shape.group(1)}x{shape.group(2)}")]
+        rows[folder.name] = cells
+    return rows
+
+
+def test_the_guides_batch_table_is_the_recipes():
+    """Each row of docs/cluster-recipes.md's batch table: P is the accelerate config's processes, every other column
+    the recipe's own value."""
+    table = guide_batch_table()
+    assert set(table) == {folder.name for folder in RECIPES}
+    for folder in RECIPES:
+        recipe = yaml.safe_load((folder / "recipe.yaml").read_text())
+        row = table[folder.name]
+        assert int(row["P"]) == trainer_processes(folder), folder.name
+        for column, value in row.items():
+            if column not in ("recipe", "P"):
+                assert recipe[column] == int(value), f"{folder.name}: the guide says {column} {value}"
+
+
+BATCH_KEYS = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation")
+
+
+@pytest.mark.parametrize("folder", RECIPES, ids=lambda p: p.name)
+def test_the_numbers_a_recipe_comment_names_are_its_own(folder):
+    """`per_device_train_batch_size 16 x 8 processes x gradient_accumulation_steps 4 = 512` in a recipe's comments:
+    each batch `key N` is the recipe's value of key, each `N processes` its accelerate config's process count (the
+    products themselves: tests/test_launch_lines.py)."""
+    text = (folder / "recipe.yaml").read_text()
+    recipe = yaml.safe_load(text)
+    comments = "\n".join(re.findall(r"#(.*)$", text, flags=re.M))
+    named = re.findall(r"\b([a-z_]+) (\d+)\b", comments)
+    checked = [(key, int(value)) for key, value in named if key in BATCH_KEYS]
+    assert len(checked) >= 3, f"{folder.name}: its comments name no batch values"
+    assert [(key, recipe[key]) for key, _ in checked] == checked
+    processes = {int(count) for count in re.findall(r"\b(\d+) (?:training )?processes\b", comments)}
+    assert processes == {trainer_processes(folder)}
+
+
+SBATCH = sorted(EXAMPLES.rglob("*.sbatch"))
+
+
+@pytest.mark.parametrize("script", SBATCH, ids=lambda p: str(p.relative_to(EXAMPLES)))
+def test_the_preemption_grace_leaves_time_to_requeue(script):
+    """SLURM signals `@lead` seconds before the time limit; the training processes then have the grace period, and
+    torchrun 60 s more (TORCH_ELASTIC_SHUTDOWN_TIMEOUT = grace + 60 in run_dapo.sh and train.sh) before it kills
+    them: that must end before the limit, with time left for the exit and `scontrol requeue`."""
+    text = script.read_text()
+    (lead,) = re.findall(r"^#SBATCH --signal=B:USR1@(\d+)$", text, flags=re.M)
+    (grace,) = set(re.findall(r"PREEMPTION_GRACE_SECONDS=(\d+)", text))  # the header says the same value
+    assert int(grace) + 60 + 30 <= int(lead), f"grace {grace} s + torchrun's 60 s leaves under 30 s of {lead} s"

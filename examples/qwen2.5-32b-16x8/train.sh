@@ -21,7 +21,7 @@ until curl -sf "http://$GEN_HEAD:8000/health" > /dev/null; do
   echo "waiting for the vLLM endpoint at http://$GEN_HEAD:8000 ..."; sleep 10
 done
 # torchrun passes SIGUSR1 on to the training processes and waits for their checkpoint (docs/reliability.md); a save
-# of this model (~460 GB: docs/figures.md) takes minutes: give it PREEMPTION_GRACE_SECONDS (the sbatch sets 840).
+# of this model (~460 GB: docs/figures.md) takes minutes: give it PREEMPTION_GRACE_SECONDS (the sbatch sets 780).
 grace="${PREEMPTION_GRACE_SECONDS:-300}"
 export TORCHELASTIC_SIGNALS_TO_HANDLE="${TORCHELASTIC_SIGNALS_TO_HANDLE:-SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1}"
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((grace + 60))}"
