@@ -139,6 +139,8 @@ class DAPOTrainer(GRPOTrainer):
         return super()._get_dataloader(streams.whole_stream(dataset, self.accelerator.num_processes), *args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
+        if steps.resumed_at_max_steps(self.state, self.control):  # Trainer would train a step past max_steps
+            return [], None
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
         self._optimizer_steps.begin(trl_seam.micro_step(self), batches)  # before the step's first micro-step
         return batches, num_items

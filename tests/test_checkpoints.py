@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 
 from dapo_trl import DAPOTrainer
 from dapo_trl.builtin_models import build_tiny_model
@@ -96,6 +97,12 @@ def test_a_failed_save_keeps_the_last_complete_checkpoint_and_names_the_disk(tmp
     resumed.train(resume_from_checkpoint="latest")
     assert resumed.state.global_step == 2
     assert [path.name for path in checkpoints.complete_checkpoints(out)] == ["checkpoint-2"]  # rotated once complete
+    finished = trainer(out, save_total_limit=1)  # requeued once more: the run is at max_steps, nothing to train
+    finished.train(resume_from_checkpoint="latest")
+    assert finished.state.global_step == 2 and not (out / "checkpoint-3").exists()
+    saved = load_file(out / "checkpoint-2" / "model.safetensors")
+    weights = finished.model.state_dict()  # the checkpoint's: what the command line then saves as the final model
+    assert saved.keys() <= weights.keys() and all(torch.equal(saved[name], weights[name]) for name in saved)
     listed = json.loads((out / "checkpoint-2" / COMPLETE_FILE).read_text())["files"]
     assert {"trainer_state.json", "dapo_sampling_state.pt", "optimizer.pt", "scheduler.pt"} <= set(listed)
     with pytest.raises(IncompleteCheckpointError, match="has no dapo_sampling_state.pt.*settings it was saved with"):

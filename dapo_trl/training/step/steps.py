@@ -35,6 +35,20 @@ OPTIMIZER_STEPS_FILE = "dapo_generation_batch"
 Generate = Callable[[int, Any], list[dict[str, Any]]]
 
 
+
+def resumed_at_max_steps(state: Any, control: Any) -> bool:
+    """Whether a run resumed from a checkpoint already at `max_steps` (a finished run requeued): Trainer's loop checks
+    the bound only after a step, so it would train one step more and write a checkpoint past the end. Stops the loop
+    before that step (`control.should_training_stop`), saying so; the model holds the checkpoint's weights."""
+    if not (state.max_steps > 0 and state.global_step >= state.max_steps):
+        return False
+    logger.warning(
+        "the run resumed at step %d, its max_steps: nothing left to train (raise --max_steps to train further)",
+        state.global_step,
+    )
+    control.should_training_stop = True
+    return True
+
 class OptimizerSteps:
     """Hands out each training micro-step's micro-batch with its optimizer step's exact normaliser.
 
