@@ -35,7 +35,6 @@ OPTIMIZER_STEPS_FILE = "dapo_generation_batch"
 Generate = Callable[[int, Any], list[dict[str, Any]]]
 
 
-
 def resumed_at_max_steps(state: Any, control: Any) -> bool:
     """Whether a run resumed from a checkpoint already at `max_steps` (a finished run requeued): Trainer's loop checks
     the bound only after a step, so it would train one step more and write a checkpoint past the end. Stops the loop
@@ -48,6 +47,7 @@ def resumed_at_max_steps(state: Any, control: Any) -> bool:
     )
     control.should_training_stop = True
     return True
+
 
 class OptimizerSteps:
     """Hands out each training micro-step's micro-batch with its optimizer step's exact normaliser.
