@@ -1,4 +1,4 @@
-"""DAPOConfig (dapo_trl/config.py): defaults, validation messages, GRPOConfig compatibility.
+"""DAPOConfig (dapo_trl/config/): defaults, validation messages, GRPOConfig compatibility.
 
 Its flags and YAML recipes on the command line are tests/test_cli_arguments.py's."""
 
