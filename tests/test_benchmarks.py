@@ -34,6 +34,7 @@ QUICK_FORMS: dict[str, tuple[list[str], list[str]]] = {
     "overhead.py": (["--quick"], ["| trainer | median step (s) |", "differ between the two configs: none"]),
     "packing.py": (["--quick"], ["| L_max | mix | trainer |", "| DAPOTrainer packing on |"]),
     "packing_exactness.py": (["--quick"], ["| attention | dtype | packing |", "| sdpa | bfloat16 |"]),
+    "prompt_triage.py": (["--quick"], ["| prompt triage | seed |", "| on | 0 |", "tokens per trained token:"]),
     "rewards.py": (["--quick"], ["| scorer | time (s) |", "| pool, 1 worker |"]),
     "rollout_at_scale.py": (
         ["--quick"],

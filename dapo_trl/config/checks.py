@@ -146,6 +146,28 @@ def check_dynamic_sampling(config: DAPOConfig) -> None:
     if config.filter_groups_shuffle_buffer_size < 1:
         size = config.filter_groups_shuffle_buffer_size
         raise ValueError(f"filter_groups_shuffle_buffer_size={size} must be >= 1 (rows held to shuffle a stream).")
+    check_prompt_triage(config)
+
+
+def check_prompt_triage(config: DAPOConfig) -> None:
+    if not config.prompt_triage:
+        return
+    if not config.filter_groups_enable:
+        raise ValueError(
+            "prompt_triage=true skips prompts whose groups dynamic sampling would drop: it needs "
+            "filter_groups_enable=true (or set prompt_triage=false)."
+        )
+    if config.rollout_streaming:
+        raise ValueError(
+            "prompt_triage=true runs with dynamic sampling round by round, not with rollout_streaming yet: set "
+            "rollout_streaming=false, or prompt_triage=false."
+        )
+    if not 0 < config.prompt_triage_target_zero_variance < 1:
+        target = config.prompt_triage_target_zero_variance
+        raise ValueError(f"prompt_triage_target_zero_variance={target} must be in (0, 1) (a share of groups).")
+    if not 0 < config.prompt_triage_exploration_floor <= 1:
+        floor = config.prompt_triage_exploration_floor
+        raise ValueError(f"prompt_triage_exploration_floor={floor} must be in (0, 1] (a probability).")
 
 
 def check_validation(config: DAPOConfig) -> None:

@@ -206,6 +206,27 @@ class DAPOConfig(GRPOConfig):
             "stale; their behaviour-policy log-probs are stored, so the clipped importance ratio corrects for it."
         },
     )
+    prompt_triage: bool = field(
+        default=False,
+        metadata={
+            "help": "Skip, before generating, prompts whose groups had no spread the last times they were sampled "
+            "(GRESO, arXiv 2506.02177): a streak of k zero-variance samplings skips a prompt with probability "
+            "1 - max(p ** k, prompt_triage_exploration_floor), p adapting so that zero-variance groups make "
+            "prompt_triage_target_zero_variance of those generated. Skipped prompts come back in the next pass over "
+            "the data. Needs filter_groups_enable; rounds only (not rollout_streaming yet). docs/dynamic-sampling.md."
+        },
+    )
+    prompt_triage_target_zero_variance: float = field(
+        default=0.25,
+        metadata={
+            "help": "The share of generated groups with no spread that prompt triage steers towards (one third all "
+            "right, two thirds all wrong, as GRESO): lower skips more."
+        },
+    )
+    prompt_triage_exploration_floor: float = field(
+        default=0.01,
+        metadata={"help": "The least probability that prompt triage generates a prompt however long its streak."},
+    )
     filter_groups_atol: float = field(
         default=1e-6,
         metadata={"help": "A group is kept when max - min of its accuracy exceeds this (float-noise tolerance)."},

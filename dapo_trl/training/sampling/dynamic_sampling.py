@@ -21,6 +21,7 @@ from ..faults.preemption import SafePoints
 from ..step.replayed_routing import HOST_ROW_TENSORS, ROUTING_ROW_FIELDS
 from ..step.routing_shelf import NO_ROUTING, ROUTING_ID
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
+from .prompt_triage import PromptTriage
 from .streams import IterablePromptStream, PromptStream
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,7 @@ class Filling:
     carried_in_rows: int = 0
     round_dropped: list[dict[str, torch.Tensor]] = field(default_factory=list)
     group_kept: list[bool] = field(default_factory=list)  # every scored group's decision, in stream order
+    generated_tokens: int = 0  # completion tokens of every group scored for this batch
 
     @property
     def full(self) -> bool:
@@ -129,6 +131,13 @@ class DynamicSampler:
         self.normalisation = batch_normalisation(args)  # None, or the centre of batch-level advantages
         self._checked_agreement = False
         self.release: Callable[[list[int]], None] | None = None  # routing replay: rows dropped, their routings freed
+        self.triage = (  # prompts skipped before generation from their outcome history (`prompt_triage`)
+            PromptTriage(args.seed, args.prompt_triage_target_zero_variance, args.prompt_triage_exploration_floor)
+            if getattr(args, "prompt_triage", False)
+            else None
+        )
+        self._round_prompts: list[Any] = []  # the current round's prompts, one per group, in global order
+        self._drawn = 0  # fresh prompts considered this step (each triage decision's own draw)
 
     @property
     def stream(self) -> PromptStream | IterablePromptStream:
@@ -146,7 +155,9 @@ class DynamicSampler:
         while True:
             filling.stats["rounds"] += 1
             filling.round_dropped = []
-            self.add(filling, score_round(round_inputs))
+            scored = score_round(round_inputs)
+            self.record_outcomes(self._round_prompts, scored)
+            self.add(filling, scored)
             if filling.full or not self.rounds_left(filling):
                 break
             self.preemption.safe_point("between dynamic-sampling rounds")
@@ -156,6 +167,9 @@ class DynamicSampler:
     def begin(self, local_rows: int) -> Filling:
         """A batch to fill with `local_rows` rows per process, starting with the groups carried from the last step."""
         filling = Filling(target_rows=local_rows * self.process.count)
+        self._drawn = 0
+        if self.triage is not None:
+            self.triage.begin_step()
         if self.carried is not None:
             filling.parts.append(self.carried)
             filling.stats["carried_in_groups"] = self.carried["advantages"].numel() // self.group_size
@@ -176,6 +190,8 @@ class DynamicSampler:
         row_kept = group_kept.repeat_interleave(self.group_size).to(scored.rows["advantages"].device)
         filling.stats["groups_generated"] += group_kept.numel()
         filling.stats["groups_kept"] += int(group_kept.sum())
+        if "completion_mask" in scored.rows:
+            filling.generated_tokens += int(scored.rows["completion_mask"].sum())
         filling.group_kept.extend(bool(kept) for kept in group_kept)
         if row_kept.any():
             filling.parts.append({key: value[row_kept] for key, value in scored.rows.items()})
@@ -206,7 +222,39 @@ class DynamicSampler:
         self._keep_surplus(surplus, filling.carried_in_rows, target_rows, stats)
         if self.normalisation is not None:  # verl: advantages over the final batch; filler rows (NaN) left out
             batch["advantages"] = batch_scaled_advantages(batch.pop(BATCH_REWARDS), self.group_size, self.normalisation)
-        return batch, self._metrics(stats)
+        metrics = self._metrics(stats)
+        if "completion_mask" in batch:  # carried-in groups were generated (and counted) in an earlier step
+            trained = int(batch["completion_mask"].sum())
+            metrics["rollout/generated_tokens_per_trained_token"] = filling.generated_tokens / max(trained, 1)
+        if self.triage is not None:
+            metrics.update(self.triage.end_step())
+        return batch, metrics
+
+    def record_outcomes(self, prompts: list[Any], scored: ScoredRound) -> None:
+        """Prompt triage: each scored group's prompt (`prompts`, in the round's global order) and whether its
+        responses all agreed, into the outcome history."""
+        if self.triage is None or not prompts:
+            return
+        accuracy = scored.accuracy.cpu()
+        agreed = ~group_keep_mask(accuracy, self.group_size, self.args.filter_groups_atol)
+        firsts = accuracy.view(-1, self.group_size)[:, 0].tolist()
+        self.triage.record(prompts[: len(firsts)], agreed.tolist(), firsts)
+
+    def draw(self, count: int) -> list[dict[str, Any]]:
+        """The next `count` fresh prompts of the stream (dataset rows), those prompt triage skips passed over:
+        they are drawn again in a later pass."""
+        rows: list[dict[str, Any]] = []
+        streamed = isinstance(self.stream, IterablePromptStream)
+        while len(rows) < count:
+            drawn = self.stream.draw(count - len(rows))
+            if streamed:
+                self.check_processes_agree(drawn)
+            for item in drawn:
+                row = item if streamed else self.dataset[item]
+                self._drawn += 1
+                if self.triage is None or not self.triage.skips(row["prompt"], f"draw/{self._drawn}"):
+                    rows.append(row)
+        return rows
 
     def _keep_surplus(
         self, surplus: dict[str, torch.Tensor] | None, carried_in_rows: int, target_rows: int, stats: Counter
@@ -231,16 +279,11 @@ class DynamicSampler:
 
     def _fresh_round_inputs(self, local_rows: int) -> list[dict[str, Any]]:
         """This process's slice of a round of fresh prompts, each repeated group_size times."""
-        global_rows = local_rows * self.process.count
-        drawn = self.stream.draw(global_rows // self.group_size)  # rows of an IterableDataset, else indices
-        streamed = isinstance(self.stream, IterablePromptStream)
-        if streamed:
-            self.check_processes_agree(drawn)
+        drawn = self.draw(local_rows * self.process.count // self.group_size)
+        self._round_prompts = [row["prompt"] for row in drawn]
         start = self.process.index * local_rows
-        first_prompt, last_prompt = start // self.group_size, (start + local_rows - 1) // self.group_size
-        prompts = {i: drawn[i] if streamed else self.dataset[drawn[i]] for i in range(first_prompt, last_prompt + 1)}
         # One copy per row: TRL may write per-row fields into its input dicts.
-        return [dict(prompts[position // self.group_size]) for position in range(start, start + local_rows)]
+        return [dict(drawn[position // self.group_size]) for position in range(start, start + local_rows)]
 
     def check_processes_agree(self, drawn: list[dict[str, Any]]) -> None:
         """Once: every process must have drawn the same rows of an IterableDataset (rounds are sliced by position)."""
@@ -255,15 +298,20 @@ class DynamicSampler:
         self._checked_agreement = True
 
     def _first_round_inputs(self, inputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous."""
+        """The dataloader's prompts, plus fresh ones when over-sampling, re-sliced so groups stay contiguous; with
+        prompt triage, the loader's prompts it skips are replaced by fresh ones."""
         oversample = self.args.filter_groups_oversample
-        if oversample == 1:
+        if oversample == 1 and self.triage is None:
             return inputs
         local_rows = len(inputs) * oversample
-        extra = self._fresh_round_inputs(len(inputs) * (oversample - 1))
-        global_rows = self.process.gather_objects(inputs) + self.process.gather_objects(extra)
+        loader = self.process.gather_objects(inputs)
+        groups = [loader[g * self.group_size] for g in range(len(loader) // self.group_size)]
+        if self.triage is not None:
+            groups = [row for g, row in enumerate(groups) if not self.triage.skips(row["prompt"], f"batch/{g}")]
+        groups += self.draw(local_rows * self.process.count // self.group_size - len(groups))
+        self._round_prompts = [row["prompt"] for row in groups]
         start = self.process.index * local_rows
-        return global_rows[start : start + local_rows]
+        return [dict(groups[position // self.group_size]) for position in range(start, start + local_rows)]
 
     def _on_exhausted(self, stats: Counter, kept_groups: int, target_groups: int) -> None:
         message = (
@@ -287,7 +335,10 @@ class DynamicSampler:
     def state_dict(self) -> dict[str, Any]:
         carried = None if self.carried is None else {key: value.cpu() for key, value in self.carried.items()}
         settings = self._reward_settings()
-        return {"prompt_stream": self.stream.state_dict(), "carried_groups": carried, "rewards": settings}
+        state = {"prompt_stream": self.stream.state_dict(), "carried_groups": carried, "rewards": settings}
+        if self.triage is not None:
+            state["prompt_triage"] = self.triage.state_dict()
+        return state
 
     def checkpoint_files(self) -> dict[str, DynamicSampler]:
         """{file: self} when dynamic sampling or the streaming rollout is on: its prompt stream and carried groups
@@ -300,6 +351,8 @@ class DynamicSampler:
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | str = "cpu") -> None:
         self.stream.load_state_dict(state["prompt_stream"])
+        if self.triage is not None and "prompt_triage" in state:  # absent: saved without triage, its history starts
+            self.triage.load_state_dict(state["prompt_triage"])
         carried = state["carried_groups"]
         saved_settings = state.get("rewards")  # absent in older checkpoints: then, whether rows carry their reward
         if carried is not None and (

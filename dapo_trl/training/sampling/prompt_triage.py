@@ -1,0 +1,147 @@
+"""Prompt triage: skip, before generating, the prompts whose groups will most likely be thrown away.
+
+Dynamic sampling drops every group whose responses all agree (all right or all wrong), after paying for all of them;
+at DAPO's keep rate of about one half, half of what the engine generates is never trained. GRESO (Zheng et al.,
+"Act Only When It Pays", arXiv 2506.02177) observed that such prompts stay so: a prompt whose group agreed the last
+times it was sampled most likely agrees again. So each prompt keeps its outcome history, and a prompt with a streak
+of k zero-variance samplings in a row is skipped before generation with probability
+
+    P(skip) = 1 - max(p_kind ** k, floor)
+
+where kind is "easy" (its groups were all right: accuracy > 0 for every response) or "hard" (all wrong), p_kind is
+the kind's exploration probability and `floor` (`prompt_triage_exploration_floor`, 0.01) keeps every prompt
+reachable. A prompt without a streak (new, or whose last group had spread) is never skipped; one whose group has
+spread again loses its streak. After each step p_kind moves by `P_STEP` towards a target share of zero-variance
+groups among those generated (`prompt_triage_target_zero_variance`, 0.25, split 1:2 between easy and hard prompts as
+GRESO does: hard prompts are more likely to become solvable): down (skip more) while the kind's share is at or above
+its target, up (explore more) below it, within [`P_MIN`, `P_MAX`]. It adapts only while some prompt had a streak
+(before that no skip could change the share). A skipped prompt is not lost: it is drawn again in the next pass over
+the data, with its streak unchanged, and skipped again only with the same probability.
+
+Decisions are the same on every process and in a resumed run: each is a pure function of the run's seed, the step,
+the prompt (its text) and the history as it stood when the step began (`begin_step` freezes it; outcomes recorded
+during the step count from the next one). The history and the exploration probabilities are run state, saved with
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+P_INITIAL, P_MIN, P_MAX, P_STEP = 0.5, 0.05, 0.95, 0.01  # GRESO's exploration probabilities and their adaptation
+EASY, HARD = "easy", "hard"
+TARGET_SHARES = {EASY: 1 / 3, HARD: 2 / 3}  # of the zero-variance target, per kind (GRESO's split)
+
+
+def prompt_key(prompt: Any) -> str:
+    """A prompt's identity in the history: a digest of its text (or chat messages), the same on every process and
+    in every run, whether it came from the dataloader or the sampler's own stream."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def skip_probability(streak: int, p: float, floor: float) -> float:
+    """GRESO's probability of skipping a prompt with `streak` zero-variance samplings in a row."""
+    if streak <= 0:
+        return 0.0
+    return 1.0 - max(p**streak, floor)
+
+
+def uniform(seed: int, step: int, key: str, draw: str) -> float:
+    """A uniform number in [0, 1) that only (seed, step, prompt, the draw that offers it) decide: every process, and a
+    resumed run, draws the same."""
+    digest = hashlib.sha256(f"{seed}/{step}/{key}/{draw}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64
+
+
+@dataclass
+class Streak:
+    """A prompt's zero-variance samplings in a row, and whether they were all right or all wrong."""
+
+    length: int = 0
+    kind: str = HARD
+
+
+@dataclass
+class PromptTriage:
+    """The outcome history of every prompt sampled so far, and the skip decisions made from it (module docstring)."""
+
+    seed: int
+    target_zero_variance: float = 0.25
+    floor: float = 0.01
+    history: dict[str, Streak] = field(default_factory=dict)
+    p: dict[str, float] = field(default_factory=lambda: {EASY: P_INITIAL, HARD: P_INITIAL})
+    step: int = 0
+    _frozen: dict[str, Streak] = field(default_factory=dict)
+    _frozen_p: dict[str, float] = field(default_factory=dict)
+    _counts: dict[str, int] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------------ a step's decisions
+    def begin_step(self) -> None:
+        """Freeze the history the step's decisions read; count the step's skips and outcomes from zero."""
+        self._frozen = {key: Streak(s.length, s.kind) for key, s in self.history.items() if s.length}
+        self._frozen_p = dict(self.p)
+        self._counts = {"skipped": 0, "generated": 0, "predicted": 0, EASY: 0, HARD: 0}
+
+    def skips(self, prompt: Any, draw: str) -> bool:
+        """Whether to skip `prompt`, offered by `draw` (its place in the step's draws: the same place gets the same
+        answer, another place a fresh one); counted as skipped when it is."""
+        key = prompt_key(prompt)
+        streak = self._frozen.get(key)
+        if streak is None:
+            return False
+        chance = skip_probability(streak.length, self._frozen_p.get(streak.kind, P_INITIAL), self.floor)
+        skipped = uniform(self.seed, self.step, key, draw) < chance
+        self._counts["skipped"] = self._counts.get("skipped", 0) + int(skipped)
+        return skipped
+
+    def record(self, prompts: list[Any], zero_variance: list[bool], accuracy: list[float]) -> None:
+        """The outcome of each generated group: its prompt, whether its responses all agreed, and their common
+        accuracy (> 0: all right, "easy"; else all wrong, "hard")."""
+        for prompt, agreed, value in zip(prompts, zero_variance, accuracy, strict=True):
+            key = prompt_key(prompt)
+            self._counts["generated"] = self._counts.get("generated", 0) + 1
+            self._counts["predicted"] = self._counts.get("predicted", 0) + int(key in self._frozen)
+            if not agreed:
+                self.history.pop(key, None)  # spread again: no streak (and nothing to keep)
+                continue
+            kind = EASY if value > 0 else HARD
+            self._counts[kind] = self._counts.get(kind, 0) + 1
+            streak = self.history.get(key)
+            length = streak.length + 1 if streak is not None and streak.kind == kind else 1
+            self.history[key] = Streak(length, kind)
+
+    def end_step(self) -> dict[str, float]:
+        """Adapt the exploration probabilities to the step's zero-variance shares; the step's metrics."""
+        counts = self._counts or {"generated": 0}
+        generated = max(counts.get("generated", 0), 1)
+        metrics = {
+            "prompt_triage/skipped": float(counts.get("skipped", 0)),
+            "prompt_triage/predicted_zero_variance": counts.get("predicted", 0) / generated,
+            "prompt_triage/zero_variance": (counts.get(EASY, 0) + counts.get(HARD, 0)) / generated,
+            "prompt_triage/prompts_with_streak": float(sum(1 for s in self.history.values() if s.length)),
+        }
+        if counts.get("generated", 0) and counts.get("predicted", 0):  # some prompt could be skipped: adapt
+            for kind, share in TARGET_SHARES.items():
+                target = self.target_zero_variance * share
+                step = -P_STEP if counts.get(kind, 0) / generated >= target else P_STEP
+                self.p[kind] = min(P_MAX, max(P_MIN, self.p[kind] + step))
+        metrics["prompt_triage/p_easy"], metrics["prompt_triage/p_hard"] = self.p[EASY], self.p[HARD]
+        self.step += 1
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------ run state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "history": {key: (s.length, s.kind) for key, s in self.history.items()},
+            "p": dict(self.p),
+            "step": self.step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.history = {key: Streak(length, kind) for key, (length, kind) in state["history"].items()}
+        self.p = dict(state["p"])
+        self.step = int(state["step"])
