@@ -86,6 +86,14 @@ def test_exploration_moves_towards_the_target_share_and_stays_in_bounds():
     triage.end_step()  # no prompt of the step was predicted: p stays
     assert triage.p["easy"] == pytest.approx(P_MIN)
     assert P_STEP == 0.01
+    for step in range(20):  # prompts with a streak that show spread again: nothing avoidable, explore more
+        triage.begin_step()
+        triage.record(["easy"], [True], [1.0])  # a streak again (the next step predicts it) ...
+        triage.end_step()
+        triage.begin_step()
+        triage.record(["easy", f"new {step}"], [False, True], [0.0, 1.0])  # ... which breaks; a new prompt agrees
+        triage.end_step()
+    assert triage.p["easy"] > P_MIN + 0.1  # GRESO's all-zero-variance share (0.5 here) would have kept it at P_MIN
 
 
 # ------------------------------------------------------------------------------ dynamic sampling with triage

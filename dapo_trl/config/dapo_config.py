@@ -211,16 +211,18 @@ class DAPOConfig(GRPOConfig):
         metadata={
             "help": "Skip, before generating, prompts whose groups had no spread the last times they were sampled "
             "(GRESO, arXiv 2506.02177): a streak of k zero-variance samplings skips a prompt with probability "
-            "1 - max(p ** k, prompt_triage_exploration_floor), p adapting so that zero-variance groups make "
-            "prompt_triage_target_zero_variance of those generated. Skipped prompts come back in the next pass over "
-            "the data. Needs filter_groups_enable; rounds only (not rollout_streaming yet). docs/dynamic-sampling.md."
+            "1 - max(p ** k, prompt_triage_exploration_floor), p adapting so that the zero-variance groups a skip "
+            "would have saved make prompt_triage_target_zero_variance of those generated. Skipped prompts come back "
+            "in the next pass over the data. Needs filter_groups_enable; rounds only (not rollout_streaming yet). "
+            "It trades accuracy for generation on some data: docs/dynamic-sampling.md."
         },
     )
     prompt_triage_target_zero_variance: float = field(
         default=0.25,
         metadata={
-            "help": "The share of generated groups with no spread that prompt triage steers towards (one third all "
-            "right, two thirds all wrong, as GRESO): lower skips more."
+            "help": "The share of generated groups that prompt triage lets be avoidable waste (a prompt with a streak, "
+            "generated anyway, that agreed again; one third all right, two thirds all wrong, as GRESO): lower skips "
+            "more."
         },
     )
     prompt_triage_exploration_floor: float = field(
