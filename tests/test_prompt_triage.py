@@ -147,6 +147,7 @@ def run_sampler(
     """`steps` steps of dynamic sampling on `processes` (threads); each step's generated prompts (global order),
     trained prompts, metrics, and the sampler's state at the end (as a checkpoint holds it)."""
     data, exchange = dataset(), Exchange(processes)
+    index_of = {row["prompt"]: i for i, row in enumerate(data)}
     per_process = groups_per_step * GROUP // processes
     results: list = [None] * processes
 
@@ -165,7 +166,6 @@ def run_sampler(
             prompts = [row["prompt"] for row in rows]
             generated[-1].extend(prompts[::GROUP])
             accuracy = torch.tensor([accuracy_of(p, i) for i, p in enumerate(prompts)])
-            index_of = {row["prompt"]: i for i, row in enumerate(data)}
             tensors = {
                 "advantages": accuracy.clone(),
                 "prompt_index": torch.tensor([index_of[p] for p in prompts]),

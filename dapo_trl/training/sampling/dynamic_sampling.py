@@ -233,12 +233,11 @@ class DynamicSampler:
     def record_outcomes(self, prompts: list[Any], scored: ScoredRound) -> None:
         """Prompt triage: each scored group's prompt (`prompts`, in the round's global order) and whether its
         responses all agreed, into the outcome history."""
-        if self.triage is None or not prompts:
+        if self.triage is None:
             return
         accuracy = scored.accuracy.cpu()
         agreed = ~group_keep_mask(accuracy, self.group_size, self.args.filter_groups_atol)
-        firsts = accuracy.view(-1, self.group_size)[:, 0].tolist()
-        self.triage.record(prompts[: len(firsts)], agreed.tolist(), firsts)
+        self.triage.record(prompts, agreed.tolist(), accuracy.view(-1, self.group_size)[:, 0].tolist())
 
     def draw(self, count: int) -> list[dict[str, Any]]:
         """The next `count` fresh prompts of the stream (dataset rows), those prompt triage skips passed over:

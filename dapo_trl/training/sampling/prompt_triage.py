@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,10 +65,11 @@ def uniform(seed: int, step: int, key: str, draw: str) -> float:
 
 @dataclass
 class Streak:
-    """A prompt's zero-variance samplings in a row, and whether they were all right or all wrong."""
+    """A prompt's zero-variance samplings in a row (at least one: a prompt without a streak has no entry), and
+    whether they were all right or all wrong."""
 
-    length: int = 0
-    kind: str = HARD
+    length: int
+    kind: str
 
 
 @dataclass
@@ -82,14 +84,14 @@ class PromptTriage:
     step: int = 0
     _frozen: dict[str, Streak] = field(default_factory=dict)
     _frozen_p: dict[str, float] = field(default_factory=dict)
-    _counts: dict[str, int] = field(default_factory=dict)
+    _counts: Counter = field(default_factory=Counter)
 
     # ------------------------------------------------------------------------------------------ a step's decisions
     def begin_step(self) -> None:
         """Freeze the history the step's decisions read; count the step's skips and outcomes from zero."""
-        self._frozen = {key: Streak(s.length, s.kind) for key, s in self.history.items() if s.length}
+        self._frozen = dict(self.history)  # `record` replaces a prompt's Streak, never changes one in place
         self._frozen_p = dict(self.p)
-        self._counts = {"skipped": 0, "generated": 0, "predicted": 0, EASY: 0, HARD: 0}
+        self._counts = Counter()
 
     def skips(self, prompt: Any, draw: str) -> bool:
         """Whether to skip `prompt`, offered by `draw` (its place in the step's draws: the same place gets the same
@@ -98,9 +100,9 @@ class PromptTriage:
         streak = self._frozen.get(key)
         if streak is None:
             return False
-        chance = skip_probability(streak.length, self._frozen_p.get(streak.kind, P_INITIAL), self.floor)
+        chance = skip_probability(streak.length, self._frozen_p[streak.kind], self.floor)
         skipped = uniform(self.seed, self.step, key, draw) < chance
-        self._counts["skipped"] = self._counts.get("skipped", 0) + int(skipped)
+        self._counts["skipped"] += skipped
         return skipped
 
     def record(self, prompts: list[Any], zero_variance: list[bool], accuracy: list[float]) -> None:
@@ -108,37 +110,35 @@ class PromptTriage:
         accuracy (> 0: all right, "easy"; else all wrong, "hard")."""
         for prompt, agreed, value in zip(prompts, zero_variance, accuracy, strict=True):
             key = prompt_key(prompt)
-            self._counts["generated"] = self._counts.get("generated", 0) + 1
-            self._counts["predicted"] = self._counts.get("predicted", 0) + int(key in self._frozen)
+            self._counts["generated"] += 1
+            self._counts["predicted"] += key in self._frozen
             if not agreed:
                 self.history.pop(key, None)  # spread again: no streak (and nothing to keep)
                 continue
             kind = EASY if value > 0 else HARD
-            self._counts[kind] = self._counts.get(kind, 0) + 1
+            self._counts[kind] += 1
             if key in self._frozen:  # predicted, generated anyway, and agreed again: what a skip would have saved
-                self._counts[f"avoidable_{kind}"] = self._counts.get(f"avoidable_{kind}", 0) + 1
+                self._counts[f"avoidable_{kind}"] += 1
             streak = self.history.get(key)
             length = streak.length + 1 if streak is not None and streak.kind == kind else 1
             self.history[key] = Streak(length, kind)
 
     def end_step(self) -> dict[str, float]:
         """Adapt the exploration probabilities to the step's zero-variance shares; the step's metrics."""
-        counts = self._counts or {"generated": 0}
-        generated = max(counts.get("generated", 0), 1)
+        counts = self._counts
+        generated = max(counts["generated"], 1)
         metrics = {
-            "prompt_triage/skipped": float(counts.get("skipped", 0)),
-            "prompt_triage/predicted_zero_variance": counts.get("predicted", 0) / generated,
-            "prompt_triage/zero_variance": (counts.get(EASY, 0) + counts.get(HARD, 0)) / generated,
-            "prompt_triage/avoidable_zero_variance": (
-                counts.get(f"avoidable_{EASY}", 0) + counts.get(f"avoidable_{HARD}", 0)
-            )
+            "prompt_triage/skipped": float(counts["skipped"]),
+            "prompt_triage/predicted_zero_variance": counts["predicted"] / generated,
+            "prompt_triage/zero_variance": (counts[EASY] + counts[HARD]) / generated,
+            "prompt_triage/avoidable_zero_variance": (counts[f"avoidable_{EASY}"] + counts[f"avoidable_{HARD}"])
             / generated,
-            "prompt_triage/prompts_with_streak": float(sum(1 for s in self.history.values() if s.length)),
+            "prompt_triage/prompts_with_streak": float(len(self.history)),
         }
-        if counts.get("generated", 0) and counts.get("predicted", 0):  # some prompt could be skipped: adapt
+        if counts["predicted"]:  # some prompt could be skipped: adapt
             for kind, share in TARGET_SHARES.items():
                 target = self.target_zero_variance * share
-                avoidable = counts.get(f"avoidable_{kind}", 0) / generated
+                avoidable = counts[f"avoidable_{kind}"] / generated
                 step = -P_STEP if avoidable >= target else P_STEP
                 self.p[kind] = min(P_MAX, max(P_MIN, self.p[kind] + step))
         metrics["prompt_triage/p_easy"], metrics["prompt_triage/p_hard"] = self.p[EASY], self.p[HARD]
