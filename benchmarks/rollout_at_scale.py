@@ -121,6 +121,7 @@ occupancy, the decode-slot utilisation of an engine whose batch is bounded by it
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import heapq
 import math
@@ -147,6 +148,7 @@ from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult  
 from dapo_trl.training.rollout.rollout_stream import ServerStreamingRollout  # noqa: E402
 from dapo_trl.training.rollout.stream_plan import group_seed  # noqa: E402
 from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
+from dapo_trl.training.sampling.prompt_triage import PromptTriage  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz
@@ -159,6 +161,12 @@ PROMPT_TOKENS = (120, 400)  # uniform; the math prompt with its instruction (app
 MEDIAN_TOKENS = 3_000  # median response (assumption)
 SIGMA_PROMPT, SIGMA_RESPONSE = 0.4, 0.7  # log-length spread between prompts / within a group (total ~0.8)
 LEARNABLE_RATES = (0.05, 0.95)  # solve rate of a prompt that is neither always nor never solved
+
+# ------------------------------------------------------------ the prompt population: several epochs (`Population`)
+DAPO_MATH_PROMPTS = 17_917  # DAPO-Math-17k's problems (its hub copy: 1,791,700 rows, each problem 100 times)
+DRIFT_PER_EPOCH = 0.5  # every prompt's logit pass rate rises this much per pass over the data (assumption)
+HISTORY_EPOCHS = 4  # passes over the data trained before the timed window (the quick form: 1)
+LOADER_PASS_SEED = 1_000_003  # the dataloader's pass p is a permutation seeded seed + p x this
 
 # ------------------------------------------------------------------------------------ engine: one H100 replica
 PARAMS = 7.61e9  # Qwen2.5-7B
@@ -189,10 +197,35 @@ WAITING, RUNNING, FINISHED, DROPPED = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
+class Arm:
+    """A scheduling arm of `ARMS`, with or without prompt triage and pi_old from the engine."""
+
+    schedule: str
+    triage: bool = False  # `prompt_triage`: GRESO's skips before generation, from each prompt's outcome history
+    engine_logprobs: bool = False  # `old_logprobs_source` engine or interpolated: no pi_old forward when scoring
+
+    @property
+    def name(self) -> str:
+        return " + ".join([self.schedule, *(["triage"] * self.triage), *(["engine log-probs"] * self.engine_logprobs)])
+
+
+BEST = "stream k=1"  # the scheduling arm the combinations build on (2.19x; in flight with keep 2.20x, within noise)
+POPULATION_ARMS = (
+    Arm("rounds"),
+    Arm("rounds", triage=True),
+    Arm(BEST),
+    Arm(BEST, triage=True),
+    Arm(BEST, engine_logprobs=True),
+    Arm(BEST, triage=True, engine_logprobs=True),
+)
+
+
+@dataclass(frozen=True)
 class TrainerModel:
     """Seconds the trainer spends on each action."""
 
     gpus: int
+    pi_old_forward: bool = True  # False: pi_old is the engine's log-probs (`old_logprobs_source` engine/interpolated)
 
     def train_s(self, tokens: int, updates: int) -> float:
         """One rollout's optimizer updates: each a fixed cost, and together forward, backward and activation
@@ -200,8 +233,11 @@ class TrainerModel:
         return updates * UPDATE_S + tokens * 8 * PARAMS / (self.gpus * BF16_PEAK * TRAIN_MFU)
 
     def score_s(self, tokens: int) -> float:
-        """One scoring pass (a wave, or a round): TRL's old log-prob forward over its rows (2 N per token)."""
-        return SCORE_PASS_S + tokens * 2 * PARAMS / (self.gpus * BF16_PEAK * SCORE_MFU)
+        """One scoring pass (a wave, or a round): TRL's old log-prob forward over its rows (2 N per token). With pi_old
+        from the engine the forward is skipped and the pass's fixed cost stays (rewards, padding, gathers, the
+        wave's broadcast: the library skips only the forward, `training/sampling/old_logprobs.py`)."""
+        forward = tokens * 2 * PARAMS / (self.gpus * BF16_PEAK * SCORE_MFU) if self.pi_old_forward else 0.0
+        return SCORE_PASS_S + forward
 
 
 class Workload:
@@ -229,6 +265,121 @@ class Workload:
         return np.clip(np.rint(lengths), 1, MAX_TOKENS).astype(np.int64), draws < self.solve_rate[prompt]
 
 
+def logit_spread(keep_rate: float) -> float:
+    """The spread s at which prompts with logit pass rates z ~ N(0, s^2) keep `keep_rate` of their groups: the
+    expected share with 0 < correct < G, 1 - E[p^G + (1 - p)^G], by Gauss-Hermite quadrature and bisection."""
+    nodes, weights = np.polynomial.hermite_e.hermegauss(200)
+    weights = weights / weights.sum()
+
+    def kept(spread: float) -> float:
+        rate = 1 / (1 + np.exp(-spread * nodes))
+        return 1 - float((weights * (rate**GROUP + (1 - rate) ** GROUP)).sum())
+
+    low, high = 1e-3, 100.0  # kept falls from ~1 (every rate 0.5) towards 0 (every rate 0 or 1) as the spread grows
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if kept(middle) > keep_rate else (low, middle)
+    return (low + high) / 2
+
+
+class Population(Workload):
+    """DAPO-Math-17k's prompts over several epochs: each prompt's pass rate persists from one pass over the data to
+    the next and rises as the policy learns. At the start its logit is N(0, s^2), s such that the expected keep rate
+    is `keep_rate` (the zero-variance share at G = 16 that `Workload` draws, split evenly between all right and all
+    wrong as there); every logit then rises by `drift` per pass over the data, continuously in the training step.
+    Lengths as `Workload`'s. `at(offset)`: the same prompts with weights version v trained at step offset + v."""
+
+    def __init__(self, seed: int, keep_rate: float, drift: float, prompts: int = DAPO_MATH_PROMPTS):
+        if not 0 < keep_rate < 1:
+            raise SystemExit("--keep-rate must be in (0, 1)")
+        rng = np.random.default_rng([seed, 2])
+        self.prompt_tokens = rng.integers(PROMPT_TOKENS[0], PROMPT_TOKENS[1] + 1, prompts)
+        self.length_factor = rng.normal(0.0, SIGMA_PROMPT, prompts)
+        self.spread = logit_spread(keep_rate)
+        self.logit = rng.normal(0.0, self.spread, prompts)
+        self.drift, self.offset, self.seed = drift, 0, seed
+        self.steps_per_epoch = prompts / PROMPTS_PER_STEP
+
+    def at(self, offset: int) -> Population:
+        view = copy.copy(self)
+        view.offset = offset
+        return view
+
+    def rates(self, step: float) -> np.ndarray:
+        """Every prompt's pass rate under the weights trained for `step` rollouts."""
+        return 1 / (1 + np.exp(-(self.logit + self.drift * step / self.steps_per_epoch)))
+
+    def responses(self, prompt: int, seed: int, version: int) -> tuple[np.ndarray, np.ndarray]:
+        step = self.offset + version
+        rng = np.random.default_rng([seed, step])
+        noise, draws = rng.standard_normal(GROUP), rng.random(GROUP)
+        lengths = np.exp(math.log(MEDIAN_TOKENS) + self.length_factor[prompt] + SIGMA_RESPONSE * noise)
+        rate = 1 / (1 + math.exp(-(self.logit[prompt] + self.drift * step / self.steps_per_epoch)))
+        return np.clip(np.rint(lengths), 1, MAX_TOKENS).astype(np.int64), draws < rate
+
+    def persistence(self, epoch: int) -> dict[str, float]:
+        """At pass `epoch` (>= 1), each prompt sampled once per pass as GRESO counts: the mean pass rate, the
+        zero-variance share, and GRESO's two measures of temporal consistency: P(zero variance now | in an earlier
+        pass) and P(in an earlier pass | zero variance now)."""
+        rng = np.random.default_rng([self.seed, 3])
+        agreed = []
+        for past in range(epoch + 1):
+            correct = rng.binomial(GROUP, self.rates(past * self.steps_per_epoch))
+            agreed.append((correct == 0) | (correct == GROUP))
+        earlier, now = np.logical_or.reduce(agreed[:-1]), agreed[-1]
+        return {
+            "pass_rate": float(self.rates(epoch * self.steps_per_epoch).mean()),
+            "zero_variance": float(now.mean()),
+            "current_given_previous": float(now[earlier].mean()),
+            "previous_given_current": float(earlier[now].mean()),
+        }
+
+
+class TriagedStream:
+    """The sampler's prompt stream with prompt triage's skips, for the streaming arms: `DynamicSampler.draw`'s rule
+    (a prompt triage skips is passed over in this pass of the data, drawn again in the next) applied to the draws the
+    streaming rollout's planner makes. The library refuses `prompt_triage` with `rollout_streaming` for now; this is
+    the model of what it would skip there: decisions read the history frozen at the step's start, as in rounds, and
+    the groups the planner draws a step ahead (k = 1) are decided then."""
+
+    def __init__(self, stream: Any, triage: PromptTriage, dataset: list[dict[str, Any]]):
+        self.stream, self.triage, self.dataset = stream, triage, dataset
+        self.considered = self.skipped = 0
+
+    def draw(self, count: int) -> list[int]:
+        items: list[int] = []
+        while len(items) < count:
+            for item in self.stream.draw(count - len(items)):
+                self.considered += 1
+                if self.triage.skips(self.dataset[item]["prompt"], f"stream/{self.considered}"):
+                    self.skipped += 1
+                else:
+                    items.append(item)
+        return items
+
+    def state_dict(self) -> dict[str, int]:
+        return self.stream.state_dict()
+
+
+class Loader:
+    """The dataloader's prompts: pass p over the data a permutation seeded seed + p x LOADER_PASS_SEED (pass 0 the
+    permutation the single-pass arms always drew), batches of `PROMPTS_PER_STEP` running on across passes."""
+
+    def __init__(self, prompts: int, seed: int):
+        self.prompts, self.seed = prompts, seed
+        self.passes: dict[int, list[int]] = {}
+
+    def permutation(self, index: int) -> list[int]:
+        if index not in self.passes:
+            generator = torch.Generator().manual_seed(self.seed + index * LOADER_PASS_SEED)
+            self.passes[index] = torch.randperm(self.prompts, generator=generator).tolist()
+        return self.passes[index]
+
+    def batch(self, step: int) -> list[int]:
+        positions = range(step * PROMPTS_PER_STEP, (step + 1) * PROMPTS_PER_STEP)
+        return [self.permutation(at // self.prompts)[at % self.prompts] for at in positions]
+
+
 class SimResult(GroupResult):
     """A finished group as the driver holds it: modelled lengths (so `tokens` counts them), each completion a pair
     [length, correct] instead of its token ids (the scorer reads those; nothing else looks inside)."""
@@ -254,6 +405,9 @@ class SimResult(GroupResult):
 
     def without_tokens(self) -> SimResult:
         return self
+
+    def token_versions(self, completion: int) -> np.ndarray:  # the version of each modelled entry [length, correct]
+        return np.full(2, self.version, dtype=np.int64)
 
     @property
     def nbytes(self) -> int:  # what the modelled tokens would hold: int32 id + float32 log-prob each
@@ -647,10 +801,10 @@ def row_tokens(workload: Workload, prompts: torch.Tensor, lengths: torch.Tensor)
     return int(workload.prompt_tokens[prompts.numpy()].sum()) + int(lengths.sum())
 
 
-def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
-    """Train `args.warmup + args.steps` generation batches in one arm; metrics over the timed steps."""
-    lag, streaming = LAG[arm], arm != "rounds"
-    config = DAPOConfig(
+def arm_config(arm: Arm, args: argparse.Namespace) -> DAPOConfig:
+    """The arm's settings as the trainer builds them (triage with streaming is set up by `run_arm`: refused here)."""
+    lag, streaming = LAG[arm.schedule], arm.schedule != "rounds"
+    return DAPOConfig(
         output_dir=tempfile.gettempdir(),
         num_generations=GROUP,
         per_device_train_batch_size=PROMPTS_PER_STEP * GROUP // args.updates,  # one update's mini-batch
@@ -665,11 +819,37 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         max_completion_length=MAX_TOKENS,
         report_to="none",
         seed=args.seed,
+        prompt_triage=arm.triage and not streaming,
+        prompt_triage_target_zero_variance=args.triage_target,
     )
-    dataset = [{"prompt": index} for index in range(DATASET_PROMPTS)]
+
+
+def run_arm(
+    arm: Arm,
+    args: argparse.Namespace,
+    workload: Workload,
+    offset: int = 0,
+    history: dict | None = None,
+    keep_rate: float | None = None,
+) -> dict[str, Any]:
+    """Train `args.warmup + args.steps` generation batches in one arm, from training step `offset` (the dataloader's
+    place; `workload` a `Population.at(offset)` then) with triage's `history` (a sampler's state) if the arm triages
+    and `keep_rate` as the streaming planner's running estimate (a run that got there has tracked it; None: the
+    rollout's own start, 0.5); metrics over the timed steps."""
+    lag, streaming = LAG[arm.schedule], arm.schedule != "rounds"
+    config = arm_config(arm, args)
+    dataset = [{"prompt": index} for index in range(len(workload.prompt_tokens))]
     sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
-    engine = SimEngine(workload, args.engine_gpus, IN_FLIGHT.get(arm))
-    trainer = TrainerModel(args.trainer_gpus)
+    if arm.triage and streaming:
+        sampler.triage = PromptTriage(args.seed, args.triage_target, config.prompt_triage_exploration_floor)
+    if arm.triage and history is not None:
+        sampler.load_state_dict(history)
+    triaged = None  # the streaming arms' prompt stream with triage's skips
+    if arm.triage and streaming:
+        assert sampler.triage is not None
+        sampler._stream = triaged = TriagedStream(sampler.stream, sampler.triage, dataset)
+    engine = SimEngine(workload, args.engine_gpus, IN_FLIGHT.get(arm.schedule))
+    trainer = TrainerModel(args.trainer_gpus, pi_old_forward=not arm.engine_logprobs)
     round_groups = PROMPTS_PER_STEP * config.filter_groups_oversample
     in_flight = config.rollout_max_in_flight_groups or round_groups  # as DAPOTrainer builds the driver
     held = round_groups * GROUP * config.max_completion_length // config.filter_groups_oversample  # rollout_setup
@@ -685,7 +865,9 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
             config.rollout_lookahead_rounds,
             wave_timeout=1e12,
         )
-    loader = torch.randperm(DATASET_PROMPTS, generator=torch.Generator().manual_seed(args.seed)).tolist()
+        if keep_rate is not None:
+            rollout.keep_rate = keep_rate
+    loader = Loader(len(dataset), args.seed)
 
     round_waits = [0.0]  # rounds: virtual seconds the trainer waited for generation
     scored_tokens = [0.0]  # response tokens of every scored wave or round
@@ -693,6 +875,8 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
 
     def score_wave(rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
         wave = scored(rows, prepared["completion_ids"])
+        if streaming and sampler.triage is not None:  # rounds: `DynamicSampler.sample` records its rounds itself
+            sampler.record_outcomes([row["prompt"] for row in rows[::GROUP]], wave)
         scored_tokens[0] += float(wave.rows["completion_ids"].sum())
         engine.advance(trainer.score_s(row_tokens(workload, wave.rows["prompt_ids"], wave.rows["completion_ids"])))
         return wave
@@ -701,7 +885,7 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         def score(round_inputs: list[dict[str, Any]]) -> ScoredRound:
             prompts = [row["prompt"] for row in round_inputs[::GROUP]]
             if first[0]:
-                keys = [("batch", step, g) for g in range(len(prompts))]
+                keys = [("batch", offset + step, g) for g in range(len(prompts))]
                 first[0] = False
             else:
                 keys = [("stream", stream_drawn[0] + g) for g in range(len(prompts))]
@@ -727,8 +911,9 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
                 waited=round_waits[0] + (driver.waited if driver else 0.0),
                 scored=scored_tokens[0],
                 generating=round_waits[0],
+                skipped=triaged.skipped if triaged else 0,
             )
-        rows = [dict(dataset[index]) for index in loader[step * PROMPTS_PER_STEP : (step + 1) * PROMPTS_PER_STEP]]
+        rows = [dict(dataset[index]) for index in loader.batch(offset + step)]
         inputs = [row for row in rows for _ in range(GROUP)]  # TRL's RepeatSampler: each prompt G times
         engine.advance(WEIGHT_SYNC_S)  # k=0 / rounds: TRL's sync (nothing runs); k=1: the shared-storage write
         if rollout is None:
@@ -782,7 +967,46 @@ def run_arm(arm: str, args: argparse.Namespace, workload: Workload) -> dict[str,
         "preemptions": (end["preemptions"] - start["preemptions"]) / args.steps,
         "staleness": float(np.mean([r.get("rollout/staleness_mean", 0.0) for r in timed])),
         "digests": [r["digest"] for r in records],
+        "trained": sum(r["trained_tokens"] for r in timed) / args.steps,
+        "skipped": (triaged.skipped - start["skipped"]) / args.steps  # planned a step ahead: counted as drawn
+        if triaged
+        else float(np.mean([r.get("prompt_triage/skipped", 0.0) for r in timed])),
+        "p": (timed[-1].get("prompt_triage/p_easy"), timed[-1].get("prompt_triage/p_hard")),
     }
+
+
+def triage_history(args: argparse.Namespace, population: Population, steps: int) -> tuple[dict, list[dict]]:
+    """The first `steps` rollouts of a run with rounds and prompt triage, the library's own path (`DynamicSampler`
+    with `prompt_triage`), with no clock: each round's groups drawn from `population` at once. Returns the sampler's
+    state (prompt stream, outcome history, p_easy / p_hard), which every triage arm starts its timed window from, and
+    each step's metrics. The streaming arms take it as theirs: which prompts a run generated, and so their streaks,
+    depend on the prompt stream and the outcomes, not on the schedule."""
+    config = arm_config(Arm("rounds", triage=True), args)
+    dataset = [{"prompt": index} for index in range(len(population.prompt_tokens))]
+    sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
+    loader = Loader(len(dataset), args.seed)
+    history = []
+    for step in range(steps):
+        inputs = [dict(dataset[index]) for index in loader.batch(step) for _ in range(GROUP)]
+        _, metrics = sampler.sample(inputs, instant_scorer(args.seed, population, step))
+        history.append(metrics)
+    return sampler.state_dict(), history
+
+
+def instant_scorer(seed: int, population: Population, step: int) -> Callable[[list[dict[str, Any]]], ScoredRound]:
+    """Step `step`'s rounds, each group's responses drawn at once (the n-th group of the step its own seed)."""
+    drawn = [0]
+
+    def score(round_inputs: list[dict[str, Any]]) -> ScoredRound:
+        completions = []
+        for row in round_inputs[::GROUP]:
+            group = group_seed(seed, ("history", step, drawn[0]))
+            drawn[0] += 1
+            lengths, correct = population.responses(row["prompt"], group, step)
+            completions += [[int(n), int(c)] for n, c in zip(lengths, correct, strict=True)]
+        return scored(round_inputs, completions)
+
+    return score
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -797,6 +1021,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--in-flight", type=int, default=None, help="rollout_max_in_flight_groups (default: a round)")
     parser.add_argument("--max-gen-batches", type=int, default=MAX_GEN_BATCHES, help="max_filter_gen_batches, 0: none")
     parser.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"passes over the data trained before the population arms' timed window (default {HISTORY_EPOCHS}; "
+        "--quick: 1)",
+    )
+    parser.add_argument(
+        "--drift", type=float, default=DRIFT_PER_EPOCH, help="rise of every prompt's logit pass rate per epoch"
+    )
+    parser.add_argument(
+        "--triage-target",
+        type=float,
+        default=0.25,
+        help="prompt_triage_target_zero_variance (the library's default 0.25, GRESO's)",
+    )
+    parser.add_argument(
         "--updates",
         type=int,
         default=UPDATES_PER_STEP,
@@ -805,11 +1045,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.steps is None:
         args.steps = 1 if args.quick else 12
-    if args.steps < 1 or args.warmup < 0 or args.engine_gpus < 1 or args.trainer_gpus < 1:
-        parser.error("--steps, --engine-gpus and --trainer-gpus must be >= 1, --warmup >= 0")
+    if args.epochs is None:
+        args.epochs = 1 if args.quick else HISTORY_EPOCHS
+    if args.steps < 1 or args.warmup < 0 or args.engine_gpus < 1 or args.trainer_gpus < 1 or args.epochs < 1:
+        parser.error("--steps, --engine-gpus, --trainer-gpus and --epochs must be >= 1, --warmup >= 0")
     if args.updates < 1 or PROMPTS_PER_STEP % args.updates:
         parser.error(f"--updates must divide the {PROMPTS_PER_STEP} prompts of a rollout")
     return args
+
+
+COLUMNS = (
+    " | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
+    "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | of which never scored "
+    "| cancelled groups/step | staleness | generated per trained tok | trainer s/step | engine s/step "
+    "| ceilings vs rounds: trainer / engine alone |"
+)
+
+
+def with_ceilings(row: dict[str, Any]) -> dict[str, Any]:
+    """The arm's own seconds a step: the trainer's work wherever it waits, the engine's at the rate it generated."""
+    row["trainer_s"] = (1 - row["wait"]) * row["seconds_per_step"]
+    row["engine_s"] = row["busy"] * row["seconds_per_step"]
+    row["per_trained"] = row["generated"] / row["trained"]
+    return row
+
+
+def table_row(name: str, row: dict[str, Any], base: dict[str, Any], extra: str = "") -> str:
+    """One arm's cells; ratios and ceilings against `base`, today's rounds arm (rounds without triage, its own
+    workload, from the run's start)."""
+    base_s = base["seconds_per_step"]
+    return (
+        f"| {name} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
+        f"{row['steps_per_hour'] / base['steps_per_hour']:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
+        f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
+        f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
+        f"{row['untrained'] / 1e6:.1f}M | {row['unscored'] / 1e6:.1f}M | {row['cancelled']:.0f} | "
+        f"{row['staleness']:.2f} | {row['per_trained']:.2f} | {row['trainer_s']:.0f} | {row['engine_s']:.0f} | "
+        f"{base_s / row['trainer_s']:.2f}x / {base_s / row['engine_s']:.2f}x |{extra}"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -821,7 +1094,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     workload = Workload(args.seed, args.keep_rate)
     arms = ARMS[:-1] if args.quick else ARMS  # the check runs one in-flight arm: both take the same code path
-    results = {arm: run_arm(arm, args, workload) for arm in arms}
+    results = {arm: with_ceilings(run_arm(Arm(arm), args, workload)) for arm in arms}
     base = results["rounds"]["steps_per_hour"]
 
     print(
@@ -837,21 +1110,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.keep_rate:.2f}, max_filter_gen_batches {args.max_gen_batches}, {args.steps} timed steps per arm "
         f"after {args.warmup}, seed {args.seed}\n"
     )
-    print(
-        "| arm | steps/hour | s/step | vs rounds | engine busy | KV use | tok/s per GPU | trainer wait | rounds/step "
-        "| scoring passes/step (mean / max) | generated tok/step | untrained tok/step | of which never scored "
-        "| cancelled groups/step | staleness |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| arm" + COLUMNS)
+    print("|---" * (COLUMNS.count("|") - 1 + 1) + "|")
     for arm, row in results.items():
-        print(
-            f"| {arm} | {row['steps_per_hour']:.2f} | {row['seconds_per_step']:.0f} | "
-            f"{row['steps_per_hour'] / base:.2f}x | {100 * row['busy']:.0f}% | {100 * row['kv']:.0f}% | "
-            f"{row['tokens_per_gpu_s']:.0f} | {100 * row['wait']:.0f}% | {row['rounds']:.2f} | "
-            f"{row['passes_mean']:.1f} / {row['passes_max']:.0f} | {row['generated'] / 1e6:.1f}M | "
-            f"{row['untrained'] / 1e6:.1f}M | {row['unscored'] / 1e6:.1f}M | {row['cancelled']:.0f} | "
-            f"{row['staleness']:.2f} |"
-        )
+        print(table_row(arm, row, results["rounds"]))
     rounds = results["rounds"]
     t_gen, t_rest = rounds["t_gen"], rounds["seconds_per_step"] - rounds["t_gen"]
     print(
@@ -871,8 +1133,7 @@ def main(argv: list[str] | None = None) -> int:
         f"(k=0: {results['stream k=0']['steps_per_hour'] / base:.2f}x), engine busy {100 * k1['busy']:.0f}%; "
         f"a step = one rollout = {args.updates} optimizer update{'s' if args.updates > 1 else ''}"
     )
-    trainer_s = (1 - k1["wait"]) * k1["seconds_per_step"]  # the trainer's own work per step, wherever it waits
-    engine_s = k1["busy"] * k1["seconds_per_step"]  # the engine's, at the rate it generated
+    trainer_s, engine_s = k1["trainer_s"], k1["engine_s"]
     print(
         f"ceilings at k=1: the trainer works {trainer_s:.0f} s a step (scoring passes, {args.updates} "
         f"update{'s' if args.updates > 1 else ''}, weight sync) and the engine {engine_s:.0f} s (its "
@@ -887,7 +1148,74 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['steps_per_hour'] / base:.2f}x the steps/hour of rounds "
             f"({row['steps_per_hour'] / k1['steps_per_hour']:.2f}x k=1 without), engine busy {100 * row['busy']:.0f}%"
         )
+    population_arms(args, rounds)
     return 0 if same else 1
+
+
+def population_arms(args: argparse.Namespace, today: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The arms that need a run's history (prompt triage) or change the trainer (pi_old from the engine), after
+    `args.epochs` passes over a population of DAPO-Math-17k's size; their table and the goal's lines."""
+    started = time.perf_counter()
+    population = Population(args.seed, args.keep_rate, args.drift)
+    start = round(args.epochs * population.steps_per_epoch)
+    state, history = triage_history(args, population, start)
+    view = population.at(start)
+    facts = population.persistence(args.epochs)
+    last_epoch = history[-round(population.steps_per_epoch) :]
+    triage_keep = float(np.mean([h["dynamic_sampling/keep_rate"] for h in last_epoch]))
+    results = {
+        arm.name: with_ceilings(
+            run_arm(arm, args, view, start, state, triage_keep if arm.triage else 1 - facts["zero_variance"])
+        )
+        for arm in POPULATION_ARMS
+    }
+    here = results["rounds"]
+    end = history[-1]
+    skipped = np.mean([h["prompt_triage/skipped"] for h in last_epoch])
+    print(
+        f"\n### Prompt triage and pi_old from the engine, after {args.epochs} epoch{'s' if args.epochs > 1 else ''} "
+        f"(simulated: the same engine and trainer, a population of {len(population.prompt_tokens):,} prompts)\n"
+    )
+    print(
+        f"Pass rates: logit N(0, {population.spread:.2f}^2) at the start (keep rate {args.keep_rate:.2f}), rising "
+        f"{args.drift:g} per epoch ({population.steps_per_epoch:.1f} steps); at the window (steps {start}-"
+        f"{start + args.warmup + args.steps - 1}, {args.warmup} untimed) mean {facts['pass_rate']:.2f}, zero-variance "
+        f"share {facts['zero_variance']:.2f}. Temporal consistency, one sampling per epoch: P(zero variance now | in "
+        f"an earlier epoch) {facts['current_given_previous']:.2f} (GRESO: ~0.8), P(in an earlier epoch | now) "
+        f"{facts['previous_given_current']:.2f} (GRESO: over 0.9). Triage arms start from {start} steps of rounds "
+        f"with triage (the library's path, no clock): in its last epoch {skipped:.0f} prompts skipped a step, "
+        f"p_easy {end['prompt_triage/p_easy']:.2f}, p_hard {end['prompt_triage/p_hard']:.2f}, "
+        f"{end['prompt_triage/prompts_with_streak']:.0f} prompts "
+        f"with a streak. Triage with streaming is this model's (the library refuses it for now). 'vs rounds' is "
+        f"against today's rounds arm above; 'vs rounds here' against rounds at this window\n"
+    )
+    print("| population arm" + COLUMNS + " vs rounds here | prompts skipped/step |")
+    print("|---" * (COLUMNS.count("|") + 2) + "|")
+    for name, row in results.items():
+        extra = f" {row['steps_per_hour'] / here['steps_per_hour']:.2f}x | {row['skipped']:.0f} |"
+        print(table_row(name, row, today, extra))
+    best_name = max(results, key=lambda name: results[name]["steps_per_hour"])
+    best = results[best_name]
+    ratio, per_trained = best["steps_per_hour"] / today["steps_per_hour"], best["per_trained"]
+    plain, triaged = results[BEST], results[Arm(BEST, triage=True).name]
+    engine = results[Arm(BEST, engine_logprobs=True).name]
+    print(
+        f"\nprompt triage: {BEST} generates {triaged['per_trained']:.2f} tokens per trained token instead of "
+        f"{plain['per_trained']:.2f} ({triaged['steps_per_hour'] / plain['steps_per_hour']:.2f}x its steps/hour), "
+        f"rounds {results['rounds + triage']['per_trained']:.2f} instead of {here['per_trained']:.2f}"
+    )
+    print(
+        f"engine log-probs: {BEST}'s trainer works {engine['trainer_s']:.0f} s a step instead of "
+        f"{plain['trainer_s']:.0f} (no pi_old forward), {engine['steps_per_hour'] / plain['steps_per_hour']:.2f}x its "
+        f"steps/hour (AReaL reports 1.27x from removing that forward)"
+    )
+    print(
+        f"goal: the best arm, {best_name}, runs {ratio:.2f}x the steps/hour of today's rounds "
+        f"({best['steps_per_hour'] / here['steps_per_hour']:.2f}x rounds here): "
+        f"{'met' if ratio >= 2.8 else 'NOT met'} (>= 2.8x); {per_trained:.2f} generated tokens per trained token: "
+        f"{'met' if per_trained <= 1.4 else 'NOT met'} (<= 1.4); simulated in {time.perf_counter() - started:.0f} s"
+    )
+    return results
 
 
 if __name__ == "__main__":
