@@ -15,6 +15,7 @@ from dapo_trl.from_verl import main
 from dapo_trl.verl_import.batches import plan_batches
 from dapo_trl.verl_import.hydra import VerlInputError, parse_hydra_value, resolve_interpolations
 from dapo_trl.verl_import.model_data import model_size_billions
+from dapo_trl.verl_import.outputs import write_outputs
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.script import read_shell_script
 from dapo_trl.verl_import.translate import translate
@@ -517,6 +518,109 @@ def test_every_key_is_in_the_report_and_the_files_load(tmp_path, script):
 def test_main_returns_usage_errors(tmp_path, capsys):
     assert main([str(tmp_path / "missing.sh"), "--output", str(tmp_path / "o")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ rollout correction
+RC = "algorithm.rollout_correction."
+IS_OFF = {"vllm_importance_sampling_correction": False}
+NO_REJECTION = {"rollout_rejection": None}
+TOKEN_IS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "token_truncate"}
+SEQUENCE_IS = {"vllm_importance_sampling_correction": True, "vllm_importance_sampling_mode": "sequence_truncate"}
+
+
+def rejection(level: str, lower: float, upper: float) -> dict:
+    return {"rollout_rejection": level, "rollout_rejection_lower": lower, "rollout_rejection_upper": upper}
+
+
+# verl's rollout_correction settings (0.7's names, the later *_k1 names, and RolloutCorrectionConfig's presets) and
+# the recipe fields each becomes. The bands are on pi_old / pi_rollout: a later verl "low_high" is [1/high, 1/low].
+ROLLOUT_CORRECTIONS = {
+    "token-is": (["rollout_is=token"], {**TOKEN_IS, "vllm_importance_sampling_clip_max": 2.0, **NO_REJECTION}),
+    "sequence-is-threshold-5": (
+        ["rollout_is=sequence", "rollout_is_threshold=5.0"],
+        {**SEQUENCE_IS, "vllm_importance_sampling_clip_max": 5.0, "vllm_importance_sampling_clip_min": None},
+    ),
+    "token-rs": (["rollout_rs=token", "rollout_rs_threshold=2.0"], {**IS_OFF, **rejection("token", 0.5, 2.0)}),
+    "sequence-rs-lower": (
+        ["rollout_rs=sequence", "rollout_rs_threshold=3.0", "rollout_rs_threshold_lower=0.8"],
+        rejection("sequence", 0.8, 3.0),
+    ),
+    "geometric-rs": (["rollout_rs=geometric", "rollout_rs_threshold=1.001"], rejection("geometric", 1 / 1.001, 1.001)),
+    "token-k1": (["rollout_rs=token_k1", "rollout_rs_threshold=0.6_1.4"], rejection("token", 1 / 1.4, 1 / 0.6)),
+    "seq-sum-k1-number": (["rollout_rs=seq_sum_k1", "rollout_rs_threshold=2.0"], rejection("sequence", 0.5, 2.0)),
+    "decoupled_seq_is_rs": (
+        ["rollout_is=sequence", "rollout_is_threshold=2.0", "rollout_rs=seq_sum_k1", "rollout_rs_threshold=0.5_2.0"],
+        {**SEQUENCE_IS, "vllm_importance_sampling_clip_max": 2.0, **rejection("sequence", 0.5, 2.0)},
+    ),
+    "decoupled_geo_rs_token_tis": (
+        ["rollout_is=token", "rollout_rs=seq_mean_k1", "rollout_rs_threshold=0.999_1.001"],
+        {**TOKEN_IS, **rejection("geometric", 1 / 1.001, 1 / 0.999)},
+    ),
+    "bypass_ppo_clip": (["bypass_mode=true"], {"old_logprobs_source": "engine", **IS_OFF, **NO_REJECTION}),
+    "bypass_ppo_clip_geo_rs": (
+        ["bypass_mode=true", "loss_type=ppo_clip", "rollout_is=token", "rollout_rs=seq_mean_k1"]
+        + ["rollout_rs_threshold=0.999_1.001"],
+        {"old_logprobs_source": "engine", **IS_OFF, **rejection("geometric", 1 / 1.001, 1 / 0.999)},
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROLLOUT_CORRECTIONS))
+def test_each_rollout_correction_setting_maps_to_its_recipe(tmp_path, name):
+    """Each verl rollout-correction setting becomes TRL's truncated importance weight, dapo-trl's rejection band and
+    pi_old's source as listed; nothing blocks, the rejection is reported as approximated (rejected tokens stay in the
+    token denominator), and the recipe passes DAPOConfig's checks."""
+    overrides, fields = ROLLOUT_CORRECTIONS[name]
+    t = translated(GRPO_SCRIPT, *(RC + override for override in overrides))
+    assert not t.blocking, [(entry.key, entry.how) for entry in t.blocking]
+    assert {field: t.recipe.get(field) for field in fields} == pytest.approx(fields)
+    for key in (RC + "rollout_is", RC + "rollout_rs", RC + "bypass_mode"):
+        assert key not in t.found.values or key in t.entries
+    if t.recipe.get("rollout_rejection"):
+        entry = t.entries[RC + "rollout_rs"]
+        assert entry.status == APPROXIMATED and "stays in the token denominator" in entry.how
+    write_outputs(t, tmp_path)
+    _, config, _ = parse_recipe(tmp_path / "recipe.yaml")
+    for field, value in fields.items():
+        assert getattr(config, field) == pytest.approx(value), field
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key", "reason"),
+    [
+        (["rollout_rs=token"], "rollout_rs", "without rollout_rs_threshold: verl stops"),
+        (["rollout_rs=seq_mean_k3", "rollout_rs_threshold=0.01"], "rollout_rs", "divergence estimate"),
+        (["rollout_rs=seq_max_k2", "rollout_rs_threshold=2.5"], "rollout_rs", "divergence estimate"),
+        (["rollout_rs='token_k1,seq_sum_k1'", "rollout_rs_threshold=2.0"], "rollout_rs", "several rejection criteria"),
+        (["rollout_rs=token_k1", "rollout_rs_threshold=0.6_1.6,2.5"], "rollout_rs", "not a positive number"),
+        (
+            ["rollout_rs=token", "rollout_rs_threshold=2", "rollout_token_veto_threshold=1e-4"],
+            "rollout_token_veto_threshold",
+            "veto",
+        ),
+        (["rollout_is=sequence", "rollout_is_batch_normalize=true"], "rollout_is_batch_normalize", "mean 1"),
+        (["rollout_is=median"], "rollout_is", "token and sequence"),
+        (["bypass_mode=true", "loss_type=reinforce"], "loss_type", "REINFORCE"),
+        (["bypass_mode=true", "use_policy_gradient=true"], "use_policy_gradient", "REINFORCE"),
+    ],
+)
+def test_rollout_correction_settings_without_a_counterpart_block_naming_why(overrides, key, reason):
+    t = translated(GRPO_SCRIPT, *(RC + override for override in overrides))
+    blocking = {entry.key: entry.how for entry in t.blocking}
+    assert RC + key in blocking and reason in blocking[RC + key], blocking
+
+
+def test_rollout_correction_needs_the_engines_log_probs():
+    t = translated(GRPO_SCRIPT, "actor_rollout_ref.rollout.name=hf", RC + "rollout_is=token", RC + "bypass_mode=true")
+    assert {entry.key for entry in t.blocking} == {RC + "rollout_is", RC + "bypass_mode"}
+    assert "use rollout.name=vllm" in t.entries[RC + "rollout_is"].how
+
+
+def test_rollout_correction_off_is_not_needed_and_trls_weight_stays_off():
+    t = translated(GRPO_SCRIPT, RC + "rollout_is=null", RC + "rollout_rs=null", RC + "rollout_is_threshold=3.0")
+    assert not t.blocking and t.recipe["vllm_importance_sampling_correction"] is False
+    assert "rollout_rejection" not in t.recipe and "old_logprobs_source" not in t.recipe
+    assert {t.entries[RC + key].status for key in ("rollout_is", "rollout_rs", "rollout_is_threshold")} == {NOT_NEEDED}
 
 
 # ------------------------------------------------------------------------------------------------ end to end

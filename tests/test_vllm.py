@@ -19,6 +19,7 @@ import urllib.request
 
 import pytest
 import torch
+import yaml
 
 from dapo_trl.builtin_models import build_tiny_model
 
@@ -372,6 +373,39 @@ def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollou
     output = run_command(train, timeout=600).stdout
     staleness = [float(value) for value in re.findall(r"'rollout/staleness_max': '([0-9.]+)'", output)]
     assert staleness == [0.0, 1.0], output[-3000:]  # once per generation batch: batch 1 sampled by version 0
+
+
+def test_verls_rollout_correction_translated_runs_two_steps(vllm_venv, model_dir, shared_server, tmp_path):
+    """verl's rollout correction, token-level truncated importance weight with the geometric rejection (the
+    decoupled_geo_rs_token_tis preset, 0.7's key names), translated by `python -m dapo_trl.from_verl` from the GRPO
+    script, trains two steps through train_dapo.py against the real server: TRL's weight and dapo-trl's rejection
+    both read the engine's sampling log-probs. The server's float32 log-probs equal the trainer's to ~1e-6 after
+    each sync, so the weight stays at 1 and no response leaves the +-0.1% geometric band."""
+    recipe = tmp_path / "recipe"
+    translate = [f"{vllm_venv}/bin/python", "-m", "dapo_trl.from_verl", str(REPO / "tests/data/verl/grpo_kl.sh")]
+    correction = ["rollout_is=token", "rollout_is_threshold=2.0", "rollout_rs=geometric", "rollout_rs_threshold=1.001"]
+    correction = [f"algorithm.rollout_correction.{setting}" for setting in correction]
+    run_command([*translate, *correction, "--output", str(recipe), "--ignore-environment", "--env=HOME=/home/user"])
+    written = yaml.safe_load((recipe / "recipe.yaml").read_text())
+    assert (written["vllm_importance_sampling_mode"], written["rollout_rejection"]) == ("token_truncate", "geometric")
+    reward = tmp_path / "parity.py"  # the random tiny model never answers: a reward with spread
+    reward.write_text(
+        "def parity(completion_ids, **kwargs):\n    return [1.0 - 2 * (sum(c) % 2) for c in completion_ids]\n"
+    )
+    tiny = ["--model_name_or_path", model_dir, "--dataset_name", "builtin:arithmetic"]
+    tiny += ["--reward_funcs", f"{reward}:parity", "--vllm_server_base_url", shared_server]
+    tiny += ["--vllm_weight_sync", "shared_storage", "--per_device_train_batch_size", "8", "--num_generations", "4"]
+    tiny += ["--gradient_accumulation_steps", "1", "--steps_per_generation", "1", "--num_iterations", "1"]
+    tiny += ["--max_completion_length", "16"]
+    tiny += ["--max_steps", "2", "--bf16", "false", "--gradient_checkpointing", "false", "--eval_strategy", "no"]
+    tiny += ["--val_before_train", "false", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1"]
+    tiny += ["--plot", "false", "--warmup_steps", "0", "--output_dir", str(tmp_path / "run")]
+    train = [f"{vllm_venv}/bin/python", "train_dapo.py", "--config", str(recipe / "recipe.yaml"), *tiny]
+    output = run_command(train, timeout=600).stdout
+    rejected = [float(value) for value in re.findall(r"'sampling/rollout_rejected_fraction': '?([0-9.e+-]+)", output)]
+    weights = re.findall(r"'sampling/importance_sampling_ratio/max': '?([0-9.e+-]+)", output)
+    assert rejected == [0.0, 0.0] and len(weights) == 2, output[-3000:]
+    assert all(abs(float(weight) - 1.0) < 1e-3 for weight in weights), weights
 
 
 def test_the_vllm_benchmarks_quick_forms_run_against_the_server(vllm_venv, model_dir, shared_server, tmp_path):

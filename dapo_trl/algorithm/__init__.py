@@ -4,6 +4,8 @@
 - `batches`: dynamic sampling's group filter, batch assembly, the exact step denominator.
 - `overlong`: the soft overlong punishment (paper Eq. 13).
 - `kl`: KL estimators (the KL in the reward and the KL loss term) and the adaptive KL controller.
+- `rollout_correction`: the rollout rejection (verl's `rollout_rs`): tokens or responses whose pi_old / pi_rollout
+  ratio leaves a band.
 """
 
 from .batches import assemble_batch, concat_padded, group_keep_mask, trl_items_for_exact_normalizer
@@ -23,11 +25,13 @@ from .losses import (
     register_policy_loss,
 )
 from .overlong import soft_overlong_penalty
+from .rollout_correction import REJECTION_LEVELS, rejection_bounds, rejection_mask, rejection_statistic
 
 __all__ = [
     "KL_ESTIMATORS",
     "LOG_RATIO_BOUND",
     "POLICY_LOSSES",
+    "REJECTION_LEVELS",
     "Aggregation",
     "LossInputs",
     "LossSettings",
@@ -43,6 +47,9 @@ __all__ = [
     "policy_loss",
     "ratio_log",
     "register_policy_loss",
+    "rejection_bounds",
+    "rejection_mask",
+    "rejection_statistic",
     "soft_overlong_penalty",
     "trl_items_for_exact_normalizer",
 ]

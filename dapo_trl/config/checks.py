@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..algorithm import KL_ESTIMATORS, POLICY_LOSSES, policy_loss
+from ..algorithm import KL_ESTIMATORS, POLICY_LOSSES, REJECTION_LEVELS, policy_loss, rejection_bounds
 
 DAPOConfig = Any  # `dapo_trl.config.DAPOConfig`, which imports this module (so not imported back)
+OLD_LOGPROBS_SOURCES = ("trainer", "engine", "interpolated")  # where the loss's pi_old comes from
 
 
 def check_all(config: DAPOConfig) -> None:
@@ -17,11 +18,13 @@ def check_all(config: DAPOConfig) -> None:
     check_lengths(config)
     check_overlong_penalty(config)
     check_loss(config)
+    check_old_logprobs(config)
     check_kl_in_reward(config)
     check_padding_free(config)
     check_dynamic_sampling(config)
     check_validation(config)
     check_vllm(config)
+    check_rollout_rejection(config)
     check_rollout(config)
     check_routing_replay(config)
     check_preemption(config)
@@ -83,6 +86,22 @@ def check_loss(config: DAPOConfig) -> None:
         raise ValueError(
             f"clip_ratio_c={config.clip_ratio_c} must be > 1 + epsilon_high = {upper} "
             "(verl default 3.0, its DAPO and ReTool recipes 10.0)."
+        )
+
+
+def check_old_logprobs(config: DAPOConfig) -> None:
+    """pi_old from the engine needs an engine that sends its sampling log-probs (`algorithm.proximal`)."""
+    source = config.old_logprobs_source
+    if source not in OLD_LOGPROBS_SOURCES:
+        raise ValueError(
+            f"old_logprobs_source={source!r}: choose one of {', '.join(OLD_LOGPROBS_SOURCES)} ('trainer' is TRL's "
+            "scoring forward)."
+        )
+    if source != "trainer" and not (config.use_vllm or config.rollout_streaming):
+        raise ValueError(
+            f"old_logprobs_source={source!r} takes pi_old from the engine's sampling log-probs, and transformers' "
+            "generate sends none: pass --use_vllm true (or --rollout_streaming true with your own engine), or "
+            "keep old_logprobs_source: trainer."
         )
 
 
@@ -176,6 +195,38 @@ def check_validation(config: DAPOConfig) -> None:
     if config.eval_temperature <= 0 or not 0 < config.eval_top_p <= 1:
         raise ValueError(
             f"eval_temperature={config.eval_temperature} must be > 0 and eval_top_p={config.eval_top_p} in (0, 1]."
+        )
+
+
+def check_rollout_rejection(config: DAPOConfig) -> None:
+    """verl's rollout rejection (`algorithm.rollout_correction`): a level, a band containing positive ratios, and an
+    engine that sends its sampling log-probs."""
+    level, lower, upper = config.rollout_rejection, config.rollout_rejection_lower, config.rollout_rejection_upper
+    if level is None:
+        if lower is not None or upper is not None:
+            raise ValueError(
+                "rollout_rejection_lower / rollout_rejection_upper are set but rollout_rejection is None: set "
+                f"rollout_rejection to one of {', '.join(REJECTION_LEVELS)}, or unset the bounds."
+            )
+        return
+    if level not in REJECTION_LEVELS:
+        raise ValueError(f"rollout_rejection={level!r}: choose one of {', '.join(REJECTION_LEVELS)}, or None (off).")
+    if upper is None:
+        raise ValueError(
+            f"rollout_rejection={level!r} needs rollout_rejection_upper, the largest ratio pi_old / pi_rollout kept "
+            "(verl requires its rollout_rs_threshold too; its presets use 2.0 for token and sequence, 1.001 for "
+            "geometric)."
+        )
+    if upper <= 0.0 or not 0.0 < rejection_bounds(upper, lower)[0] <= upper:
+        raise ValueError(
+            f"rollout_rejection_lower={lower} and rollout_rejection_upper={upper} must satisfy 0 < lower <= upper "
+            "(ratios pi_old / pi_rollout; lower unset is 1 / upper, so upper must then be >= 1)."
+        )
+    if not (config.use_vllm or config.rollout_streaming):
+        raise ValueError(
+            f"rollout_rejection={level!r} compares the trainer's log-probs with the engine's sampling log-probs, and "
+            "transformers' generate sends none: pass --use_vllm true (or --rollout_streaming true with your own "
+            "engine), or unset rollout_rejection."
         )
 
 

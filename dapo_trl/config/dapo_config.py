@@ -303,6 +303,36 @@ class DAPOConfig(GRPOConfig):
         },
     )
 
+    # Rollout rejection (verl's algorithm.rollout_correction.rollout_rs); its importance weight is TRL's vllm_*.
+    rollout_rejection: str | None = field(
+        default=None,
+        metadata={
+            "help": "Drop loss tokens whose trainer/engine ratio pi_old / pi_rollout leaves [rollout_rejection_lower, "
+            "rollout_rejection_upper] (verl's rollout_correction.rollout_rs): 'token' tests each token's ratio; "
+            "'sequence' the response's product of them (drops the whole response); 'geometric' their geometric mean "
+            "exp(mean_t log(pi_old / pi_rollout)) (whole response). A rejected token's loss is multiplied by 0 (it "
+            "stays in the token denominator). Combines with TRL's importance weight (vllm_importance_sampling_*). "
+            "Needs the engine's sampling log-probs (use_vllm, or rollout_streaming); with "
+            "old_logprobs_source='engine', pi_old is the current policy (verl's bypass mode). Logged as "
+            "sampling/rollout_rejected_fraction. None = off. docs/losses.md#rollout-correction."
+        },
+    )
+    rollout_rejection_upper: float | None = field(
+        default=None,
+        metadata={
+            "help": "Upper bound of the ratio rollout_rejection keeps (verl's rollout_rs_threshold; required with "
+            "rollout_rejection, no default, as in verl). verl's presets: 2.0 for token and sequence, 1.001 for "
+            "geometric."
+        },
+    )
+    rollout_rejection_lower: float | None = field(
+        default=None,
+        metadata={
+            "help": "Lower bound of the ratio rollout_rejection keeps (verl's rollout_rs_threshold_lower). None = "
+            "1 / rollout_rejection_upper (verl's default)."
+        },
+    )
+
     # Validation (avg@n / pass@k per data source).
     vllm_server_recovery_timeout: float = field(
         default=300.0,
@@ -333,6 +363,21 @@ class DAPOConfig(GRPOConfig):
     entropy_coeff: float | None = field(
         default=None,
         metadata={"help": "Alias of entropy_coef (verl's spelling). Entropy bonus coefficient; DAPO uses 0."},
+    )
+
+    # Where the loss's pi_old comes from.
+    old_logprobs_source: str = field(
+        default="trainer",
+        metadata={
+            "help": "pi_old, the policy the clip is centred on. 'trainer' (TRL's): a no-grad forward of every "
+            "scored row with the weights it is scored at. 'engine' (verl's rollout_correction.bypass_mode): the "
+            "engine's sampling log-probs, no forward; the importance weight is then 1 and the clip alone bounds the "
+            "step away from the sampler. 'interpolated' (AReaL's prox_logp_method=loglinear): log pi_old ~= "
+            "log pi_behave + alpha (log pi_theta - log pi_behave), alpha = (v_old - v_behave) / (v_theta - "
+            "v_behave) in optimizer steps, per token; equal to 'engine' for rows the current weights sampled. Both "
+            "need the engine's log-probs (use_vllm, or rollout_streaming); the forward still runs where "
+            "kl_in_reward or routing_replay need it. docs/algorithm.md#where-pi_old-comes-from."
+        },
     )
 
     # Sequence parallelism (long responses).

@@ -23,7 +23,7 @@ GROUPS: tuple[Group, ...] = (
         "The clipped token-level loss. Its main knobs are TRL's GRPOConfig fields `loss_type`, `epsilon`, "
         "`epsilon_high`, `beta`, `entropy_coef` and `mask_truncated_completions`; every loss, its formula and its verl "
         "name: [losses.md](losses.md).",
-        ("clip_ratio_c", "entropy_coeff"),
+        ("clip_ratio_c", "entropy_coeff", "old_logprobs_source"),
     ),
     Group(
         "KL in the reward",
@@ -75,6 +75,13 @@ GROUPS: tuple[Group, ...] = (
         "(`use_vllm`, `vllm_mode`, `vllm_server_host`, ...) are TRL's: "
         "[scaling-out.md](scaling-out.md#vllm-server-mode-and-weight-sync).",
         ("vllm_weight_sync", "vllm_weight_sync_dir", "vllm_weight_sync_server_dir", "vllm_request_timeout"),
+    ),
+    Group(
+        "Rollout correction",
+        "The trainer/engine mismatch (verl's `algorithm.rollout_correction`): the truncated importance weight is TRL's "
+        "(`vllm_importance_sampling_correction`, `vllm_importance_sampling_mode`, `vllm_importance_sampling_clip_max`, "
+        "`vllm_importance_sampling_clip_min`), the rejection DAPO-TRL's: [losses.md](losses.md#rollout-correction).",
+        ("rollout_rejection", "rollout_rejection_upper", "rollout_rejection_lower"),
     ),
     Group(
         "Streaming rollout and staleness",

@@ -6,6 +6,7 @@ YAML config) and `hydra` (`VerlInput`, Hydra values and `${...}` interpolations)
 
 Translating: `translate.translate` fills a `translation.Translation`, one module per concern: `model_data`,
 `batches`, `losses` (and KL in the reward), `reward` (and dynamic sampling), `schedule`, `rollout` (and tools),
-`trainer_keys` (and the accelerate config); the one-to-one and nothing-to-translate keys are tables in `translate`.
+`rollout_correction` (verl's `algorithm.rollout_correction`), `trainer_keys` (and the accelerate config); the
+one-to-one and nothing-to-translate keys are tables in `translate`.
 Writing: `outputs.write_outputs` (recipe.yaml, report.md, vllm_server.sh, accelerate.yaml).
 """

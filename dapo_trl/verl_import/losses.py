@@ -201,9 +201,6 @@ def map_loss(t: Translation) -> None:
         t.mark("algorithm.use_pf_ppo", UNSUPPORTED, "", "policy-filtered PPO has no counterpart", blocking=True)
     else:
         t.mark("algorithm.use_pf_ppo", NOT_NEEDED, how="off")
-    for key in ("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_rs"):
-        if t.value(key) is not None:
-            t.mark(key, UNSUPPORTED, "", "verl's rollout correction is not translated", blocking=True)
 
 
 def map_kl_in_reward(t: Translation) -> None:

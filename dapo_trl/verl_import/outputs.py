@@ -99,6 +99,13 @@ RECIPE_SECTIONS: list[tuple[str, tuple[str, ...]]] = [
             "use_vllm",
             "vllm_mode",
             "vllm_importance_sampling_correction",
+            "vllm_importance_sampling_mode",
+            "vllm_importance_sampling_clip_max",
+            "vllm_importance_sampling_clip_min",
+            "rollout_rejection",
+            "rollout_rejection_lower",
+            "rollout_rejection_upper",
+            "old_logprobs_source",
             "rollout_streaming",
             "routing_replay",
             "temperature",
@@ -147,6 +154,17 @@ def instead(t: Translation, key: str) -> str:
         return "routing_replay false: the training forwards route the tokens themselves"
     if key in t.found.unresolved:
         return "the key is left out, as if the script did not set it"
+    correction = {
+        "rollout_rs": "no rollout rejection",
+        "rollout_rs_threshold": "no rollout rejection",
+        "rollout_rs_threshold_lower": "no rollout rejection",
+        "rollout_token_veto_threshold": "no veto",
+        "rollout_is_batch_normalize": "the truncated weights as they are, not rescaled",
+        "loss_type": "the clipped loss against pi_rollout (verl's ppo_clip)",
+        "use_policy_gradient": "the clipped loss against pi_rollout (verl's ppo_clip)",
+    }
+    if key.startswith("algorithm.rollout_correction.") and key.rsplit(".", 1)[1] in correction:
+        return correction[key.rsplit(".", 1)[1]]
     return "dapo-trl's setting for it (see the recipe below), not verl's"
 
 

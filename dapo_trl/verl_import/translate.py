@@ -18,6 +18,7 @@ from .model_data import map_data, map_model
 from .moe import map_moe
 from .reward import map_dynamic_sampling, map_reward
 from .rollout import map_rollout
+from .rollout_correction import map_rollout_correction
 from .schedule import map_schedule
 from .trainer_keys import map_trainer, plan_accelerate
 from .translation import MAPPED, NOT_NEEDED, UNSUPPORTED, VERL_DEFAULTS, Entry, Translation, as_boolean, recipe_line
@@ -161,7 +162,6 @@ NOT_NEEDED_KEYS: list[tuple[str, str]] = [
     ("algorithm.gamma", "GAE discount, not used by the GRPO advantage"),
     ("algorithm.lam", "GAE lambda, not used by the GRPO advantage"),
     ("algorithm.pf_ppo.*", "parameters of use_pf_ppo, off"),
-    ("algorithm.rollout_correction.*", "rollout correction off (rollout_is / rollout_rs unset)"),
     ("reward_model.*", "model-based reward settings; reward_model.enable is off"),
     ("reward_manager.*", "verl's reward-manager plumbing; the reward functions are in the recipe"),
     ("reward.*", "verl's reward-loop plumbing; the reward functions are in the recipe"),
@@ -252,6 +252,7 @@ def translate(found: VerlInput) -> Translation:
     map_reward(t)
     map_schedule(t)
     map_rollout(t)
+    map_rollout_correction(t)  # after map_rollout: it needs the engine
     map_moe(t)
     map_trainer(t)
     plan_accelerate(t)

@@ -103,6 +103,16 @@ VERL_DEFAULTS: dict[str, Any] = {
     "algorithm.kl_ctrl.kl_coef": 0.001,
     "algorithm.kl_ctrl.horizon": 10000,
     "algorithm.kl_ctrl.target_kl": 0.1,
+    "algorithm.rollout_correction.rollout_is": None,  # verl/trainer/config/algorithm/rollout_correction.yaml
+    "algorithm.rollout_correction.rollout_is_threshold": 2.0,
+    "algorithm.rollout_correction.rollout_is_batch_normalize": False,
+    "algorithm.rollout_correction.rollout_rs": None,
+    "algorithm.rollout_correction.rollout_rs_threshold": None,
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": None,  # verl 0.6.1-0.7
+    "algorithm.rollout_correction.rollout_token_veto_threshold": None,  # verl 0.6.1-0.7
+    "algorithm.rollout_correction.bypass_mode": False,
+    "algorithm.rollout_correction.loss_type": "ppo_clip",  # verl 0.7 and later
+    "algorithm.rollout_correction.use_policy_gradient": False,  # verl 0.6.1's loss_type=reinforce
     "algorithm.filter_groups.enable": False,
     "algorithm.filter_groups.metric": None,
     "algorithm.filter_groups.max_num_gen_batches": 0,

@@ -31,6 +31,7 @@ from ...algorithm.losses import (
     ratio_log,
     step_token_share,
 )
+from ...algorithm.rollout_correction import rejection_bounds, rejection_mask
 from ...algorithm.router_aux import RouterLoad, part_of, recorded_loads
 from .. import trl_seam
 from .batching import FILLER_ROWS, PASS_SHARE, WHOLE_PASS, PassShare
@@ -91,6 +92,12 @@ class PolicyLossStep:
             per_token = per_token * trainer.get_off_policy_mask(
                 advantages, logps, sampler_logps, mask, args.off_policy_mask_threshold
             )
+        rejected: dict[str, torch.Tensor] = {}
+        if args.rollout_rejection is not None:  # verl's rollout_rs: tokens whose pi_old / pi_rollout leaves the band
+            kept = self._rollout_kept(logps, old, inputs, mask, training)
+            if kept is not None:
+                per_token = per_token * kept
+                rejected["sampling/rollout_rejected_fraction"] = 1.0 - kept
         entropy_mask = None
         if trainer.top_entropy_quantile < 1.0:
             entropy_mask = trainer.get_high_entropy_mask(entropies, mask, 1 - trainer.top_entropy_quantile)
@@ -129,9 +136,29 @@ class PolicyLossStep:
         metrics["policy_loss"].append(trainer.accelerator.gather(policy_term).nanmean().item())
 
         means = {"entropy": entropies, **({"kl": per_token_kl} if trainer.beta != 0.0 else {}), **terms.diagnostics}
+        means.update(rejected)
         self._log_means(means, mask, metrics)
         self._log_extremes(terms.diagnostics, mask, metrics)
         return loss
+
+    def _rollout_kept(self, logps, old, inputs, mask, training: bool) -> torch.Tensor | None:
+        """verl's rollout rejection (`algorithm.rollout_correction`): (N, T) 1 for a kept token, 0 for a rejected one,
+        from log(pi_old / pi_rollout) against the engine's sampling log-probs. With old_logprobs_source='engine'
+        (verl's bypass mode) pi_old is the engine's own, so pi_theta (no gradient) stands in for it, as verl's bypass
+        mode tests pi_theta / pi_rollout. None for an evaluation batch without the engine's log-probs."""
+        args = self.trainer.args
+        sampling = inputs.get("sampling_per_token_logps")
+        if sampling is None:
+            if not training:
+                return None
+            raise RuntimeError(
+                f"rollout_rejection={args.rollout_rejection!r} needs the engine's sampling log-probs, and this batch "
+                "has none: generate with vLLM (use_vllm true) or a streaming engine that returns log-probs, or unset "
+                "rollout_rejection."
+            )
+        reference = logps.detach() if args.old_logprobs_source == "engine" else old
+        lower, upper = rejection_bounds(args.rollout_rejection_upper, args.rollout_rejection_lower)
+        return rejection_mask(reference - sampling, mask, args.rollout_rejection, lower, upper)
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
