@@ -51,6 +51,21 @@ What is modelled (this file)
   k=1) and a reload costs `WEIGHT_LOAD_S` on every replica at k=1 (when the driver switches versions).
 - Rounds: as TRL's one batched request per round: all of the round's groups start together and the round is
   scored when its longest response ends; the next round starts after that.
+- The population (`Population`, the second table): DAPO-Math-17k's 17,917 prompts over several passes of the data,
+  each prompt's pass rate persisting from pass to pass and rising as the policy learns: logit pass rates N(0, s^2)
+  at the start, s set so that the expected keep rate is `--keep-rate` (s = 4.73 at 0.5), all rising by `--drift`
+  per pass over the data (35 steps), continuously. The dataloader draws a fresh permutation each pass. Two families
+  of arms run on it:
+  - prompt triage (`--prompt_triage`, GRESO): with rounds, the library's own path (`DynamicSampler` with
+    `prompt_triage`: skips, replacement from the stream, the outcome history, the p_easy / p_hard controller and its
+    target `--triage-target`); with streaming, which the library refuses for now, `TriagedStream` applies the same
+    `PromptTriage` to the prompts the streaming planner draws, and each scored wave records its groups' outcomes.
+    The history (`triage_history`): `--epochs` passes of rounds with triage, run by the library's sampler with no
+    clock (each round's groups drawn from the population at once), which every triage arm starts its timed window
+    from; the streaming planner's running keep-rate estimate starts at the keep rate the run has seen.
+  - pi_old from the engine (`--old_logprobs_source engine` or `interpolated`, the same cost): the scoring pass skips
+    its pi_old forward (the per-token part of `TrainerModel.score_s`); its fixed cost stays. The engine returns the
+    sampled tokens' log-probs at no modelled cost (its sampler computes the softmax anyway).
 
 The virtual clock
 -----------------
@@ -92,6 +107,26 @@ Constants and their sources (approximate where marked; from published figures, n
   start of its forward and backward that nothing hides, gradient clipping and the Trainer's per-step work: an
   assumption. WEIGHT_SYNC_S / WEIGHT_LOAD_S 10 s each: gathering and sending (or writing, then reading) 15 GB of
   weights (approximate).
+- The population: 17,917 prompts, DAPO-Math-17k's size as the issue gives it (the hub copy's ~1.79M rows over its
+  ~100 repeats; docs/data.md counts ~17.4k distinct problems after the loader drops repeats: 34 steps a pass instead
+  of 35, not verified here; the first table keeps its 17,000). Logit-normal pass rates: an assumption,
+  the simplest family with one spread parameter, centred (mean pass rate 0.5) so that all-wrong and all-right groups
+  are equally common at the start, as `Workload` draws them. Its temporal consistency is GRESO's without a
+  per-prompt noise term (printed per run): GRESO (Zheng et al., arXiv 2506.02177; its project page,
+  github.com/Infini-AI-Lab/GRESO) measured, training Qwen2.5-Math-7B, that over 90% of an epoch's zero-variance
+  prompts had been zero-variance in an earlier epoch and that about 20% of those become effective again (P(current
+  | previous) ~0.8); the model gives 0.92 and 0.71 at the window, 0.82 and 0.82 after one epoch. DRIFT_PER_EPOCH
+  0.5 logit a pass (mean pass rate 0.50 -> 0.65 over 4 passes): an assumption; the DAPO paper (arXiv 2503.14476,
+  Fig. 3b) shows the share of all-correct groups rising through training but gives no rate per epoch to calibrate
+  to (`--drift 0` and `--drift 1` bracket it: docs/rollout.md). HISTORY_EPOCHS 4: the controller moves p by 0.01 a
+  step (45 steps from 0.5 to a bound) and a prompt is generated about twice a pass (the dataloader's draw and the
+  sampler's stream), so after 4 passes streaks of several samplings exist and p has settled.
+- Prompt triage's rule and constants are the library's (`dapo_trl/training/sampling/prompt_triage.py`: GRESO's
+  initial p 0.5, step 0.01, bounds 0.05 / 0.95, floor 0.01, target 0.25 split 1:2 easy:hard).
+- Engine log-probs: AReaL reports 1.27x from removing the proximal policy's forward (inclusionAI/AReaL,
+  docs/algorithms/prox_approx.md: 207 -> 163 min for 300 steps, Qwen2.5-1.5B on GSM8K); here its gain is what the
+  trainer's share of the step allows once it overlaps the engine. AReaL's asynchronous system: up to 2.77x the
+  steps of a synchronous one (AReaL, arXiv 2505.24298), the issue's bar for the best arm.
 - DAPO-7B setting: 512 prompts x 16 responses per step, responses up to 20,480 tokens, at most 10 generation batches,
   16 optimizer updates per step (DAPO paper, Yu et al. 2025, arXiv 2503.14476: prompt batch 512, 16 responses per
   prompt, mini-batch 512 responses = 32 prompts, so 16 gradient updates per rollout step; verl's recipe/dapo:
@@ -100,8 +135,9 @@ Constants and their sources (approximate where marked; from published figures, n
   The default of 8 engine GPUs, like the trainer's 8, puts T_gen / T_train of rounds at about 1.5 (docs/rollout.md:
   overlap matters from 1 up); `--engine-gpus 1` is a single H100 against the 8-GPU trainer (T_gen / T_train ~9).
 
-    python benchmarks/rollout_at_scale.py             # 1 + 12 steps per arm: about a minute on 2 cores
-    python benchmarks/rollout_at_scale.py --quick     # 1 + 1 steps per arm (not in-flight keep): the suite's check
+    python benchmarks/rollout_at_scale.py             # 1 + 12 steps per arm, 4 epochs of history: ~2 min on 2 cores
+    python benchmarks/rollout_at_scale.py --quick     # 1 + 1 steps per arm (not in-flight keep), 1 epoch: the check
+    python benchmarks/rollout_at_scale.py --drift 0 --triage-target 0.1  # the population's assumptions, triage's target
     python benchmarks/rollout_at_scale.py --in-flight 256 --engine-gpus 1 --keep-rate 0.3   # other settings
     python benchmarks/rollout_at_scale.py --updates 1  # one optimizer update per rollout instead of DAPO's 16
 
@@ -110,12 +146,20 @@ seconds per step, the ratio to rounds, the engine's busy share and KV occupancy,
 engine GPU, the trainer's share of time waiting for generation, rounds and scoring passes per step, generated tokens
 per step, the tokens generated but not trained (filtered groups, surplus past the cut, cancelled and discarded
 groups) and how many of those were never even scored (cancelled or discarded: admitted ahead of a batch that filled),
-running groups cancelled per step, and the trained rows' mean staleness.
+running groups cancelled per step, the trained rows' mean staleness, generated tokens per trained token, the
+trainer's and the engine's own seconds a step (the trainer's work wherever it waits; the engine's busy time at the
+rate it generated) and the two ceilings they set: today's rounds step over each, the steps/hour that arm would reach
+were the other side free. The second table (the population, after `--epochs` passes) adds the ratio to rounds at
+the same window and the prompts triage skipped a step; its ratios and ceilings are against the first table's rounds
+(today's rounds arm: rounds without triage, from the run's start).
 
 The last line reads `rollout at scale: streaming k=1 runs N.NNx the steps/hour of rounds (k=0: N.NNx), engine busy
 NN%; a step = one rollout = 16 optimizer updates` (the k=1 arm's engine busy: share of replica time with at least one
 sequence running, as the trainer's `rollout/engine_busy_fraction`; the table also gives the KV cache's mean
-occupancy, the decode-slot utilisation of an engine whose batch is bounded by its KV cache).
+occupancy, the decode-slot utilisation of an engine whose batch is bounded by its KV cache). The population's last
+lines: what triage changes at k=1 and in rounds, what pi_old from the engine changes, and `goal: the best arm, ...,
+runs N.NNx the steps/hour of today's rounds ...: met|NOT met (>= 2.8x); N.NN generated tokens per trained token:
+met|NOT met (<= 1.4)`.
 """
 
 from __future__ import annotations
@@ -163,7 +207,7 @@ SIGMA_PROMPT, SIGMA_RESPONSE = 0.4, 0.7  # log-length spread between prompts / w
 LEARNABLE_RATES = (0.05, 0.95)  # solve rate of a prompt that is neither always nor never solved
 
 # ------------------------------------------------------------ the prompt population: several epochs (`Population`)
-DAPO_MATH_PROMPTS = 17_917  # DAPO-Math-17k's problems (its hub copy: 1,791,700 rows, each problem 100 times)
+DAPO_MATH_PROMPTS = 17_917  # DAPO-Math-17k's size as the issue gives it (docs/data.md: ~17.4k distinct)
 DRIFT_PER_EPOCH = 0.5  # every prompt's logit pass rate rises this much per pass over the data (assumption)
 HISTORY_EPOCHS = 4  # passes over the data trained before the timed window (the quick form: 1)
 LOADER_PASS_SEED = 1_000_003  # the dataloader's pass p is a permutation seeded seed + p x this
@@ -209,7 +253,8 @@ class Arm:
         return " + ".join([self.schedule, *(["triage"] * self.triage), *(["engine log-probs"] * self.engine_logprobs)])
 
 
-BEST = "stream k=1"  # the scheduling arm the combinations build on (2.19x; in flight with keep 2.20x, within noise)
+BEST = "stream k=1"  # the scheduling arm the combinations build on: 2.19x (in flight with keep: 2.20x, within noise,
+# and it needs vLLM's keep-KV pause; k=1 needs nothing of the engine)
 POPULATION_ARMS = (
     Arm("rounds"),
     Arm("rounds", triage=True),
