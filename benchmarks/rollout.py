@@ -22,6 +22,8 @@ Arms:
 - `stream k=1`, `stream k=2`: `rollout_max_staleness` k: the next batches are generated while the trainer trains.
 - `stream k=1 in-flight`: k=1 with `rollout_in_flight_weight_updates`: a new version loads while requests run (the
   server paused with them kept, their KV cache recomputed on resume), instead of after the old version's drain.
+- `stream k=1 engine pi_old`, `stream k=1 interpolated pi_old` (only when asked for with `--arms`): k=1 with
+  `old_logprobs_source` engine / interpolated: pi_old without the scoring forward (docs/algorithm.md).
 - `colocate rounds`, `colocate stream k=0` (only when asked for with `--arms`): vLLM colocated in the trainer's
   process, which runs on both cores (no server), as rounds and streamed.
 
@@ -35,6 +37,7 @@ scoring vs the rest of the step) and the overlap ceiling (T_gen + T_train) / max
     python benchmarks/rollout.py --quick    # 1 run of 1 + 4 steps, L = 192: about 6 minutes
     python benchmarks/rollout.py --quick --arms "colocate rounds" "colocate stream k=0"
     python benchmarks/rollout.py --smoke --server URL --model-path DIR   # every server arm runs: a check, no figure
+    python benchmarks/rollout.py --arms "stream k=1" "stream k=1 engine pi_old" "stream k=1 interpolated pi_old"
 
 `--server URL` uses a running `vllm serve` server (started with tests/test_vllm.py's flags, serving `--model-path`)
 instead of starting one; the trainers reload weights into it. `--smoke` is the suite's check (tests/test_vllm.py),
@@ -81,6 +84,16 @@ ARMS = {
         "rollout_streaming": True,
         "rollout_max_staleness": 1,
         "rollout_in_flight_weight_updates": True,
+    },
+    "stream k=1 engine pi_old": {
+        "rollout_streaming": True,
+        "rollout_max_staleness": 1,
+        "old_logprobs_source": "engine",
+    },
+    "stream k=1 interpolated pi_old": {
+        "rollout_streaming": True,
+        "rollout_max_staleness": 1,
+        "old_logprobs_source": "interpolated",
     },
     "colocate rounds": {"vllm_mode": "colocate"},
     "colocate stream k=0": {"vllm_mode": "colocate", "rollout_streaming": True},
@@ -540,6 +553,11 @@ def main(argv: list[str] | None = None) -> int:
             f"in-flight: k=1 with in-flight weight updates runs {ratio:.2f}x the steps/hour of k=1, "
             f"engine busy {busy:.0f}%"
         )
+    for source in ("engine", "interpolated"):
+        arm = f"stream k=1 {source} pi_old"
+        if {"stream k=1", arm} <= set(summary):
+            ratio = summary[arm]["steps_per_hour"] / summary["stream k=1"]["steps_per_hour"]
+            print(f"pi_old: k=1 with old_logprobs_source={source} runs {ratio:.2f}x the steps/hour of k=1 (trainer)")
     if {"colocate rounds", "colocate stream k=0"} <= set(summary):
         ratio = summary["colocate stream k=0"]["steps_per_hour"] / summary["colocate rounds"]["steps_per_hour"]
         print(f"colocate: streaming k=0 runs {ratio:.2f}x the steps/hour of colocate rounds")

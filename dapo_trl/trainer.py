@@ -31,6 +31,7 @@ from .training.rollout.rollout_stream import ROLLOUT_STATE_FILE
 from .training.rollout.vllm_backends import backend_for
 from .training.sampling import batch_metrics, evaluation, streams
 from .training.sampling.dynamic_sampling import DynamicSampler, Process, ScoredRound, gather_rows, row_padding
+from .training.sampling.old_logprobs import OldLogProbs
 from .training.sampling.reference import build_reference_model, needs_own_reference
 from .training.sampling.round_scoring import RoundScoring, complete_round_rows
 from .training.sampling.shaping import GenerationRecord, ShapingColumns
@@ -97,6 +98,7 @@ class DAPOTrainer(GRPOTrainer):
         self._generation = GenerationRecord()  # the batch `_calculate_rewards` scores
         self._tool_runtime = ToolRuntime(self.tools, trl_seam.tokenizer(self), self.max_tool_calling_iterations)
         self._round: RoundScoring | None = None  # the round TRL is scoring for dynamic sampling (`_score_round`)
+        self._old_logprobs = OldLogProbs(args)  # pi_old: TRL's scoring forward, or the engine's log-probs
         pad_token_id, router_aux_loss = trl_seam.tokenizer(self).pad_token_id, self.aux_loss_enabled
         set_zero3_leaf_modules(self.model, self.accelerator)  # MoE blocks gathered whole: no hang when routes differ
         self._forwards = TokenForwards(args, self.accelerator, self.model, pad_token_id, router_aux_loss)
@@ -204,6 +206,9 @@ class DAPOTrainer(GRPOTrainer):
         **multimodal,
     ):
         """Every training forward goes through here (`training.step.forwards`: padding-free, sequence-parallel)."""
+        skipped = self._old_logprobs.skipped_forward(model, self, input_ids, logits_to_keep)
+        if skipped is not None:  # pi_old from the engine: TRL's scoring forward is not run
+            return skipped
         flags = {"compute_entropy": compute_entropy, "compute_aux_loss": compute_aux_loss}
         trl_forward = partial(super()._get_per_token_logps_and_entropies, model)
         routing = None  # routing replay: the policy's forwards route as the engine did
@@ -243,7 +248,7 @@ class DAPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         try:
             if not (self.model.training and (self.args.filter_groups_enable or self._rollout is not None)):
-                return super()._generate_and_score_completions(inputs)
+                return self._old_logprobs.score(self, partial(super()._generate_and_score_completions, inputs))
             if self._rollout is None:
                 batch, metrics = self._sampler.sample(inputs, self._score_round)
             else:
@@ -262,7 +267,8 @@ class DAPOTrainer(GRPOTrainer):
         self._round = scoring = scoring or RoundScoring()
         with replaying_round(self, scoring) as replayed:  # routing replay: forwards route as the engine did
             try:
-                output = super()._generate_and_score_completions(round_inputs)
+                with self._old_logprobs.scoring(self):
+                    output = super()._generate_and_score_completions(round_inputs)
                 rewards_per_func = scoring.rewards_per_func  # TRL's gathered rewards of this round, (rows, funcs)
             finally:
                 self._round = None
@@ -279,8 +285,7 @@ class DAPOTrainer(GRPOTrainer):
         """A streamed part of a round, scored as a round is (`_score_round`), its completions already sampled."""
         engine = rollout_setup.colocated_engine(self._rollout)
         # Colocated, TRL's own generation would call the engine the stream is stepping on another thread.
-        scoring = RoundScoring(prepared, None if engine is None else engine.generate_turns, streamed=True)
-        scoring.routed_experts, scoring.engine_logprobs = prepared.pop("routed_experts", None), prepared["logprobs"]
+        scoring = RoundScoring.of_wave(prepared, None if engine is None else engine.generate_turns)
         with batch_metrics.per_pass_figures_dropped(trl_seam.metrics(self, "train")):  # the step's come from its rows
             return self._score_round(rows, scoring)
 

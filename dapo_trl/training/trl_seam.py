@@ -308,6 +308,25 @@ def per_token_log_probs(trainer: Any, model: Any, input_ids: Any, attention_mask
     return log_probs
 
 
+# What TRL's `_generate_and_score_completions` logs from pi_old and the engine's log-probs, once per scoring pass.
+ENGINE_MISMATCH_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+def scores_old_log_probs(trainer: Any) -> bool:
+    """Whether TRL's `_generate_and_score_completions` runs the policy's no-grad forward for pi_old (its first no-grad
+    forward of the pass, before the reference's): generation misaligned with optimizer steps, or vLLM's importance
+    correction on (TRL 1.16's rule)."""
+    generate_every = trainer.args.steps_per_generation * trainer.num_iterations
+    misaligned = trainer.args.gradient_accumulation_steps % generate_every != 0
+    return misaligned or bool(trainer.use_vllm and trainer.vllm_importance_sampling_correction)
+
+
 def shuffle_and_split(generation_batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     """A generated, scored batch shuffled and split into `parts` micro-batches, as TRL's `_prepare_inputs` does."""
     batch = trl_function("split_pixel_values_by_grid")(generation_batch)

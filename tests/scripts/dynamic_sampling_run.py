@@ -103,6 +103,11 @@ class RecordingTrainer(DAPOTrainer):
                 "active_tokens": inputs["completion_mask"].sum(dim=1).tolist(),
                 "num_items": float(inputs["num_items_in_batch"]),
             }
+            for name in ("old_per_token_logps", "sampling_per_token_logps", "dapo_proximal_lag"):  # pi_old's source
+                if name in inputs:
+                    record[name] = [row[mask].tolist() for row, mask in zip(inputs[name], masks, strict=True)]
+            if "dapo_scored_at_step" in inputs:
+                record["dapo_scored_at_step"] = inputs["dapo_scored_at_step"].tolist()
             if "completion_routed_experts" in inputs:  # routing replay: each row's replayed completion routing
                 routings = inputs["completion_routed_experts"]
                 record["routings"] = [

@@ -270,14 +270,16 @@ class StreamingRollout:
                     f"the engine answered {result.key} with {len(result.lengths)} completions "
                     f"for group {key} of {self.group_size}"
                 )
-        rows, completions, logprobs, routings = [], [], [], []
+        rows, completions, logprobs, routings, versions = [], [], [], [], []
         for index, first, stop in self.local_rows(len(groups)):
             ids, values, routed = results[index].rows(first, stop)
             rows.extend(dict(groups[index][1]) for _ in range(stop - first))
             completions.extend(ids)
             logprobs.extend(values)
             routings.extend(routed)
-        return rows, {"completion_ids": completions, "logprobs": logprobs, "routed_experts": routings}
+            versions.extend(results[index].token_versions(row) for row in range(first, stop))
+        prepared = {"completion_ids": completions, "logprobs": logprobs, "routed_experts": routings}
+        return rows, {**prepared, "versions": versions}
 
     def local_rows(self, group_count: int) -> list[tuple[int, int, int]]:
         """(group, first row, row stop) of each group with rows in this process's share of a wave (`share_spans`)."""

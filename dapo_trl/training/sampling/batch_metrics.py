@@ -12,7 +12,7 @@ filled the batch (with carried surplus, whole rounds: they are always scored who
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,13 +40,14 @@ def replaced(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def per_pass_figures_dropped(pending: dict[str, list]) -> Iterator[None]:
-    """TRL's per-pass figures that the block (a streamed wave's scoring pass) appends to `pending` (TRL's metrics)
-    are dropped at its end: the step's own come from the rows it decided on (`trained_batch_metrics`)."""
-    before = {name: len(values) for name, values in pending.items() if replaced(name)}
+def per_pass_figures_dropped(pending: dict[str, list], which: Callable[[str], bool] = replaced) -> Iterator[None]:
+    """TRL's per-pass figures (`which` names) that the block (a streamed wave's scoring pass) appends to `pending`
+    (TRL's metrics) are dropped at its end: the step's own come from the rows it decided on (`trained_batch_metrics`),
+    or from the training forwards (`which=old_logprobs.measured_in_training`)."""
+    before = {name: len(values) for name, values in pending.items() if which(name)}
     yield
     for name, values in pending.items():
-        if replaced(name):
+        if which(name):
             del values[before.get(name, 0) :]
 
 

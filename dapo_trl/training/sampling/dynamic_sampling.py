@@ -21,6 +21,7 @@ from ..faults.preemption import SafePoints
 from ..step.replayed_routing import HOST_ROW_TENSORS, ROUTING_ROW_FIELDS
 from ..step.routing_shelf import NO_ROUTING, ROUTING_ID
 from .advantages import batch_level_rewards, batch_normalisation, batch_scaled_advantages
+from .old_logprobs import PROXIMAL_LAG, SCORED_AT
 from .prompt_triage import PromptTriage
 from .streams import IterablePromptStream, PromptStream
 
@@ -39,6 +40,8 @@ ROW_TENSORS = {
     "sampling_per_token_logps": (0.0, False),
     "importance_sampling_ratio": (1.0, False),
     "tool_mask": (1, False),
+    PROXIMAL_LAG: (0.0, False),  # old_logprobs_source=interpolated: each token's lag behind pi_old
+    SCORED_AT: (0.0, False),
     **ROUTING_ROW_FIELDS,  # routing replay: each row's routing id (the routing stays on the process that scored it)
 }
 STAT_NAMES = (

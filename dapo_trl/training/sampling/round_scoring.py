@@ -29,6 +29,15 @@ class RoundScoring:
     row_stats: dict[str, Any] | None = None  # `batch_metrics.row_statistics` of a streamed wave
     routed_experts: list[Any] | None = None  # a streamed wave's engine routings, per local row (routing replay)
     engine_logprobs: list[list[float]] | None = None  # a streamed wave's sampled tokens' engine log-probs
+    engine_versions: list[Any] | None = None  # a streamed wave's weights version of each sampled token, per row
+
+    @classmethod
+    def of_wave(cls, prepared: dict[str, list], next_turns: Callable[[list[list[int]]], Any] | None) -> RoundScoring:
+        """A streamed wave's hand-offs: its sampled completions for TRL's first turn, and what the engine sent
+        beside them (routings, log-probs, each token's weights version)."""
+        scoring = cls(prepared, next_turns, streamed=True, routed_experts=prepared.pop("routed_experts", None))
+        scoring.engine_logprobs, scoring.engine_versions = prepared["logprobs"], prepared.pop("versions", None)
+        return scoring
 
     def sampled_turn(self, prompt_ids: list[list[int]]) -> tuple[list, list] | None:
         """A turn TRL's generation need not sample: a streamed wave's first turn (the engine sampled it), or with
@@ -51,11 +60,13 @@ class RoundScoring:
 
 def complete_round_rows(trainer: Any, output: dict[str, Any], scoring: RoundScoring, replayed: Any) -> None:
     """What a scored round's rows need beyond TRL's scoring: the behaviour policy's log-probs when carried surplus
-    may train them a step later, and with routing replay their routing and its metrics."""
+    may train them a step later, with routing replay their routing and its metrics (from the trainer's forward), and
+    last pi_old from the engine where `old_logprobs_source` says so."""
     if replayed is not None:
         output.update(replayed.shelve(output))
     check_regroupable(output)  # before any forward of the rows
-    if trainer.args.filter_groups_carry_surplus and output.get("old_per_token_logps") is None:
+    from_trainer = trainer.args.old_logprobs_source == "trainer"  # else pi_old is the engine's (`old_logprobs`)
+    if trainer.args.filter_groups_carry_surplus and from_trainer and output.get("old_per_token_logps") is None:
         input_ids = torch.cat([output["prompt_ids"], output["completion_ids"]], dim=1)
         attention_mask = torch.cat([output["prompt_mask"], output["completion_mask"]], dim=1)
         with torch.no_grad():
@@ -65,3 +76,4 @@ def complete_round_rows(trainer: Any, output: dict[str, Any], scoring: RoundScor
             )
     if replayed is not None:
         record_replay_metrics(trainer, output, scoring)
+    trainer._old_logprobs.complete(trainer, output, scoring.engine_versions)

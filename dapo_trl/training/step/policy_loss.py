@@ -31,9 +31,11 @@ from ...algorithm.losses import (
     ratio_log,
     step_token_share,
 )
+from ...algorithm.proximal import importance_weight, interpolation_weight, proximal_log_probs
 from ...algorithm.rollout_correction import rejection_bounds, rejection_mask
 from ...algorithm.router_aux import RouterLoad, part_of, recorded_loads
 from .. import trl_seam
+from ..sampling.old_logprobs import PROXIMAL_LAG, SCORED_AT
 from .batching import FILLER_ROWS, PASS_SHARE, WHOLE_PASS, PassShare
 
 
@@ -47,6 +49,7 @@ class PolicyLossStep:
         self.loss = policy_loss(args.loss_type)
         self.settings = LossSettings.from_config(args)
         self.entropy_bonus = args.entropy_coef != 0.0 or args.use_adaptive_entropy
+        self.old_from_engine = args.old_logprobs_source != "trainer"  # pi_old: the engine's log-probs
         self._entropy_window: torch.Tensor | None = None  # adaptive entropy: (entropy sum, tokens) of the step so far
         self._router_whole: RouterLoad | None = None  # the router load of the micro-batch whose passes are running
         self._aux_so_far: torch.Tensor | float = 0.0  # the micro-batch's aux loss over its passes so far (its metric)
@@ -81,10 +84,13 @@ class PolicyLossStep:
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old = inputs.get("old_per_token_logps")
         old = logps.detach() if old is None else old
-
-        log_ratio = ratio_log(clamped_log_ratio(logps, old), mask, self.settings.ratio_level)
         corrected = trainer.use_vllm and trainer.vllm_importance_sampling_correction
         sampling_ratio = inputs.get("importance_sampling_ratio") if corrected else None
+        engine_terms: dict[str, torch.Tensor] = {}
+        if self.old_from_engine and training and "sampling_per_token_logps" in inputs:
+            old, sampling_ratio, engine_terms = self._old_from_engine(logps, old, sampling_ratio, inputs, mask)
+
+        log_ratio = ratio_log(clamped_log_ratio(logps, old), mask, self.settings.ratio_level)
         terms = self.loss.function(LossInputs(logps, log_ratio, advantages, mask, sampling_ratio), self.settings)
         per_token = terms.per_token
         if args.off_policy_mask_threshold is not None:  # DeepSeek-V3.2's sequence mask, against the sampler's log-probs
@@ -136,6 +142,7 @@ class PolicyLossStep:
         metrics["policy_loss"].append(trainer.accelerator.gather(policy_term).nanmean().item())
 
         means = {"entropy": entropies, **({"kl": per_token_kl} if trainer.beta != 0.0 else {}), **terms.diagnostics}
+        means.update(engine_terms)
         means.update(rejected)
         self._log_means(means, mask, metrics)
         self._log_extremes(terms.diagnostics, mask, metrics)
@@ -159,6 +166,34 @@ class PolicyLossStep:
         reference = logps.detach() if args.old_logprobs_source == "engine" else old
         lower, upper = rejection_bounds(args.rollout_rejection_upper, args.rollout_rejection_lower)
         return rejection_mask(reference - sampling, mask, args.rollout_rejection, lower, upper)
+
+    def _old_from_engine(
+        self, logps: torch.Tensor, engine: torch.Tensor, sampling_ratio: torch.Tensor | None, inputs, mask
+    ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+        """pi_old from the engine's log-probs (`old_logprobs_source`, `algorithm.proximal`): `engine` as it is (a
+        token the engine sent no log-prob for gets pi_theta's: ratio 1); `interpolated` moved toward pi_theta by
+        each token's lag behind pi_old, with the importance weight pi_old / pi_engine recomputed to match. Also the
+        per-token figures the scoring pass no longer measures: |log pi_theta - log pi_engine|, and alpha."""
+        trainer, args = self.trainer, self.trainer.args
+        current = logps.detach()
+        engine = torch.where(torch.isnan(engine), current, engine)
+        terms = {"sampling/sampling_logp_difference/mean": (current - engine).abs()}
+        lag = inputs.get(PROXIMAL_LAG)
+        if lag is None:
+            return engine, sampling_ratio, terms
+        since = (trainer.state.global_step - inputs[SCORED_AT].float()).unsqueeze(1)
+        weight = interpolation_weight(lag, since)
+        old = proximal_log_probs(engine, current, weight)
+        terms["sampling/proximal_weight/mean"] = weight
+        if sampling_ratio is not None:
+            mode, low, high = (
+                args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min,
+                args.vllm_importance_sampling_clip_max,
+            )
+            sampling_ratio = importance_weight(old - engine, mask, mode, low, high)
+            terms["sampling/importance_sampling_ratio/mean"] = sampling_ratio
+        return old, sampling_ratio, terms
 
     def _forward(self, model: Any, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, Any]:
         prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
