@@ -107,9 +107,9 @@ Constants and their sources (approximate where marked; from published figures, n
   start of its forward and backward that nothing hides, gradient clipping and the Trainer's per-step work: an
   assumption. WEIGHT_SYNC_S / WEIGHT_LOAD_S 10 s each: gathering and sending (or writing, then reading) 15 GB of
   weights (approximate).
-- The population: 17,917 prompts, DAPO-Math-17k's size as the issue gives it (the hub copy's ~1.79M rows over its
-  ~100 repeats; docs/data.md counts ~17.4k distinct problems after the loader drops repeats: 34 steps a pass instead
-  of 35, not verified here; the first table keeps its 17,000). Logit-normal pass rates: an assumption,
+- The population: 17,917 prompts, DAPO-Math-17k's size as the issue gives it (docs/data.md counts ~17.4k distinct
+  problems once the loader drops the hub copy's repeats: 34 steps a pass instead of 35, not checked here; the first
+  table keeps its 17,000). Logit-normal pass rates: an assumption,
   the simplest family with one spread parameter, centred (mean pass rate 0.5) so that all-wrong and all-right groups
   are equally common at the start, as `Workload` draws them. Its temporal consistency is GRESO's without a
   per-prompt noise term (printed per run): GRESO (Zheng et al., arXiv 2506.02177; its project page,
