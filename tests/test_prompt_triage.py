@@ -240,3 +240,63 @@ def test_prompt_triage_is_refused_where_it_cannot_act(tmp_path):
     with pytest.raises(ValueError, match="prompt_triage_target_zero_variance=1.5 must be in"):
         tiny_config(tmp_path, prompt_triage=True, prompt_triage_target_zero_variance=1.5)
     assert tiny_config(tmp_path, prompt_triage=True).prompt_triage
+
+
+# ---------------------------------------------------------------------------------------------- streaming
+def streamed_batches(out, processes: int) -> dict[int, list]:
+    """Every trained row (prompt, completion ids, advantage) per optimizer step, over all processes, sorted."""
+    import json
+
+    steps: dict[int, list] = {}
+    for rank in range(processes):
+        for line in (out / f"trained_rank{rank}.jsonl").read_text().splitlines():
+            record = json.loads(line)
+            rows = zip(record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], strict=True)
+            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5)) for p, ids, a in rows)
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
+def triage_metrics(out) -> list[tuple[float, float]]:
+    import json
+
+    history = json.loads((out / "log_history.json").read_text())
+    return [
+        (e["prompt_triage/skipped"], e["dynamic_sampling/groups_generated"])
+        for e in history
+        if "prompt_triage/skipped" in e
+    ]
+
+
+@pytest.mark.e2e
+def test_streaming_triage_trains_what_any_timing_trains_on_two_processes_and_across_a_crash(tmp_path):
+    """Streaming at k = 1 (the next batch planned and generated while this one trains) with prompt triage: skips are
+    decided when a round takes a prompt, from the history as the step began, which learns only from the groups any
+    timing scores; so a run on two processes with other engine timings, killed right after its step-10 checkpoint and
+    resumed from it with other timings again, trains the batches of an uninterrupted run on one process, with the same
+    skips and groups generated, and triage skips prompts (the easy and hard ones of the fake data)."""
+    from .helpers import SCRIPTS, python_command, run_command
+
+    script = str(SCRIPTS / "streaming_run.py")
+    settings = (
+        "rollout_streaming=true",
+        "rollout_max_staleness=1",
+        "prompt_triage=true",
+        "filter_groups_oversample=4",  # rounds of 8 groups, waves of up to 2: a wave may end past the batch's cut
+        "save_strategy=steps",
+        "save_steps=10",
+    )
+
+    def train(out, *extra, processes=1, per_device=8):
+        run_command(python_command(script, str(out), str(per_device), "20", *settings, *extra, num_processes=processes))
+
+    train(tmp_path / "whole", "timing_seed=0")
+    crashed = tmp_path / "crashed"
+    with pytest.raises(AssertionError, match="exited"):
+        train(crashed, "timing_seed=2", "crash_after_save=10", processes=2, per_device=4)
+    train(crashed, "timing_seed=3", f"resume={crashed / 'run' / 'checkpoint-10'}", processes=2, per_device=4)
+    whole = streamed_batches(tmp_path / "whole", 1)
+    assert sorted(whole) == list(range(20))
+    assert streamed_batches(crashed, 2) == whole
+    skips = triage_metrics(tmp_path / "whole")
+    assert sum(skipped for skipped, _ in skips) > 0
+    assert triage_metrics(crashed)[-10:] == skips[-10:]

@@ -176,11 +176,6 @@ def check_prompt_triage(config: DAPOConfig) -> None:
             "prompt_triage=true skips prompts whose groups dynamic sampling would drop: it needs "
             "filter_groups_enable=true (or set prompt_triage=false)."
         )
-    if config.rollout_streaming:
-        raise ValueError(
-            "prompt_triage=true runs with dynamic sampling round by round, not with rollout_streaming yet: set "
-            "rollout_streaming=false, or prompt_triage=false."
-        )
     if not 0 < config.prompt_triage_target_zero_variance < 1:
         target = config.prompt_triage_target_zero_variance
         raise ValueError(f"prompt_triage_target_zero_variance={target} must be in (0, 1) (a share of groups).")

@@ -213,8 +213,9 @@ class DAPOConfig(GRPOConfig):
             "(GRESO, arXiv 2506.02177): a streak of k zero-variance samplings skips a prompt with probability "
             "1 - max(p ** k, prompt_triage_exploration_floor), p adapting so that the zero-variance groups a skip "
             "would have saved make prompt_triage_target_zero_variance of those generated. Skipped prompts come back "
-            "in the next pass over the data. Needs filter_groups_enable; rounds only (not rollout_streaming yet). "
-            "It trades accuracy for generation on some data: docs/dynamic-sampling.md."
+            "in the next pass over the data. Needs filter_groups_enable; with rollout_streaming, a skip is decided "
+            "when a round takes the prompt. It trades accuracy for generation on some data: "
+            "docs/dynamic-sampling.md."
         },
     )
     prompt_triage_target_zero_variance: float = field(

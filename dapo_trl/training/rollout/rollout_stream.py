@@ -83,7 +83,7 @@ class StreamingRollout:
         self.staleness = staleness
         self.lookahead_rounds = lookahead_rounds
         self.wave_timeout = wave_timeout
-        self.cursor = StreamCursor(sampler.stream)
+        self.cursor = StreamCursor(sampler.stream, None if sampler.triage is None else self._triage_skips)
         self.generation = 0  # batches sampled so far
         # k >= 1: the next dataloader batch is not known a batch early, so every prompt comes from the seeded stream.
         self.first_round_from_loader = staleness == 0
@@ -165,15 +165,31 @@ class StreamingRollout:
             (("batch", self.generation, g), loader_rows[g * self.group_size])
             for g in range(len(loader_rows) // self.group_size)
         ]
-        extra = round_groups - len(groups)  # over-sampling: fresh prompts complete the first round
+        triage = self.sampler.triage
+        if triage is not None:  # the loader's prompts triage skips are replaced by fresh ones, as in rounds
+            groups = [(key, row) for key, row in groups if not triage.skips(row["prompt"], f"batch/{key[2]}")]
+        extra = round_groups - len(groups)  # over-sampling (and triage's skips): fresh prompts complete the round
         return groups + (self._keyed(self._take(extra)) if extra else [])
 
     def _take(self, count: int) -> list[tuple[int, Any]]:
-        """Consume the next `count` prompts of the stream (every process, in lockstep)."""
+        """Consume the next `count` prompts of the stream (every process, in lockstep); the groups planned for
+        prompts triage now skips are cancelled."""
         taken = self.cursor.take(count)
         if not hasattr(self.sampler.dataset, "__len__"):  # an IterableDataset: every process must read the same rows
             self.sampler.check_processes_agree([item for _, item in taken])
+        if self.cursor.skipped:
+            skipped = {("stream", index) for index, _ in self.cursor.skipped}
+            self.cursor.skipped.clear()
+            if self.driver is not None and skipped & self.driver.planned_keys():
+                self.driver.withdraw(keep=lambda item: item.key not in skipped)
         return taken
+
+    def _triage_skips(self, index: int, item: Any, decide: bool) -> bool:
+        """Prompt triage's decision (`decide`) or prediction for the stream's prompt at `index`: its draw is its
+        stream position, the same whatever the step, so a batch planned ahead predicts what its take decides
+        unless the history moved in between."""
+        row = item if not hasattr(self.sampler.dataset, "__len__") else self.sampler.dataset[item]
+        return self.sampler.triage.skips(row["prompt"], f"stream/{index}", counted=decide, any_step=True)
 
     def _keyed(self, drawn: list[tuple[int, Any]]) -> list[tuple[tuple, dict[str, Any]]]:
         dataset, streamed = self.sampler.dataset, not hasattr(self.sampler.dataset, "__len__")
@@ -223,7 +239,11 @@ class StreamingRollout:
             scored.rows[ROW_VERSION] = torch.tensor(versions, device=scored.rows["advantages"].device)
             kept_before = filling.kept_rows
             self.sampler.add(filling, scored)
-            self._decided.record(scored.row_stats, filling.group_kept[-count:], kept_before, filling.target_rows)
+            wave_kept, target = filling.group_kept[-count:], filling.target_rows
+            decided = self._decided.record(scored.row_stats, wave_kept, kept_before, target)
+            # Prompt triage learns from the decided groups only: the ones any timing scores for this batch.
+            prompts = [row["prompt"] for _, row in groups[start : start + decided]]
+            self.sampler.record_outcomes(prompts, scored.accuracy[: decided * self.group_size])
             start += count
             if filling.full and not self.sampler.args.filter_groups_carry_surplus:
                 break

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import deque
-from collections.abc import Container
+from collections.abc import Callable, Container
 from typing import Any
 
 PLAN_CONFIDENCE_Z = 1.28  # groups admitted ahead: enough to fill the batch with ~90% odds at the running keep rate
@@ -43,27 +43,58 @@ def plan_horizon(missing: float, keep_rate: float, z: float = PLAN_CONFIDENCE_Z)
     return math.ceil(root**2 - 1e-9)
 
 
+# Prompt triage's decision for the stream's item at an index: (index, item, decide) -> skipped. `decide=False`
+# predicts (planning ahead, nothing counted); `decide=True` is the decision, made when a round takes the item.
+Skip = Callable[[int, Any, bool], bool]
+
+
 class StreamCursor:
     """The sampler's prompt stream with a look-ahead: the main process peeks at prompts it admits early; every
-    process takes them, in the same order, when a round consumes them. Drawn-but-untaken prompts are saved."""
+    process takes them, in the same order, when a round consumes them. Drawn-but-untaken prompts are saved.
 
-    def __init__(self, stream: Any):
+    With prompt triage (`skip`), a take passes over the items triage skips at that moment (every process decides
+    the same: the decision reads the history frozen at the step's start) and keeps them in `skipped` for the
+    caller to cancel; a peek passes over those it would skip now, a prediction the take may overturn (the history
+    moves by a step between planning a batch ahead and taking it), which costs only what was generated for it."""
+
+    def __init__(self, stream: Any, skip: Skip | None = None):
         self.stream = stream
+        self.skip = skip
         self.lookahead: deque[tuple[int, Any]] = deque()
         self.drawn = 0
+        self.skipped: list[tuple[int, Any]] = []  # taken past since the caller last cleared it
 
-    def peek(self, count: int) -> list[tuple[int, Any]]:
-        """The next `count` (index, item) pairs without consuming them."""
-        while len(self.lookahead) < count:
+    def _fill(self, size: int) -> None:
+        while len(self.lookahead) < size:
             (item,) = self.stream.draw(1)
             self.lookahead.append((self.drawn, item))
             self.drawn += 1
-        return [self.lookahead[i] for i in range(count)]
+
+    def peek(self, count: int) -> list[tuple[int, Any]]:
+        """The next `count` (index, item) pairs (triage: those it would not skip now) without consuming them."""
+        if self.skip is None:
+            self._fill(count)
+            return [self.lookahead[i] for i in range(count)]
+        peeked, position = [], 0
+        while len(peeked) < count:
+            self._fill(position + 1)
+            index, item = self.lookahead[position]
+            position += 1
+            if not self.skip(index, item, False):
+                peeked.append((index, item))
+        return peeked
 
     def take(self, count: int) -> list[tuple[int, Any]]:
-        taken = self.peek(count)
-        for _ in range(count):
-            self.lookahead.popleft()
+        """Consume the next `count` (index, item) pairs (triage: those it does not skip; the skipped ones are
+        consumed too, into `skipped`)."""
+        taken = []
+        while len(taken) < count:
+            self._fill(1)
+            index, item = self.lookahead.popleft()
+            if self.skip is not None and self.skip(index, item, True):
+                self.skipped.append((index, item))
+            else:
+                taken.append((index, item))
         return taken
 
     def state_dict(self) -> dict[str, Any]:

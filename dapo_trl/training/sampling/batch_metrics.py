@@ -118,9 +118,9 @@ class DecidedGroups:
         self.planned = self.generated = self.kept = 0  # groups of the step's rounds; decided; decided and kept
         self._rows: list[dict[str, Any]] = []  # the decided groups' `row_stats`
 
-    def record(self, row_stats: dict | None, group_kept: list[bool], kept_rows: int, target_rows: int) -> None:
-        """Count the wave's decided groups and keep their rows' figures. `group_kept` are the sampler's keep
-        decisions of the wave, `kept_rows` what the batch held before it."""
+    def record(self, row_stats: dict | None, group_kept: list[bool], kept_rows: int, target_rows: int) -> int:
+        """Count the wave's decided groups and keep their rows' figures; how many of its leading groups are decided.
+        `group_kept` are the sampler's keep decisions of the wave, `kept_rows` what the batch held before it."""
         size, kept = self.group_size, torch.tensor(group_kept, dtype=torch.bool)
         decided = len(kept) if self.carry_surplus else decided_groups(kept, size, kept_rows, target_rows)
         self.generated += decided
@@ -128,6 +128,7 @@ class DecidedGroups:
         if row_stats is not None and decided:
             rows = {key: row_stats[key][: decided * size] for key in ("rewards_per_func", "lengths", "truncated")}
             self._rows.append({**rows, "names": row_stats["names"], "weights": row_stats["weights"]})
+        return decided
 
     @property
     def keep_rate(self) -> float:

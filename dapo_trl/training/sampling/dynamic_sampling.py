@@ -159,7 +159,7 @@ class DynamicSampler:
             filling.stats["rounds"] += 1
             filling.round_dropped = []
             scored = score_round(round_inputs)
-            self.record_outcomes(self._round_prompts, scored)
+            self.record_outcomes(self._round_prompts, scored.accuracy)
             self.add(filling, scored)
             if filling.full or not self.rounds_left(filling):
                 break
@@ -233,12 +233,12 @@ class DynamicSampler:
             metrics.update(self.triage.end_step())
         return batch, metrics
 
-    def record_outcomes(self, prompts: list[Any], scored: ScoredRound) -> None:
-        """Prompt triage: each scored group's prompt (`prompts`, in the round's global order) and whether its
-        responses all agreed, into the outcome history."""
+    def record_outcomes(self, prompts: list[Any], accuracy: torch.Tensor) -> None:
+        """Prompt triage: each scored group's prompt (`prompts`, in the round's global order), with its rows'
+        `accuracy`, and whether its responses all agreed, into the outcome history."""
         if self.triage is None:
             return
-        accuracy = scored.accuracy.cpu()
+        accuracy = accuracy.cpu()
         agreed = ~group_keep_mask(accuracy, self.group_size, self.args.filter_groups_atol)
         self.triage.record(prompts, agreed.tolist(), accuracy.view(-1, self.group_size)[:, 0].tolist())
 

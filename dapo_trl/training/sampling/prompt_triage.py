@@ -93,16 +93,18 @@ class PromptTriage:
         self._frozen_p = dict(self.p)
         self._counts = Counter()
 
-    def skips(self, prompt: Any, draw: str) -> bool:
+    def skips(self, prompt: Any, draw: str, counted: bool = True, any_step: bool = False) -> bool:
         """Whether to skip `prompt`, offered by `draw` (its place in the step's draws: the same place gets the same
-        answer, another place a fresh one); counted as skipped when it is."""
+        answer, another place a fresh one); counted as skipped when it is and `counted`. `any_step`: the draw's
+        number does not depend on the step (the streaming rollout's draws are its stream positions: predicted while
+        a batch ahead is planned, decided when the batch takes them, with the history as it then stands)."""
         key = prompt_key(prompt)
         streak = self._frozen.get(key)
         if streak is None:
             return False
         chance = skip_probability(streak.length, self._frozen_p[streak.kind], self.floor)
-        skipped = uniform(self.seed, self.step, key, draw) < chance
-        self._counts["skipped"] += skipped
+        skipped = uniform(self.seed, -1 if any_step else self.step, key, draw) < chance
+        self._counts["skipped"] += skipped and counted
         return skipped
 
     def record(self, prompts: list[Any], zero_variance: list[bool], accuracy: list[float]) -> None:
