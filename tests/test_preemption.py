@@ -3,7 +3,8 @@ step in progress at its next safe point (between dynamic-sampling rounds, while 
 training forward), write a complete checkpoint of the last completed step and exit 0; the same command with `latest`
 then ends with the uninterrupted run's weights, bit for bit, with one process, two, two under ZeRO-3, and streaming.
 The signal is sent from inside the step (tests/scripts/dynamic_sampling_run.py's preempt_during: the reward scoring a
-round, a training forward; streaming_run.py's engine holding a wave), or to run_dapo.sh once a checkpoint exists.
+round, a training forward; streaming_run.py's engine holding a wave, or a tool call), or to run_dapo.sh once a
+checkpoint exists.
 """
 
 import os
@@ -326,6 +327,32 @@ def test_a_reward_that_holds_the_step_is_interrupted_and_the_requeued_run_ends_b
 
 
 @pytest.mark.e2e
+def test_a_tool_call_that_holds_the_step_is_interrupted_and_the_requeued_run_ends_bit_for_bit(tmp_path):
+    """TRL's tool loop (streaming, two processes; half of the first turns call the `add` tool) with every tool call
+    taking 120 s from step 2, and SIGTERM to process 1 as its first call begins, with a grace period of 20 s: the
+    call is interrupted (by the signal's handler; a call running on the other process, through the launcher's store),
+    later calls return at once without running, every process abandons step 2 at its next safe point (the agreement
+    before the rewards' gather), writes checkpoint-1 and exits 0 within the grace; requeued, the run ends with the
+    uninterrupted run's weights, to the bit. Before, the step waited for the tool calls, and the grace exit (143)
+    left no checkpoint."""
+    script, launch = str(SCRIPTS / "streaming_run.py"), {"num_processes": 2}
+    common = ("tools=true", "rollout_streaming=true", "save_strategy=steps", "save_steps=100")
+    common += ("preemption_grace_seconds=20", "final_params=true")
+    full, preempted = tmp_path / "full", tmp_path / "preempted"
+    run_command(python_command(script, str(full), "2", "3", *common, **launch))
+    hold = ("preempt_at_step=1", "preempt_during=tool", "preempt_rank=1", "slow_tool_at_step=1")
+    started = time.monotonic()
+    result = run_command(
+        python_command(script, str(preempted), "2", "3", *common, *hold, "slow_tool_seconds=120", **launch)
+    )
+    assert time.monotonic() - started < 60, result.stderr[-3000:]  # not the tool's 120 s
+    assert result.stderr.count("abandoned optimizer step 2") == 2, result.stderr[-3000:]
+    assert checkpoints(preempted) == ["checkpoint-1"]
+    run_command(python_command(script, str(preempted), "2", "3", *common, "resume=latest", **launch))
+    assert_same_weights(final_params(full), final_params(preempted))
+
+
+@pytest.mark.e2e
 def test_a_preemption_checkpoint_keeps_the_groups_generated_ahead(tmp_path):
     """k = 1 with in-flight weight updates (the fake engine loads each version as it is published and checkpoints
     keep the groups generated ahead): SIGTERM as step 3 asks for its groups. The preemption's checkpoint-2 keeps
@@ -472,6 +499,53 @@ def test_a_reward_waiting_on_its_async_work_is_interrupted_and_the_processes_agr
         release.set()
         pool.shutdown()
         preemption.on_train_end(None, state, control)
+
+
+def test_an_interruptible_tool_keeps_its_schema_and_returns_at_once_when_the_run_stops():
+    """`interruptible_tool`: the tool's schema (TRL builds it from name, docstring and signature) unchanged; a sync
+    call interrupted inside its region, or made once the run is stopping, returns `STOPPED_TOOL_RESULT`; an async
+    call is cancelled within a poll of the stop."""
+    import asyncio
+    import contextlib
+
+    from transformers.utils import get_json_schema
+
+    from dapo_trl.training.faults.user_code import STOPPED_TOOL_RESULT, UserCodeInterrupted, interruptible_tool
+
+    def search(query: str) -> str:
+        """Search the web.
+
+        Args:
+            query: What to look for.
+        """
+        return f"results for {query}"
+
+    stopping = [False]
+    tool = interruptible_tool(search, contextlib.nullcontext, lambda: stopping[0])
+    assert get_json_schema(tool) == get_json_schema(search) and tool("dapo") == "results for dapo"
+
+    @contextlib.contextmanager
+    def signalled():
+        yield
+        raise UserCodeInterrupted("SIGTERM received")
+
+    assert interruptible_tool(search, signalled, lambda: True)("dapo") == STOPPED_TOOL_RESULT
+
+    async def slow_search(query: str) -> str:
+        """Search slowly.
+
+        Args:
+            query: What to look for.
+        """
+        await asyncio.sleep(30)
+        return query
+
+    async def stop_soon():
+        asyncio.get_running_loop().call_later(0.2, stopping.__setitem__, 0, True)
+        return await interruptible_tool(slow_search, contextlib.nullcontext, lambda: stopping[0])("dapo")
+
+    started = time.monotonic()
+    assert asyncio.run(stop_soon()) == STOPPED_TOOL_RESULT and time.monotonic() - started < 5
 
 
 def test_region_outcomes_agree_through_the_store_without_a_collective():

@@ -64,7 +64,9 @@ INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "_metrics", "r/w: our per-step metrics join TRL's log; validation swaps the eval ones"),
     PrivateName(_GRPO, "_tokenizer", "r: pad token, decoding"),
     PrivateName(_GRPO, "_step", "rw: the micro-step counter TRL's training_step advances (restored on resume)"),
-    PrivateName(_GRPO, "_standalone_tools", "r: validation builds per-rollout tool tables from them"),
+    PrivateName(
+        _GRPO, "_standalone_tools", "r/w: validation builds per-rollout tool tables from them; preemption wraps them"
+    ),
     PrivateName(_GRPO, "ref_model", "r/w: the reference of KL in the reward (built here when TRL builds none)"),
     PrivateName(_GRPO, "reward_weights", "w: the shaping columns' weights, while one batch is scored"),
     PrivateName(_GRPO, "reward_funcs", "w: the shaping columns, while one batch is scored"),
@@ -298,6 +300,12 @@ def set_rollout_tools(trainer: Any, num_rollouts: int) -> None:
     async_tools = {tool.__name__: tool for tool in tools if inspect.iscoroutinefunction(tool)}
     trainer._sync_tool_dicts = [sync_tools] * num_rollouts
     trainer._async_tool_dicts = [async_tools] * num_rollouts
+
+
+def wrap_standalone_tools(trainer: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace each standalone tool TRL's tool loop calls (not an environment's methods) by `wrap(tool)`; TRL builds
+    its per-rollout tool tables from them, by name, every batch."""
+    trainer._standalone_tools = [wrap(tool) for tool in trainer._standalone_tools]
 
 
 def per_token_log_probs(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int) -> Any:

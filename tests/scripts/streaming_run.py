@@ -20,7 +20,8 @@ asked for the first group of optimizer step N + 1, sends SIGTERM to process pree
 step's groups for hold_seconds, default 120, so the wave cannot finish first); final_params=true writes the final
 weights to OUT/final_params.pt, as dynamic_sampling_run.py does. dynamic_sampling_run.py's preempt_at_step with
 preempt_during=round (the signal from the reward) and slow_reward_at_step / slow_reward_seconds work here too
-(preempt_rank names the signalled process).
+(preempt_rank names the signalled process); with tools=true, preempt_during=tool (the signal from the tool's first
+call of the step) and slow_tool_at_step / slow_tool_seconds (every tool call of that step holds it).
 """
 
 import dataclasses
@@ -43,6 +44,7 @@ from dynamic_sampling_run import (
     difficulty_dataset,
     id_shaping,
     known_difficulty_reward,
+    preempt_here,
 )
 from fake_engine import FakeEngine, fake_completion
 from script_args import leave_together, parse_overrides
@@ -72,7 +74,21 @@ ENGINE = {
 }
 FAILURE = {"fail_in": None, "fail_rank": 1, "fail_from_step": 1, "hold_failed": False}
 PREEMPT_WAVE = {"preempt_wave_at_step": None, "preempt_rank": 1, "hold_seconds": 120.0}
+SLOW_TOOL = {"slow_tool_at_step": None, "slow_tool_seconds": 0.0}
 TRAINER = []  # the trainer, for the injected failures
+
+
+@functools.wraps(add)  # its name, docstring and signature: the tool's schema
+def held_add(a: int, b: int) -> int:
+    """tools=true's tool: with preempt_during=tool, SIGTERM to process preempt_rank as its first call of optimizer step
+    preempt_at_step + 1 begins; with slow_tool_at_step=N, every call of step N + 1 takes slow_tool_seconds (a
+    sandbox or a remote service that holds the step)."""
+    trainer = TRAINER[0]
+    step = trainer.state.global_step
+    preempt_here("tool", step, trainer.accelerator.process_index)
+    if step == SLOW_TOOL["slow_tool_at_step"]:
+        time.sleep(SLOW_TOOL["slow_tool_seconds"])
+    return add(a, b)
 
 
 def failing_here(kind: str) -> bool:
@@ -252,6 +268,8 @@ def main() -> None:
         FAILURE[option] = overrides.pop(option, FAILURE[option])
     for option in PREEMPT_WAVE:
         PREEMPT_WAVE[option] = overrides.pop(option, PREEMPT_WAVE[option])
+    for option in SLOW_TOOL:
+        SLOW_TOOL[option] = overrides.pop(option, SLOW_TOOL[option])
     for option in ("preempt_at_step", "preempt_during", "slow_reward_at_step", "slow_reward_seconds"):
         PREEMPT[option] = overrides.pop(option, PREEMPT[option])
     PREEMPT["preempt_rank"] = PREEMPT_WAVE["preempt_rank"]  # one option names the signalled process
@@ -279,7 +297,7 @@ def main() -> None:
     if with_tools:  # the first turn's tool call and its reply fit; at most two tool rounds
         settings.update(max_completion_length=96, max_tool_calling_iterations=2)
         dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
-        tokenizer, tools = AutoTokenizer.from_pretrained(model), [add]
+        tokenizer, tools = AutoTokenizer.from_pretrained(model), [held_add]
         tokenizer.chat_template = qwen2_5_chat_template
     settings.update(overrides)
     trainer = FakeGenerationTrainer(

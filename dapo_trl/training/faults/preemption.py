@@ -7,7 +7,8 @@ generation batch, between dynamic-sampling rounds, during a generation round (se
 its request, and TRL hands every process `AbandonedRound` markers in place of completions), while waiting for a
 streamed wave, before every training forward (each micro-batch and token-budget part), and at each optimizer step's
 end. Scoring rewards is one too: the user's reward functions (judges, sandboxes, remote services) are interrupted
-by the signal in the main thread and every process agrees before TRL's gather (`user_code`). Colocated vLLM and
+by the signal in the main thread and every process agrees before TRL's gather (`user_code`); a tool call is
+interrupted the same way, later ones return at once, and the step goes on to its next safe point. Colocated vLLM and
 transformers' generate finish their round first (there is no request to abort). At a safe
 point inside a step every process raises `StepAbandoned`; `RunGuard` then writes the checkpoint of the last
 completed optimizer step and `train()` returns, `trainer.preempted` is true, and `train_dapo.py` exits 0. The same
@@ -484,6 +485,31 @@ class Preemption(TrainerCallback, SafePoints):
         finally:
             self._in_user_code = False
         finished()  # a block that did not call it (nothing to gather): the processes still agree
+
+    @contextlib.contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """User code a step may leave unfinished (a tool call: `user_code.interruptible_tool`): within the block a
+        preemption signal, this process's or any other's, raises `UserCodeInterrupted` in the main thread (at once
+        if one came before it began). No agreement of its own: the caller ends the call and the step goes on to its
+        next safe point, where every process abandons it. Outside a training step, off the main thread, or without
+        signals: a plain block."""
+        armed = (
+            bool(self.signals)
+            and self._training
+            and self.in_step
+            and not self._in_user_code  # inside a user-code region already: that region's signal handling holds
+            and threading.current_thread() is threading.main_thread()
+        )
+        if not armed:
+            yield
+            return
+        if self.requested():
+            raise UserCodeInterrupted("signalled before the call began")
+        self._in_user_code = True
+        try:
+            yield
+        finally:
+            self._in_user_code = False
 
     # ------------------------------------------------------------------------------------------------ steps
     def on_step_begin(self, args, state, control, **kwargs):

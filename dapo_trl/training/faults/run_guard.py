@@ -27,6 +27,7 @@ from .preemption import (
     is_abandoned_round,
     parse_signals,
 )
+from .user_code import interruptible_tool
 
 logger = logging.getLogger(__name__)
 RELEASE_WAIT_SECONDS = 10.0  # at train()'s end, how long a weight load in progress may take to resume the server
@@ -51,6 +52,9 @@ class RunGuard:
             num_processes=accelerator.num_processes,
         )
         trainer.add_callback(self.preemption)
+        # A tool call (a sandbox, a search, a remote service) never holds a preemption past its grace.
+        wrap = partial(interruptible_tool, region=self.preemption.interruptible, requested=self.preemption.requested)
+        trl_seam.wrap_standalone_tools(trainer, wrap)
         client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # server mode, main process
         progress = getattr(client, "generation_progress", None)  # `watch_generation`'s: a round aborts when signalled
         if progress is not None:

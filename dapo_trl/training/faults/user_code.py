@@ -17,6 +17,9 @@ generated and scored again on resume, from the same prompts and seeds.
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import inspect
 import signal
 import time
 from collections.abc import Callable
@@ -67,3 +70,46 @@ class RegionOutcomes:
             self._store.delete_key(key)
             self._store.delete_key(f"{key}/read")
         return total >= _INTERRUPTED
+
+
+# What a tool call the run stopped returns: the step it belongs to is abandoned, so no row with it is ever trained.
+STOPPED_TOOL_RESULT = {"error": "not run: the training run is stopping (preemption)"}
+TOOL_POLL_SECONDS = 0.1  # how often an async tool call looks for a preemption
+
+
+def interruptible_tool(
+    tool: Callable[..., Any], region: Callable[[], Any], requested: Callable[[], bool]
+) -> Callable[..., Any]:
+    """`tool` (a standalone tool TRL's tool loop calls) that a preemption does not wait for: a call made once the run
+    is stopping returns `STOPPED_TOOL_RESULT` at once, and a running one is interrupted and returns it (a sync tool
+    runs in the main thread inside `region()`, where the signal raises `UserCodeInterrupted`; an async one, on TRL's
+    event loop, is cancelled once `requested()`). The tool loop then goes on to its next turn, and the step is
+    abandoned at its next safe point (a generation round, or the agreement before the rewards' gather): a tool call
+    (a sandbox, a search engine, a remote service) never holds a preemption past its grace. Name, docstring and
+    signature are the tool's (TRL builds the tool's schema from them)."""
+    if inspect.iscoroutinefunction(tool):
+
+        @functools.wraps(tool)
+        async def call_async(*args: Any, **kwargs: Any) -> Any:
+            if requested():
+                return STOPPED_TOOL_RESULT
+            task = asyncio.ensure_future(tool(*args, **kwargs))
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=TOOL_POLL_SECONDS)
+                if done:
+                    return task.result()
+                if requested():
+                    task.cancel()
+                    return STOPPED_TOOL_RESULT
+
+        return call_async
+
+    @functools.wraps(tool)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            with region():
+                return tool(*args, **kwargs)
+        except UserCodeInterrupted:
+            return STOPPED_TOOL_RESULT
+
+    return call
