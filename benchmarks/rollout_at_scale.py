@@ -56,10 +56,12 @@ What is modelled (this file)
   at the start, s set so that the expected keep rate is `--keep-rate` (s = 4.73 at 0.5), all rising by `--drift`
   per pass over the data (35 steps), continuously. The dataloader draws a fresh permutation each pass. Two families
   of arms run on it:
-  - prompt triage (`--prompt_triage`, GRESO): with rounds, the library's own path (`DynamicSampler` with
-    `prompt_triage`: skips, replacement from the stream, the outcome history, the p_easy / p_hard controller and its
-    target `--triage-target`); with streaming, which the library refuses for now, `TriagedStream` applies the same
-    `PromptTriage` to the prompts the streaming planner draws, and each scored wave records its groups' outcomes.
+  - prompt triage (`--prompt_triage`, GRESO): the library's own path with rounds and with streaming alike
+    (`DynamicSampler` with `prompt_triage`: skips, replacement from the stream, the outcome history, the p_easy /
+    p_hard controller and its target `--triage-target`; with streaming, `StreamingRollout` decides each skip when a
+    round takes the prompt from the stream, predicts it while planning ahead, cancels planned groups of skipped
+    prompts and records the outcomes of the decided groups). The prompts skipped a step are the library's
+    `prompt_triage/skipped`.
     The history (`triage_history`): `--epochs` passes of rounds with triage, run by the library's sampler with no
     clock (each round's groups drawn from the population at once), which every triage arm starts its timed window
     from; the streaming planner's running keep-rate estimate starts at the keep rate the run has seen.
@@ -192,7 +194,6 @@ from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult  
 from dapo_trl.training.rollout.rollout_stream import ServerStreamingRollout  # noqa: E402
 from dapo_trl.training.rollout.stream_plan import group_seed  # noqa: E402
 from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRound  # noqa: E402
-from dapo_trl.training.sampling.prompt_triage import PromptTriage  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ the setting
 PROMPTS_PER_STEP = 512  # DAPO: train_prompt_bsz
@@ -378,32 +379,6 @@ class Population(Workload):
             "current_given_previous": float(now[earlier].mean()),
             "previous_given_current": float(earlier[now].mean()),
         }
-
-
-class TriagedStream:
-    """The sampler's prompt stream with prompt triage's skips, for the streaming arms: `DynamicSampler.draw`'s rule
-    (a prompt triage skips is passed over in this pass of the data, drawn again in the next) applied to the draws the
-    streaming rollout's planner makes. The library refuses `prompt_triage` with `rollout_streaming` for now; this is
-    the model of what it would skip there: decisions read the history frozen at the step's start, as in rounds, and
-    the groups the planner draws a step ahead (k = 1) are decided then."""
-
-    def __init__(self, stream: Any, triage: PromptTriage, dataset: list[dict[str, Any]]):
-        self.stream, self.triage, self.dataset = stream, triage, dataset
-        self.considered = self.skipped = 0
-
-    def draw(self, count: int) -> list[int]:
-        items: list[int] = []
-        while len(items) < count:
-            for item in self.stream.draw(count - len(items)):
-                self.considered += 1
-                if self.triage.skips(self.dataset[item]["prompt"], f"stream/{self.considered}"):
-                    self.skipped += 1
-                else:
-                    items.append(item)
-        return items
-
-    def state_dict(self) -> dict[str, int]:
-        return self.stream.state_dict()
 
 
 class Loader:
@@ -847,7 +822,7 @@ def row_tokens(workload: Workload, prompts: torch.Tensor, lengths: torch.Tensor)
 
 
 def arm_config(arm: Arm, args: argparse.Namespace) -> DAPOConfig:
-    """The arm's settings as the trainer builds them (triage with streaming is set up by `run_arm`: refused here)."""
+    """The arm's settings as the trainer builds them."""
     lag, streaming = LAG[arm.schedule], arm.schedule != "rounds"
     return DAPOConfig(
         output_dir=tempfile.gettempdir(),
@@ -864,7 +839,7 @@ def arm_config(arm: Arm, args: argparse.Namespace) -> DAPOConfig:
         max_completion_length=MAX_TOKENS,
         report_to="none",
         seed=args.seed,
-        prompt_triage=arm.triage and not streaming,
+        prompt_triage=arm.triage,
         prompt_triage_target_zero_variance=args.triage_target,
     )
 
@@ -885,14 +860,8 @@ def run_arm(
     config = arm_config(arm, args)
     dataset = [{"prompt": index} for index in range(len(workload.prompt_tokens))]
     sampler = DynamicSampler(config, dataset, GROUP, {}, shuffle=True)
-    if arm.triage and streaming:
-        sampler.triage = PromptTriage(args.seed, args.triage_target, config.prompt_triage_exploration_floor)
     if arm.triage and history is not None:
         sampler.load_state_dict(history)
-    triaged = None  # the streaming arms' prompt stream with triage's skips
-    if arm.triage and streaming:
-        assert sampler.triage is not None
-        sampler._stream = triaged = TriagedStream(sampler.stream, sampler.triage, dataset)
     engine = SimEngine(workload, args.engine_gpus, IN_FLIGHT.get(arm.schedule))
     trainer = TrainerModel(args.trainer_gpus, pi_old_forward=not arm.engine_logprobs)
     round_groups = PROMPTS_PER_STEP * config.filter_groups_oversample
@@ -919,9 +888,7 @@ def run_arm(
     stream_drawn = [0]  # rounds: prompts drawn from the sampler's stream (the n of ("stream", n))
 
     def score_wave(rows: list[dict[str, Any]], prepared: dict[str, list]) -> ScoredRound:
-        wave = scored(rows, prepared["completion_ids"])
-        if streaming and sampler.triage is not None:  # rounds: `DynamicSampler.sample` records its rounds itself
-            sampler.record_outcomes([row["prompt"] for row in rows[::GROUP]], wave)
+        wave = scored(rows, prepared["completion_ids"])  # triage's outcomes: the sampler / rollout records them
         scored_tokens[0] += float(wave.rows["completion_ids"].sum())
         engine.advance(trainer.score_s(row_tokens(workload, wave.rows["prompt_ids"], wave.rows["completion_ids"])))
         return wave
@@ -956,7 +923,6 @@ def run_arm(
                 waited=round_waits[0] + (driver.waited if driver else 0.0),
                 scored=scored_tokens[0],
                 generating=round_waits[0],
-                skipped=triaged.skipped if triaged else 0,
             )
         rows = [dict(dataset[index]) for index in loader.batch(offset + step)]
         inputs = [row for row in rows for _ in range(GROUP)]  # TRL's RepeatSampler: each prompt G times
@@ -1013,9 +979,7 @@ def run_arm(
         "staleness": float(np.mean([r.get("rollout/staleness_mean", 0.0) for r in timed])),
         "digests": [r["digest"] for r in records],
         "trained": sum(r["trained_tokens"] for r in timed) / args.steps,
-        "skipped": (triaged.skipped - start["skipped"]) / args.steps  # planned a step ahead: counted as drawn
-        if triaged
-        else float(np.mean([r.get("prompt_triage/skipped", 0.0) for r in timed])),
+        "skipped": float(np.mean([r.get("prompt_triage/skipped", 0.0) for r in timed])),  # decided, not predicted
         "p": (timed[-1].get("prompt_triage/p_easy"), timed[-1].get("prompt_triage/p_hard")),
     }
 
@@ -1231,7 +1195,7 @@ def population_arms(args: argparse.Namespace, today: dict[str, Any]) -> dict[str
         f"with triage (the library's path, no clock): in its last epoch {skipped:.0f} prompts skipped a step, "
         f"p_easy {end['prompt_triage/p_easy']:.2f}, p_hard {end['prompt_triage/p_hard']:.2f}, "
         f"{end['prompt_triage/prompts_with_streak']:.0f} prompts "
-        f"with a streak. Triage with streaming is this model's (the library refuses it for now). 'vs rounds' is "
+        f"with a streak. Triage with streaming is the library's too (`StreamingRollout`). 'vs rounds' is "
         f"against today's rounds arm above; 'vs rounds here' against rounds at this window\n"
     )
     print("| population arm" + COLUMNS + " vs rounds here | prompts skipped/step |")
