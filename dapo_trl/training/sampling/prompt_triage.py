@@ -145,6 +145,9 @@ class PromptTriage:
                 self.p[kind] = min(P_MAX, max(P_MIN, self.p[kind] + step))
         metrics["prompt_triage/p_easy"], metrics["prompt_triage/p_hard"] = self.p[EASY], self.p[HARD]
         self.step += 1
+        # What the next `begin_step` freezes (nothing is recorded in between): the streaming rollout, planning the
+        # next batch before it begins, predicts the decisions that batch will take.
+        self._frozen, self._frozen_p = dict(self.history), dict(self.p)
         return metrics
 
     # ------------------------------------------------------------------------------------------------ run state
