@@ -1,5 +1,6 @@
 """Helpers shared by several test modules (a test module imports from here, never from another test module):
-launching scripts with one or several real processes, a tiny DAPOConfig, the fixed-batch layouts of
+launching scripts with one or several real processes, a tiny DAPOConfig, a fixed scored batch with an independent
+forward of its log-probs (`fixed_batch`, `token_logps`), the fixed-batch layouts of
 tests/scripts/denominator_run.py with their Eq. 11 reference gradient, the records of
 tests/scripts/dynamic_sampling_run.py, and a scripted stub HTTP server."""
 
@@ -365,3 +366,43 @@ def clear_proxies(monkeypatch: Any) -> None:
     """No proxy may carry a stub's loopback traffic elsewhere (call from an autouse fixture)."""
     for name in ("http_proxy", "https_proxy", "all_proxy", "HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
         monkeypatch.delenv(name, raising=False)
+
+
+ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10  # `fixed_batch`'s shape
+
+
+def fixed_batch(vocab_size: int, model: Any, ratio_noise: float = 0.4, sampling_noise: float | None = None) -> dict:
+    """A scored batch of ROWS rows of 1..COMPLETION_LEN completion tokens whose old log-probs are the model's plus
+    `ratio_noise` nats of noise, so both clip sides and dual-clip are active; with `sampling_noise`, the engine's
+    log-probs (`sampling_per_token_logps`) a further that many nats away, so trainer/engine ratios go both ways."""
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    lengths = torch.randint(1, COMPLETION_LEN + 1, (ROWS,), generator=generator)
+    completion_mask = (torch.arange(COMPLETION_LEN)[None, :] < lengths[:, None]).long()
+    batch = {
+        "prompt_ids": torch.randint(3, vocab_size, (ROWS, PROMPT_LEN), generator=generator),
+        "prompt_mask": torch.ones(ROWS, PROMPT_LEN, dtype=torch.long),
+        "completion_ids": torch.randint(3, vocab_size, (ROWS, COMPLETION_LEN), generator=generator),
+        "completion_mask": completion_mask,
+        "advantages": torch.tensor([1.5, -1.5, 0.7, -0.7, 1.0, -1.0, 0.3, -2.0]),
+        "num_items_in_batch": completion_mask.sum(),
+    }
+    with torch.no_grad():
+        logps = token_logps(model, batch)
+    batch["old_per_token_logps"] = logps + ratio_noise * torch.randn(logps.shape, generator=generator)
+    if sampling_noise is not None:
+        old = batch["old_per_token_logps"]
+        batch["sampling_per_token_logps"] = old + sampling_noise * torch.randn(old.shape, generator=generator)
+    return batch
+
+
+def token_logps(model: Any, batch: dict, temperature: float = 1.0) -> "torch.Tensor":
+    """An independent forward: the plain model's full logits at `temperature`, log-softmax, the sampled tokens."""
+    import torch
+
+    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    prompt_len = batch["prompt_ids"].size(1)
+    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_len - 1 : -1] / temperature
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)

@@ -17,9 +17,17 @@ from dapo_trl.rewards import dapo_math_reward
 from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 
 from . import reference_losses as ref
-from .helpers import SCRIPTS, lowest_versions_python, python_command, run_command
+from .helpers import (
+    COMPLETION_LEN,
+    ROWS,
+    SCRIPTS,
+    fixed_batch,
+    lowest_versions_python,
+    python_command,
+    run_command,
+    token_logps,
+)
 
-ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 LOSS_SCRIPT = str(SCRIPTS / "loss_run.py")
 
 
@@ -50,34 +58,6 @@ def make_trainer(trainer_cls, config, model_dir):
     trainer.current_gradient_accumulation_steps = config.gradient_accumulation_steps
     trainer.model.train()
     return trainer
-
-
-def fixed_batch(vocab_size: int, model, ratio_noise: float = 0.4) -> dict:
-    """A batch whose old log-probs differ from the current ones, so both clip sides and dual-clip are active."""
-    generator = torch.Generator().manual_seed(7)
-    lengths = torch.randint(1, COMPLETION_LEN + 1, (ROWS,), generator=generator)
-    completion_mask = (torch.arange(COMPLETION_LEN)[None, :] < lengths[:, None]).long()
-    batch = {
-        "prompt_ids": torch.randint(3, vocab_size, (ROWS, PROMPT_LEN), generator=generator),
-        "prompt_mask": torch.ones(ROWS, PROMPT_LEN, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab_size, (ROWS, COMPLETION_LEN), generator=generator),
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([1.5, -1.5, 0.7, -0.7, 1.0, -1.0, 0.3, -2.0]),
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    with torch.no_grad():
-        logps = token_logps(model, batch)
-    batch["old_per_token_logps"] = logps + ratio_noise * torch.randn(logps.shape, generator=generator)
-    return batch
-
-
-def token_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
-    """An independent forward: the plain model's full logits at `temperature`, log-softmax, the sampled tokens."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    prompt_len = batch["prompt_ids"].size(1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, prompt_len - 1 : -1] / temperature
-    return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
 
 
 def token_entropies(model, batch) -> torch.Tensor:

@@ -18,6 +18,8 @@ from dapo_trl.utils.transformers_compat import activation_checkpointing_kwargs
 from dapo_trl.verl_import.reader import read_verl_input
 from dapo_trl.verl_import.translate import translate
 
+from .helpers import ROWS, fixed_batch, token_logps
+
 VERL_SCRIPT = Path(__file__).resolve().parent / "data" / "verl" / "grpo_kl.sh"
 CORRECTION = "algorithm.rollout_correction."
 BOUND = 20.0  # verl's SAFETY_BOUND
@@ -187,7 +189,6 @@ def test_rejection_settings_are_accepted_with_an_engine(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ the trainer's loss
-ROWS, PROMPT_LEN, COMPLETION_LEN = 8, 5, 10
 
 
 @pytest.fixture(scope="module")
@@ -214,34 +215,10 @@ def trainer(tmp_path_factory):
     return trainer
 
 
-def token_logps(model, batch) -> torch.Tensor:
-    """An independent forward: the plain model's log-softmax at the sampled tokens."""
-    input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, PROMPT_LEN - 1 : -1]
-    return torch.log_softmax(logits.float(), -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
-
-
 def engine_batch(model) -> dict:
-    """A scored batch: rows of 1..10 completion tokens, pi_old 0.3 nats of noise from the model's log-probs and the
-    engine's a further 0.25 away, so ratios both ways and both sides of the clip occur."""
-    generator = torch.Generator().manual_seed(7)
-    vocab = model.config.vocab_size
-    lengths = torch.randint(1, COMPLETION_LEN + 1, (ROWS,), generator=generator)
-    completion_mask = (torch.arange(COMPLETION_LEN)[None, :] < lengths[:, None]).long()
-    batch = {
-        "prompt_ids": torch.randint(3, vocab, (ROWS, PROMPT_LEN), generator=generator),
-        "prompt_mask": torch.ones(ROWS, PROMPT_LEN, dtype=torch.long),
-        "completion_ids": torch.randint(3, vocab, (ROWS, COMPLETION_LEN), generator=generator),
-        "completion_mask": completion_mask,
-        "advantages": torch.tensor([1.5, -1.5, 0.7, -0.7, 1.0, -1.0, 0.3, -2.0]),
-        "num_items_in_batch": completion_mask.sum(),
-    }
-    with torch.no_grad():
-        old = token_logps(model, batch) + 0.3 * torch.randn(ROWS, COMPLETION_LEN, generator=generator)
-    batch["old_per_token_logps"] = old
-    batch["sampling_per_token_logps"] = old + 0.25 * torch.randn(old.shape, generator=generator)
-    return batch
+    """A scored batch: pi_old 0.3 nats of noise from the model's log-probs and the engine's a further 0.25 away, so
+    ratios both ways and both sides of the clip occur."""
+    return fixed_batch(model.config.vocab_size, model, ratio_noise=0.3, sampling_noise=0.25)
 
 
 @pytest.mark.parametrize("case", ["token", "sequence", "geometric", "bypass"])
