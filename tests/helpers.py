@@ -224,6 +224,19 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def trained_rows(out, processes: int = 1) -> dict[int, list]:
+    """Every trained row (prompt, completion ids, advantage, replayed routing or "None") per optimizer step, over all
+    processes, sorted: what a run trained, to compare runs batch for batch."""
+    steps: dict[int, list] = {}
+    for rank in range(processes):
+        for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
+            routings = [repr(routing) for routing in record.get("routings", [None] * len(record["prompts"]))]
+            columns = record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], routings
+            rows = zip(*columns, strict=True)
+            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5), r) for p, ids, a, r in rows)
+    return {step: sorted(rows) for step, rows in steps.items()}
+
+
 def trained_by_step(out, processes: int = 1) -> dict[int, list[tuple[str, float, int]]]:
     """(prompt, advantage, active tokens) of every trained row, per optimizer step, over all processes."""
     steps = defaultdict(list)

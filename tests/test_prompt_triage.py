@@ -243,19 +243,6 @@ def test_prompt_triage_is_refused_where_it_cannot_act(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- streaming
-def streamed_batches(out, processes: int) -> dict[int, list]:
-    """Every trained row (prompt, completion ids, advantage) per optimizer step, over all processes, sorted."""
-    import json
-
-    steps: dict[int, list] = {}
-    for rank in range(processes):
-        for line in (out / f"trained_rank{rank}.jsonl").read_text().splitlines():
-            record = json.loads(line)
-            rows = zip(record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], strict=True)
-            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5)) for p, ids, a in rows)
-    return {step: sorted(rows) for step, rows in steps.items()}
-
-
 def triage_metrics(out) -> list[tuple[float, float]]:
     import json
 
@@ -274,7 +261,7 @@ def test_streaming_triage_trains_what_any_timing_trains_on_two_processes_and_acr
     timing scores; so a run on two processes with other engine timings, killed right after its step-10 checkpoint and
     resumed from it with other timings again, trains the batches of an uninterrupted run on one process, with the same
     skips and groups generated, and triage skips prompts (the easy and hard ones of the fake data)."""
-    from .helpers import SCRIPTS, python_command, run_command
+    from .helpers import SCRIPTS, python_command, run_command, trained_rows
 
     script = str(SCRIPTS / "streaming_run.py")
     settings = (
@@ -294,9 +281,9 @@ def test_streaming_triage_trains_what_any_timing_trains_on_two_processes_and_acr
     with pytest.raises(AssertionError, match="exited"):
         train(crashed, "timing_seed=2", "crash_after_save=10", processes=2, per_device=4)
     train(crashed, "timing_seed=3", f"resume={crashed / 'run' / 'checkpoint-10'}", processes=2, per_device=4)
-    whole = streamed_batches(tmp_path / "whole", 1)
+    whole = trained_rows(tmp_path / "whole", 1)
     assert sorted(whole) == list(range(20))
-    assert streamed_batches(crashed, 2) == whole
+    assert trained_rows(crashed, 2) == whole
     skips = triage_metrics(tmp_path / "whole")
     assert sum(skipped for skipped, _ in skips) > 0
     assert triage_metrics(crashed)[-10:] == skips[-10:]

@@ -37,6 +37,7 @@ from dapo_trl.training.sampling.dynamic_sampling import DynamicSampler, ScoredRo
 from dapo_trl.training.sampling.streams import PromptStream
 
 from .helpers import REPO, SCRIPTS, python_command, read_jsonl, run_command, run_unchecked
+from .helpers import trained_rows as batches  # every trained row per step, to compare runs batch for batch
 from .scripts.fake_engine import FakeEngine, fake_completion
 
 SCRIPT = str(SCRIPTS / "streaming_run.py")
@@ -49,19 +50,6 @@ def train(out, steps: int, *overrides: str, processes: int = 1, per_device: int 
         SCRIPT, str(out), str(per_device), str(steps), *overrides, num_processes=processes, deepspeed_config=deepspeed
     )
     return run_command(command)
-
-
-def batches(out, processes: int = 1) -> dict[int, list]:
-    """Every trained row (prompt, completion ids, advantage[, replayed routing]) per optimizer step, over all
-    processes, sorted."""
-    steps: dict[int, list] = {}
-    for rank in range(processes):
-        for record in read_jsonl(out / f"trained_rank{rank}.jsonl"):
-            routings = [repr(routing) for routing in record.get("routings", [None] * len(record["prompts"]))]
-            columns = record["prompts"], map(tuple, record["completion_ids"]), record["advantages"], routings
-            rows = zip(*columns, strict=True)
-            steps.setdefault(record["step"], []).extend((p, ids, round(a, 5), r) for p, ids, a, r in rows)
-    return {step: sorted(rows) for step, rows in steps.items()}
 
 
 def replayed_experts(out, rank: int) -> list[Counter]:
