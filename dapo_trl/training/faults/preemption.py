@@ -450,15 +450,7 @@ class Preemption(TrainerCallback, SafePoints):
         code is done and before the block's collective (TRL's gather): every process then reports its outcome, and
         all raise `StepAbandoned` (`where`) when any was interrupted; an interrupted region reports and raises it as
         the block unwinds. Outside a training step, off the main thread, or without signals: a plain block."""
-        armed = (
-            bool(self.signals)
-            and self._training
-            and self.in_step
-            and threading.current_thread() is threading.main_thread()
-            and self.outcomes is not None
-            and self.outcomes.available
-        )
-        if not armed:
+        if not (self._interruptible_here() and self.outcomes is not None and self.outcomes.available):
             yield lambda: None
             return
         self._regions += 1
@@ -473,17 +465,13 @@ class Preemption(TrainerCallback, SafePoints):
             if not reported and report(False):
                 self.abandon(where)
 
-        self._in_user_code = True
         try:
-            if self.requested():  # signalled before it began (this process or another)
-                raise UserCodeInterrupted("signalled before the user code began")
-            yield finished
+            with self._signals_interrupt():
+                yield finished
         except UserCodeInterrupted:
             if not reported:
                 report(True)
             self.abandon(where)
-        finally:
-            self._in_user_code = False
         finished()  # a block that did not call it (nothing to gather): the processes still agree
 
     @contextlib.contextmanager
@@ -493,20 +481,29 @@ class Preemption(TrainerCallback, SafePoints):
         if one came before it began). No agreement of its own: the caller ends the call and the step goes on to its
         next safe point, where every process abandons it. Outside a training step, off the main thread, or without
         signals: a plain block."""
-        armed = (
+        if not self._interruptible_here() or self._in_user_code:  # inside a user-code region: its handling holds
+            yield
+            return
+        with self._signals_interrupt():
+            yield
+
+    def _interruptible_here(self) -> bool:
+        """Whether a signal can interrupt user code now: in a training step, on the main thread, signals caught."""
+        return (
             bool(self.signals)
             and self._training
             and self.in_step
-            and not self._in_user_code  # inside a user-code region already: that region's signal handling holds
             and threading.current_thread() is threading.main_thread()
         )
-        if not armed:
-            yield
-            return
-        if self.requested():
-            raise UserCodeInterrupted("signalled before the call began")
+
+    @contextlib.contextmanager
+    def _signals_interrupt(self) -> Iterator[None]:
+        """Within the block a preemption signal, this process's or any other's, raises `UserCodeInterrupted` in the
+        main thread; at once if one came before it began."""
         self._in_user_code = True
         try:
+            if self.requested():  # signalled before it began (this process or another)
+                raise UserCodeInterrupted("signalled before the user code began")
             yield
         finally:
             self._in_user_code = False
