@@ -97,11 +97,18 @@ def check_old_logprobs(config: DAPOConfig) -> None:
             f"old_logprobs_source={source!r}: choose one of {', '.join(OLD_LOGPROBS_SOURCES)} ('trainer' is TRL's "
             "scoring forward)."
         )
-    if source != "trainer" and not (config.use_vllm or config.rollout_streaming):
+    if source != "trainer":
+        what = f"old_logprobs_source={source!r} takes pi_old from the engine's sampling log-probs"
+        check_engine_log_probs(config, what, "keep old_logprobs_source: trainer")
+
+
+def check_engine_log_probs(config: DAPOConfig, what: str, otherwise: str) -> None:
+    """A setting that reads the engine's sampling log-probs (`what` it does with them) needs an engine that sends
+    them: vLLM, or a streaming engine; transformers' generate sends none."""
+    if not (config.use_vllm or config.rollout_streaming):
         raise ValueError(
-            f"old_logprobs_source={source!r} takes pi_old from the engine's sampling log-probs, and transformers' "
-            "generate sends none: pass --use_vllm true (or --rollout_streaming true with your own engine), or "
-            "keep old_logprobs_source: trainer."
+            f"{what}, and transformers' generate sends none: pass --use_vllm true (or --rollout_streaming true with "
+            f"your own engine), or {otherwise}."
         )
 
 
@@ -217,12 +224,8 @@ def check_rollout_rejection(config: DAPOConfig) -> None:
             f"rollout_rejection_lower={lower} and rollout_rejection_upper={upper} must satisfy 0 < lower <= upper "
             "(ratios pi_old / pi_rollout; lower unset is 1 / upper, so upper must then be >= 1)."
         )
-    if not (config.use_vllm or config.rollout_streaming):
-        raise ValueError(
-            f"rollout_rejection={level!r} compares the trainer's log-probs with the engine's sampling log-probs, and "
-            "transformers' generate sends none: pass --use_vllm true (or --rollout_streaming true with your own "
-            "engine), or unset rollout_rejection."
-        )
+    what = f"rollout_rejection={level!r} compares the trainer's log-probs with the engine's sampling log-probs"
+    check_engine_log_probs(config, what, "unset rollout_rejection")
 
 
 def check_vllm(config: DAPOConfig) -> None:
