@@ -259,6 +259,38 @@ def test_the_server_engine_tells_a_server_gone_from_a_failing_one_and_waits_for_
     again.shutdown()
 
 
+class DiesMidAnswer(Healthy):
+    """Starts a chunked answer to a generation request, then its process dies: the connection closes mid-body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.write(b'5\r\n{"cho\r\n')
+        self.wfile.flush()
+        self.close_connection = True
+
+
+def test_a_server_killed_mid_answer_is_a_server_gone_not_a_malformed_answer():
+    """A server killed while it streams an answer (in-flight updates stream every request) cuts the chunked body:
+    the group is lost with the server (EngineUnavailable, waited for), not a malformed answer that stops the run."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), DiesMidAnswer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    engine = VLLMServerEngine(f"http://127.0.0.1:{server.server_port}", RequestSampling(n=GROUP, max_tokens=8), 4, 5)
+    try:
+        answers, finished = [], threading.Event()
+        engine.start(GroupRequest(("stream", 0), [1], 3, 0), lambda r, result: (answers.append(result), finished.set()))
+        assert finished.wait(10)
+        assert isinstance(answers[0], EngineUnavailable), answers[0]
+        assert "closed inside a chunked HTTP body" in str(answers[0])
+    finally:
+        engine.close()
+        server.shutdown()
+
+
 def test_a_port_that_refuses_is_unavailable_not_a_plain_error():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -61,6 +61,19 @@ def test_a_process_whose_collective_raises_reports_the_first_failure_not_its_own
     assert peer.run(lambda: 7) == 7  # the next train() has its own record
 
 
+def test_a_peer_killed_without_a_word_is_named_as_such_not_as_a_socket_error(store):
+    """A peer killed -9 records nothing: the survivor's collective breaks (gloo's socket error) and it says that
+    another process ended without a word, how that happens, and where the launcher names it; other errors stay as
+    they are."""
+    survivor = FailTogether(0, 2, store, exit_process=lambda code: None, poll_seconds=0.01)
+    broken = "[gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:5005: Connection reset by peer"
+    with pytest.raises(PeerProcessFailed, match="another process ended without a word while process 0") as raised:
+        survivor.run(lambda: fail(RuntimeError(broken)))
+    assert "kill -9" in str(raised.value) and broken in str(raised.value)
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):  # not a vanished peer: raised as it is
+        survivor.run(lambda: fail(RuntimeError("shape mismatch")))
+
+
 def test_one_process_or_no_launcher_runs_train_as_is():
     for process in (FailTogether(0, 1, lambda: None), FailTogether(0, 2, None)):
         assert not process.enabled and process.run(lambda: "trained") == "trained"

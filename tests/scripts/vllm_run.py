@@ -25,7 +25,10 @@ reload: between the server's /pause and /resume), `fault=fail_fence` (the fence 
 answer fails; both in the first in-flight load of version 1 or later, which an anchor group running through it
 makes sure of), `fault=sigterm_in_reward` (SIGTERM as the reward scores, a reward that then takes 120 s),
 `fault=sigterm_in_generation` (SIGTERM from the engine as it starts a group of version 1 or later: generating ahead),
-`fault=sigterm_in_training` (SIGTERM as a micro-batch's loss begins).
+`fault=sigterm_in_training` (SIGTERM as a micro-batch's loss begins), `fault=sigterm_in_save` (SIGTERM as the first
+checkpoint after `fault_step` writes the rollout's groups generated ahead), `fault=kill_peer_in_reload` (several
+processes: the main process, inside an in-flight reload, kills process 1 as kill -9 would and then stays between /pause
+and /resume, as a driver thread stuck there does, until the run ends).
 `tools=true` (colocate with rollout_streaming=true): chat prompts and an `add` tool; the random model never calls it,
 so the first turn of every even-numbered group is replaced by a scripted call (its tokens' sampling log-probs NaN:
 TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated engine for the next turns
@@ -48,6 +51,7 @@ from trl.models import unwrap_model_for_generation
 
 from dapo_trl import DAPOConfig, DAPOTrainer
 from dapo_trl.training.rollout.rollout_engine import GroupRequest, GroupResult
+from dapo_trl.training.rollout.rollout_stream import ROLLOUT_STATE_FILE
 
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # tests/, for the probes (this runs as a script)
 from vllm_probes import (
@@ -80,10 +84,16 @@ def injected(out: Path) -> None:
     (out / "fault_injected").write_text(str(FAULT["fault"]))
 
 
+RELOAD_FAULTS = ("kill_in_reload", "kill_peer_in_reload", "fail_fence")
+
+
 def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
-    """`fault=kill_in_reload` / `fail_fence` / `sigterm_in_generation`: hooks on the streaming engine (driver's
-    thread). A load is in flight only while requests run: when version 1 or later is published (`publish_rollout_
-    weights`), an anchor group of 900 tokens starts first, so that load pauses the server with it running."""
+    """`fault=kill_in_reload` / `kill_peer_in_reload` / `fail_fence` / `sigterm_in_generation`: hooks on the main
+    process's streaming engine (driver's thread). A load is in flight only while requests run: when version 1 or later
+    is published (`publish_rollout_weights`), an anchor group of 900 tokens starts first, so that load pauses the
+    server with it running."""
+    if trainer._rollout.driver is None:  # not the main process: it has no engine
+        return
     engine = trainer._rollout.driver.engine
     reload, fence, start, payload = engine._reload, engine._fence, engine.start, engine.request_payload
 
@@ -92,6 +102,12 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
             injected(out)
             print("fault: killed between /pause and /resume", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if FAULT["fault"] == "kill_peer_in_reload" and not reset_prefix_cache:
+            injected(out)
+            FAULT["fault"] = None  # once
+            os.kill(int((out / "pid_rank1").read_text()), signal.SIGKILL)
+            print("fault: killed process 1 between /pause and /resume", flush=True)
+            time.sleep(300)  # stuck here: only the run's exit paths can resume the server
         return reload(base_url, weights, timeout, reset_prefix_cache)
 
     async def failing_fence(version, quiet=0.05):
@@ -114,7 +130,7 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
         return body
 
     def publish(version: int) -> None:
-        if FAULT["fault"] in ("kill_in_reload", "fail_fence") and version >= 1 and trainer.accelerator.is_main_process:
+        if FAULT["fault"] in RELOAD_FAULTS and version >= 1 and trainer.accelerator.is_main_process:
             anchor = GroupRequest(("anchor", version), [5, 6, 7], version, version=version - 1)
             start(anchor, lambda request, result: None)
             deadline = time.monotonic() + 60
@@ -126,6 +142,22 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
     trainer.publish_rollout_weights = publish
     engine._reload, engine._fence, engine.start = killing_reload, failing_fence, signalling_start
     engine.request_payload = anchored_payload
+
+
+def signal_in_save(trainer: DAPOTrainer, out: Path) -> None:
+    """`fault=sigterm_in_save`: SIGTERM as the first checkpoint after `fault_step` starts writing the rollout's state
+    (the groups generated ahead), midway through the save."""
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        late = trainer.state.global_step > FAULT["fault_step"]
+        if FAULT["fault"] == "sigterm_in_save" and late and str(path).endswith(ROLLOUT_STATE_FILE):
+            injected(out)
+            FAULT["fault"] = None  # once
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
 
 
 class CrashAfterSave(TrainerCallback):
@@ -372,8 +404,11 @@ def main() -> None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         if frozen_server is not None:
             trainer.add_callback(FrozenServerAtStep1(frozen_server))
-        if FAULT["fault"] in ("kill_in_reload", "fail_fence", "sigterm_in_generation"):
+        if FAULT["fault"] in (*RELOAD_FAULTS, "sigterm_in_generation"):
             inject_engine_fault(trainer, out)
+        if FAULT["fault"] == "sigterm_in_save":
+            signal_in_save(trainer, out)
+        (out / f"pid_rank{trainer.accelerator.process_index}").write_text(str(os.getpid()))
         try:
             trainer.train(resume_from_checkpoint=resume)
         except Exception:

@@ -38,6 +38,15 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}{where}"
 
 
+# How a collective reports a peer whose process is gone: gloo's socket errors, NCCL's for a remote exit.
+VANISHED_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "remote process exited")
+
+
+def peer_vanished(exc: BaseException) -> bool:
+    """Whether `exc` is a collective broken by a peer that died without recording a failure (nothing in the store)."""
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in VANISHED_PEER)
+
+
 def launcher_store() -> Callable[[], Any] | None:
     """A factory of clients of the launcher's store (torchrun / accelerate launch set MASTER_ADDR and MASTER_PORT),
     or None when this process was not started by such a launcher."""
@@ -91,6 +100,12 @@ class FailTogether:
             first = self._report(key, exc)
             if first is not None and not first.startswith(f"process {self.process_index} "):
                 raise PeerProcessFailed(first) from exc
+            if peer_vanished(exc):
+                raise PeerProcessFailed(
+                    f"another process ended without a word while process {self.process_index} waited for it in a "
+                    "collective: killed by a signal (kill -9, the out-of-memory killer) or its machine lost; the "
+                    f"launcher's summary names it and its exit code ({describe(exc)})"
+                ) from exc
             raise
         finally:
             ended.set()

@@ -65,7 +65,9 @@ async def read_response(
         while True:
             line = await reader.readline()
             if not line:
-                raise ValueError("the connection closed inside a chunked HTTP body")
+                # The server went away mid-answer (killed, restarting): a lost connection, as when it closes before
+                # answering, so the rollout waits for it instead of stopping on a malformed answer.
+                raise ConnectionResetError("the connection closed inside a chunked HTTP body")
             if not (size := int(line.split(b";")[0].strip() or b"0", 16)):
                 break
             keep(await reader.readexactly(size))
