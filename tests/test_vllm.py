@@ -278,28 +278,6 @@ def test_the_fast_path_survives_each_injected_fault(vllm_venv, model_dir, shared
     assert restarted["checkpoints"][-1] == "checkpoint-12", restarted
 
 
-def test_in_flight_groups_kept_by_a_checkpoint_are_continued_after_a_kill(
-    vllm_venv, model_dir, shared_server, tmp_path
-):
-    """k = 1 with in-flight weight updates, killed right after checkpoint 4 (the next generation batch's groups
-    already generated or under way) and resumed: the resumed run takes them from the checkpoint (finished ones as
-    they were, running ones continued from their kept tokens) instead of generating them again."""
-    overlap = ("rollout_max_staleness=1", "rollout_in_flight_weight_updates=true", "steps_per_generation=4")
-    overlap += ("gradient_accumulation_steps=1", "per_device_train_batch_size=2", "max_steps=8")
-    overlap += ("vllm_importance_sampling_mode=token_truncate", "save_strategy=steps", "save_steps=4")
-    out = tmp_path / "killed"
-    stream(vllm_venv, model_dir, shared_server, out, *overlap, "crash_after_save=4", expect_crash=True)
-    stream(vllm_venv, model_dir, shared_server, out, *overlap, f"resume={out / 'run' / 'checkpoint-4'}")
-    history = json.loads((out / "log_history.json").read_text())
-    restored = [
-        entry["rollout/groups_restored"]
-        for entry in history
-        if entry["step"] > 4 and "rollout/groups_restored" in entry
-    ]
-    assert restored and restored[0] >= 1, history  # the resumed run's first batch: taken from the checkpoint
-    assert sorted(trained(out)) == list(range(8))
-
-
 def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollout(
     vllm_venv, model_dir, shared_server, tmp_path
 ):
