@@ -225,6 +225,7 @@ class DAPOTrainer(GRPOTrainer):
     def _generate(self, prompts: list):
         """TRL's generation (and tool loop); then tool metrics, and prefetched executions nobody used are dropped."""
         training = self.model.training  # read first: TRL's paged generation leaves the model in train mode
+        self._guard.interruptible_tools()
         self._tool_runtime.begin_generation()
         try:
             output = trl_seam.GenerationOutput.of(super()._generate(prompts))

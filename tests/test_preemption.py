@@ -353,6 +353,22 @@ def test_a_tool_call_that_holds_the_step_is_interrupted_and_the_requeued_run_end
 
 
 @pytest.mark.e2e
+def test_an_environments_tool_method_that_holds_the_step_is_interrupted(tmp_path):
+    """The same tool as the method of a TRL environment (`environment_factory`, one instance per rollout, its methods
+    bound and tabled anew every batch; round by round, one process): every call of step 2 takes 120 s and SIGTERM
+    comes as the first begins, grace 20 s: the call is interrupted, step 2 abandoned, checkpoint-1 written and exit 0
+    well within the grace. Unwrapped, the method held the step past the grace (exit 143, no checkpoint)."""
+    script = str(SCRIPTS / "streaming_run.py")
+    hold = ("tools=environment", "save_strategy=steps", "save_steps=100", "preemption_grace_seconds=20")
+    hold += ("preempt_at_step=1", "preempt_during=tool", "preempt_rank=0", "slow_tool_at_step=1")
+    started = time.monotonic()
+    result = run_command([sys.executable, script, str(tmp_path), "4", "3", *hold, "slow_tool_seconds=120"])
+    assert time.monotonic() - started < 60, result.stderr[-3000:]  # not the tool's 120 s
+    assert "abandoned optimizer step 2" in result.stderr, result.stderr[-3000:]
+    assert checkpoints(tmp_path) == ["checkpoint-1"]
+
+
+@pytest.mark.e2e
 def test_a_preemption_checkpoint_keeps_the_groups_generated_ahead(tmp_path):
     """k = 1 with in-flight weight updates (the fake engine loads each version as it is published and checkpoints
     keep the groups generated ahead): SIGTERM as step 3 asks for its groups. The preemption's checkpoint-2 keeps

@@ -64,9 +64,7 @@ INSTANCE_ATTRIBUTES = (
     PrivateName(_GRPO, "_metrics", "r/w: our per-step metrics join TRL's log; validation swaps the eval ones"),
     PrivateName(_GRPO, "_tokenizer", "r: pad token, decoding"),
     PrivateName(_GRPO, "_step", "rw: the micro-step counter TRL's training_step advances (restored on resume)"),
-    PrivateName(
-        _GRPO, "_standalone_tools", "r/w: validation builds per-rollout tool tables from them; preemption wraps them"
-    ),
+    PrivateName(_GRPO, "_standalone_tools", "r: validation builds per-rollout tool tables from them"),
     PrivateName(_GRPO, "ref_model", "r/w: the reference of KL in the reward (built here when TRL builds none)"),
     PrivateName(_GRPO, "reward_weights", "w: the shaping columns' weights, while one batch is scored"),
     PrivateName(_GRPO, "reward_funcs", "w: the shaping columns, while one batch is scored"),
@@ -86,8 +84,8 @@ VLLM_INSTANCE_ATTRIBUTES = (
 )
 # Written per batch by TRL's `_generate_and_score_completions`; validation sets them before calling `_generate`.
 PER_BATCH_ATTRIBUTES = (
-    PrivateName(_GRPO, "_sync_tool_dicts", "w: validation's per-rollout tool tables"),
-    PrivateName(_GRPO, "_async_tool_dicts", "w: validation's per-rollout tool tables"),
+    PrivateName(_GRPO, "_sync_tool_dicts", "r/w: validation's per-rollout tool tables; preemption wraps their tools"),
+    PrivateName(_GRPO, "_async_tool_dicts", "r/w: validation's per-rollout tool tables; preemption wraps their tools"),
 )
 # Transformers' Trainer internals (GRPOTrainer's base) and accelerate's: backpropagating part of a micro-batch.
 TRAINER_INTERNALS = (
@@ -302,10 +300,13 @@ def set_rollout_tools(trainer: Any, num_rollouts: int) -> None:
     trainer._async_tool_dicts = [async_tools] * num_rollouts
 
 
-def wrap_standalone_tools(trainer: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-    """Replace each standalone tool TRL's tool loop calls (not an environment's methods) by `wrap(tool)`; TRL builds
-    its per-rollout tool tables from them, by name, every batch."""
-    trainer._standalone_tools = [wrap(tool) for tool in trainer._standalone_tools]
+def wrap_tool_tables(trainer: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """Replace every tool in the per-rollout tables TRL's tool loop calls from by `wrap(tool)`: the standalone tools
+    and each rollout's environment methods (`environment_factory`), which TRL binds and tables anew every batch."""
+    for tables in (getattr(trainer, "_sync_tool_dicts", None), getattr(trainer, "_async_tool_dicts", None)):
+        for table in tables or ():
+            for name, tool in table.items():
+                table[name] = wrap(tool)
 
 
 def per_token_log_probs(trainer: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int) -> Any:

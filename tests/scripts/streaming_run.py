@@ -8,7 +8,8 @@ stream, as at rollout_max_staleness >= 1), in_flight=true (the engine loads each
 running groups, and checkpoints keep the finished groups generated ahead, as with in-flight weight updates), resume,
 crash_after_save (the process dies right after writing that step's checkpoint), tools=true (chat prompts, a Hermes
 `add` tool, and half of the fake first turns call it: TRL's tool loop runs the call and asks for the next turn, which
-the same fake generation answers) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
+the same fake generation answers; tools=environment: the same tool as the method of an `environment_factory`
+environment, round by round) and moe=true (the tiny mixture-of-experts model; with routing_replay=true the fake
 engine returns routed experts). A failure on one process (`training.faults.fail_together`): fail_in=reward (the
 accuracy reward raises), decode (the tokenizer's batch_decode raises), evaluation (the reward raises while evaluating;
 evaluates every step) or engine (the fake engine's start raises a timeout: the main process's driver), on process
@@ -89,6 +90,23 @@ def held_add(a: int, b: int) -> int:
     if step == SLOW_TOOL["slow_tool_at_step"]:
         time.sleep(SLOW_TOOL["slow_tool_seconds"])
     return add(a, b)
+
+
+class Calculator:
+    """tools=environment's environment (TRL's `environment_factory`, one instance per rollout): the tool as its
+    method, held and signalled as `held_add` is."""
+
+    def reset(self, **kwargs) -> None:
+        return None
+
+    def add(self, a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: The first integer.
+            b: The second integer.
+        """
+        return held_add(a, b)
 
 
 def failing_here(kind: str) -> bool:
@@ -299,6 +317,9 @@ def main() -> None:
         dataset = dataset.map(lambda row: {"prompt": [{"role": "user", "content": row["prompt"]}]})
         tokenizer, tools = AutoTokenizer.from_pretrained(model), [held_add]
         tokenizer.chat_template = qwen2_5_chat_template
+    environment = {}
+    if with_tools == "environment":  # the tool is an environment's method instead
+        tools, environment = None, {"environment_factory": Calculator}
     settings.update(overrides)
     trainer = FakeGenerationTrainer(
         model=str(model),
@@ -308,6 +329,7 @@ def main() -> None:
         eval_dataset=difficulty_dataset(0.5, size=8) if FAILURE["fail_in"] == "evaluation" else None,
         processing_class=tokenizer,
         tools=tools,
+        **environment,
     )
     if crash_after is not None:
         trainer.add_callback(CrashAfterSave(crash_after))

@@ -52,9 +52,9 @@ class RunGuard:
             num_processes=accelerator.num_processes,
         )
         trainer.add_callback(self.preemption)
-        # A tool call (a sandbox, a search, a remote service) never holds a preemption past its grace.
-        wrap = partial(interruptible_tool, region=self.preemption.interruptible, requested=self.preemption.requested)
-        trl_seam.wrap_standalone_tools(trainer, wrap)
+        self._interruptible_tool = partial(
+            interruptible_tool, region=self.preemption.interruptible, requested=self.preemption.requested
+        )
         client = getattr(getattr(trainer, "vllm_generation", None), "vllm_client", None)  # server mode, main process
         progress = getattr(client, "generation_progress", None)  # `watch_generation`'s: a round aborts when signalled
         if progress is not None:
@@ -85,6 +85,11 @@ class RunGuard:
             return train()
         except StepAbandoned as abandoned:  # every process, at the same safe point
             return self._stop(abandoned)
+
+    def interruptible_tools(self) -> None:
+        """A tool call (a sandbox, a search, a remote service, an environment's method) never holds a preemption
+        past its grace: the tools of this batch's tables, which TRL builds before its generation, are wrapped."""
+        trl_seam.wrap_tool_tables(self.trainer, self._interruptible_tool)
 
     def safe_point(self, where: str) -> None:
         """A point of a training step that every process reaches in the same order (`Preemption.safe_point`)."""

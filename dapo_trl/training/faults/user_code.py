@@ -80,13 +80,16 @@ TOOL_POLL_SECONDS = 0.1  # how often an async tool call looks for a preemption
 def interruptible_tool(
     tool: Callable[..., Any], region: Callable[[], Any], requested: Callable[[], bool]
 ) -> Callable[..., Any]:
-    """`tool` (a standalone tool TRL's tool loop calls) that a preemption does not wait for: a call made once the run
-    is stopping returns `STOPPED_TOOL_RESULT` at once, and a running one is interrupted and returns it (a sync tool
+    """`tool` (a standalone tool or an environment's method that TRL's tool loop calls) that a preemption does not wait
+    for (`tool` itself if it is one already): a call made once the run is stopping returns `STOPPED_TOOL_RESULT` at
+    once, and a running one is interrupted and returns it (a sync tool
     runs in the main thread inside `region()`, where the signal raises `UserCodeInterrupted`; an async one, on TRL's
     event loop, is cancelled once `requested()`). The tool loop then goes on to its next turn, and the step is
     abandoned at its next safe point (a generation round, or the agreement before the rewards' gather): a tool call
     (a sandbox, a search engine, a remote service) never holds a preemption past its grace. Name, docstring and
     signature are the tool's (TRL builds the tool's schema from them)."""
+    if getattr(tool, "_interruptible", False):  # TRL's tables of a batch may share one tool
+        return tool
     if inspect.iscoroutinefunction(tool):
 
         @functools.wraps(tool)
@@ -102,6 +105,7 @@ def interruptible_tool(
                     task.cancel()
                     return STOPPED_TOOL_RESULT
 
+        call_async._interruptible = True  # type: ignore[attr-defined]
         return call_async
 
     @functools.wraps(tool)
@@ -112,4 +116,5 @@ def interruptible_tool(
         except UserCodeInterrupted:
             return STOPPED_TOOL_RESULT
 
+    call._interruptible = True  # type: ignore[attr-defined]
     return call
