@@ -82,12 +82,12 @@ def interruptible_tool(
 ) -> Callable[..., Any]:
     """`tool` (a standalone tool or an environment's method that TRL's tool loop calls) that a preemption does not wait
     for (`tool` itself if it is one already): a call made once the run is stopping returns `STOPPED_TOOL_RESULT` at
-    once, and a running one is interrupted and returns it (a sync tool
-    runs in the main thread inside `region()`, where the signal raises `UserCodeInterrupted`; an async one, on TRL's
-    event loop, is cancelled once `requested()`). The tool loop then goes on to its next turn, and the step is
-    abandoned at its next safe point (a generation round, or the agreement before the rewards' gather): a tool call
-    (a sandbox, a search engine, a remote service) never holds a preemption past its grace. Name, docstring and
-    signature are the tool's (TRL builds the tool's schema from them)."""
+    once, and a running one is interrupted and returns it (a sync tool runs in the main thread inside `region()`,
+    where the signal raises `UserCodeInterrupted`; an async one, on TRL's event loop, is cancelled once
+    `requested()`). The tool loop then goes on to its next turn, and the step is abandoned at its next safe point (a
+    generation round, or the agreement before the rewards' gather): a tool call (a sandbox, a search engine, a
+    remote service) never holds a preemption past its grace. Name, docstring and signature are the tool's (TRL
+    builds the tool's schema from them)."""
     if getattr(tool, "_interruptible", False):  # TRL's tables of a batch may share one tool
         return tool
     if inspect.iscoroutinefunction(tool):
