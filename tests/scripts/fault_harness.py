@@ -13,7 +13,9 @@ one, the faulty run's exit and the error it names, the groups generated ahead th
 many of them the resumed run restored (`rollout/groups_restored`) against those its first batch must take from it,
 and whether every step trained the uninterrupted run's prompts exactly once across the two runs. A server restart
 (`restart_server`) is not requeued: the run waits for the server, which the harness starts again, and goes on; it
-runs on a server of the harness's own. OUT/faults.json gets the outcomes, OUT/FAULT/runs.log every leg's output; the
+runs on a server of the harness's own. One-process legs are forked from an interpreter that has done the imports
+(tests/warm_launch.py, as the suite starts its scripts; DAPO_TEST_COLD=1 starts each cold); two-process legs go through
+`accelerate launch`, whose store fail-together reads. OUT/faults.json gets the outcomes, OUT/FAULT/runs.log every leg's output; the
 table is printed in markdown (docs/reliability.md shows it).
 """
 
@@ -27,6 +29,8 @@ import urllib.request
 from pathlib import Path
 
 SCRIPT = Path(__file__).resolve().parent / "vllm_run.py"
+REPO = Path(__file__).resolve().parents[2]
+sys.path.append(str(REPO))  # tests.warm_launch: each leg forked from an interpreter that has done the imports
 COMMON = (
     "check_syncs=false",
     "rollout_streaming=true",
@@ -75,7 +79,13 @@ def command(out: Path, model_dir: str, url: str, overrides: tuple[str, ...], pro
 def run(out: Path, model_dir: str, url: str, *overrides: str, processes: int = 1) -> tuple[int, str, float]:
     args = command(out, model_dir, url, overrides, processes)
     started = time.monotonic()
-    result = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    result = None
+    if processes == 1 and not os.environ.get("DAPO_TEST_COLD"):  # forked with the imports done (tests/warm_launch)
+        from tests.warm_launch import run_warm
+
+        result = run_warm(args, REPO, dict(os.environ), 600, server_env=dict(os.environ))
+    if result is None:  # several processes go through the real launcher: its store is what fail-together reads
+        result = subprocess.run(args, capture_output=True, text=True, timeout=600)
     seconds = time.monotonic() - started
     logged(out, args, result.returncode, result.stdout + result.stderr)
     return result.returncode, result.stdout + result.stderr, seconds
@@ -198,8 +208,15 @@ def restarted_server_case(out: Path, model_dir: str, reference: dict[int, list])
         wait_healthy(url, server)
         args = command(out, model_dir, url, (f"kill_server={server.pid}",))
         started = time.monotonic()
-        with open(out / "trainer.log", "w") as log:
-            trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+        trainer = None
+        if not os.environ.get("DAPO_TEST_COLD"):
+            from tests.warm_launch import popen_warm
+
+            environment = dict(os.environ)
+            trainer = popen_warm(args, REPO, environment, out / "trainer.log", server_env=environment)
+        if trainer is None:
+            with open(out / "trainer.log", "w") as log:
+                trainer = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         try:
             server.wait(300)  # killed by the run's hook
             was_injected = trainer.poll() is None  # mid-run
