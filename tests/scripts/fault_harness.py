@@ -15,8 +15,8 @@ and whether every step trained the uninterrupted run's prompts exactly once acro
 (`restart_server`) is not requeued: the run waits for the server, which the harness starts again, and goes on; it
 runs on a server of the harness's own. One-process legs are forked from an interpreter that has done the imports
 (tests/warm_launch.py, as the suite starts its scripts; DAPO_TEST_COLD=1 starts each cold); two-process legs go through
-`accelerate launch`, whose store fail-together reads. OUT/faults.json gets the outcomes, OUT/FAULT/runs.log every leg's output; the
-table is printed in markdown (docs/reliability.md shows it).
+`accelerate launch`, whose store fail-together reads. OUT/faults.json gets the outcomes, OUT/FAULT/runs.log every
+leg's output; the table is printed in markdown (docs/reliability.md shows it).
 """
 
 import json
