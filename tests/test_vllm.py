@@ -237,7 +237,8 @@ def test_versions_switch_inside_responses_and_every_token_is_its_samplers(
 def test_the_fast_path_survives_each_injected_fault(vllm_venv, model_dir, shared_server, tmp_path):
     """tests/scripts/fault_harness.py against the real server (k = 1, in-flight updates, 4 updates per rollout), each
     fault injected from step 5 by a hook, then the run requeued with `latest`: killed -9 between /pause and /resume
-    (the server is left paused: the requeued run resumes it, says so, and finishes); the fence failing (the run stops
+    (the server is left paused: the requeued run resumes it, says so, and finishes), and halfway through writing a
+    weights version to shared storage; the fence failing (the run stops
     naming it, the server resumed); SIGTERM in a reward that then takes 120 s (abandoned at once, exit 0), as the
     engine starts a group, as a micro-batch's loss begins (abandoned at the next safe point), and while checkpoint-8
     is written (that save finishes and is not written again); on 2 processes, process 1 killed -9 while the main
@@ -266,6 +267,8 @@ def test_the_fast_path_survives_each_injected_fault(vllm_venv, model_dir, shared
     # The engine's thread starts the group wherever the main thread is: a step abandoned, or saved at its end.
     generating = faults["sigterm_in_generation"]
     assert generating["exit"] == 0 and "preempted" in generating["error"], generating
+    publishing = faults["kill_in_publish"]  # half a version written: never loaded, written again by the resume
+    assert publishing["exit"] == -signal.SIGKILL and not publishing["paused_after_fault"], publishing
     saving = faults["sigterm_in_save"]
     assert saving["exit"] == 0 and saving["checkpoints"] == ["checkpoint-4", "checkpoint-8"], saving
     assert "nothing newer than checkpoint-8" in saving["error"], saving  # the save in progress is not written twice

@@ -52,6 +52,8 @@ FAULTS = {
     "sigterm_in_reward": "SIGTERM while a reward scores, the reward then taking 120 s (grace 30 s)",
     "sigterm_in_generation": "SIGTERM as the engine starts a group (generating ahead, versions loading in flight)",
     "sigterm_in_training": "SIGTERM as a micro-batch's loss begins",
+    "kill_in_publish": "kill -9 of the training process halfway through writing weights version 1 to shared storage "
+    "(the transfer)",
     "sigterm_in_save": "SIGTERM while checkpoint-8 is written (as it saves the groups generated ahead)",
     "kill_peer_in_reload": "2 processes: kill -9 of process 1 while the main process holds the server paused (inside "
     "an in-flight reload that then never returns)",

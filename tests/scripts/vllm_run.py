@@ -25,7 +25,8 @@ reload: between the server's /pause and /resume), `fault=fail_fence` (the fence 
 answer fails; both in the first in-flight load of version 1 or later, which an anchor group running through it
 makes sure of), `fault=sigterm_in_reward` (SIGTERM as the reward scores, a reward that then takes 120 s),
 `fault=sigterm_in_generation` (SIGTERM from the engine as it starts a group of version 1 or later: generating ahead),
-`fault=sigterm_in_training` (SIGTERM as a micro-batch's loss begins), `fault=sigterm_in_save` (SIGTERM as the first
+`fault=sigterm_in_training` (SIGTERM as a micro-batch's loss begins), `fault=kill_in_publish` (kill -9 halfway
+through writing weights version 1 to shared storage: the transfer), `fault=sigterm_in_save` (SIGTERM as the first
 checkpoint after `fault_step` writes the rollout's groups generated ahead), `fault=kill_peer_in_reload` (several
 processes: the main process, inside an in-flight reload, kills process 1 as kill -9 would and then stays between /pause
 and /resume, as a driver thread stuck there does, until the run ends).
@@ -37,6 +38,7 @@ TRL leaves them out of its log-prob gap), and TRL's tool loop asks the colocated
 
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -94,6 +96,9 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
     server with it running."""
     if trainer._rollout.driver is None:  # not the main process: it has no engine
         return
+    if FAULT["fault"] == "kill_in_publish":
+        kill_while_publishing(out)
+        return
     engine = trainer._rollout.driver.engine
     reload, fence, start, payload = engine._reload, engine._fence, engine.start, engine.request_payload
 
@@ -142,6 +147,25 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
     trainer.publish_rollout_weights = publish
     engine._reload, engine._fence, engine.start = killing_reload, failing_fence, signalling_start
     engine.request_payload = anchored_payload
+
+
+def kill_while_publishing(out: Path) -> None:
+    """`fault=kill_in_publish`: the process dies (as kill -9 would) halfway through writing weights version 1 or later
+    to shared storage: the weights file half written, the version's folder there."""
+    import safetensors.torch
+
+    real_save_file = safetensors.torch.save_file
+
+    def save_file(tensors, filename, *args, **kwargs):
+        real_save_file(tensors, filename, *args, **kwargs)
+        if FAULT["fault"] == "kill_in_publish" and re.fullmatch(r"v[1-9][0-9]*", Path(filename).parent.name):
+            injected(out)
+            with open(filename, "r+b") as written:
+                written.truncate(os.path.getsize(filename) // 2)
+            print(f"fault: killed halfway through writing {filename}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    safetensors.torch.save_file = save_file
 
 
 def signal_in_save(trainer: DAPOTrainer, out: Path) -> None:
@@ -404,7 +428,7 @@ def main() -> None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         if frozen_server is not None:
             trainer.add_callback(FrozenServerAtStep1(frozen_server))
-        if FAULT["fault"] in (*RELOAD_FAULTS, "sigterm_in_generation"):
+        if FAULT["fault"] in (*RELOAD_FAULTS, "sigterm_in_generation", "kill_in_publish"):
             inject_engine_fault(trainer, out)
         if FAULT["fault"] == "sigterm_in_save":
             signal_in_save(trainer, out)
