@@ -127,15 +127,15 @@ def groups_kept(checkpoint: Path, processes: int) -> tuple[int, int]:
     a checkpoint holds depends on how far the engine got by then; what a resume does with them does not."""
     import torch
 
+    from dapo_trl.training.rollout.rollout_engine import PartialGroup
+
     state = torch.load(checkpoint / "dapo_rollout_state.pt", weights_only=True)
     kept = state.get("groups") or []
     bound = max(0, state["generation"] - state["staleness"])
     first_batch = {("stream", index) for index, _ in state["cursor"]["lookahead"][: GROUPS_PER_BATCH * processes]}
-
-    def oldest(group: dict) -> int:
-        return min((int(versions.min()) for versions in group["versions"] if len(versions)), default=bound)
-
-    return len(kept), sum(tuple(key) in first_batch and oldest(group) >= bound for key, group in kept)
+    return len(kept), sum(
+        tuple(key) in first_batch and PartialGroup.from_state(group).oldest_version >= bound for key, group in kept
+    )
 
 
 def error_line(output: str) -> str:

@@ -96,9 +96,6 @@ def inject_engine_fault(trainer: DAPOTrainer, out: Path) -> None:
     server with it running."""
     if trainer._rollout.driver is None:  # not the main process: it has no engine
         return
-    if FAULT["fault"] == "kill_in_publish":
-        kill_while_publishing(out)
-        return
     engine = trainer._rollout.driver.engine
     reload, fence, start, payload = engine._reload, engine._fence, engine.start, engine.request_payload
 
@@ -428,8 +425,10 @@ def main() -> None:
             ServerFault(trainer, freeze_server or kill_server, kill=kill_server is not None)
         if frozen_server is not None:
             trainer.add_callback(FrozenServerAtStep1(frozen_server))
-        if FAULT["fault"] in (*RELOAD_FAULTS, "sigterm_in_generation", "kill_in_publish"):
+        if FAULT["fault"] in (*RELOAD_FAULTS, "sigterm_in_generation"):
             inject_engine_fault(trainer, out)
+        if FAULT["fault"] == "kill_in_publish":
+            kill_while_publishing(out)
         if FAULT["fault"] == "sigterm_in_save":
             signal_in_save(trainer, out)
         (out / f"pid_rank{trainer.accelerator.process_index}").write_text(str(os.getpid()))
