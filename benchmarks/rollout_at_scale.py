@@ -58,9 +58,10 @@ What is modelled (this file)
   of arms run on it:
   - prompt triage (`--prompt_triage`, GRESO): the library's own path with rounds and with streaming alike
     (`DynamicSampler` with `prompt_triage`: skips, replacement from the stream, the outcome history, the p_easy /
-    p_hard controller and its target `--triage-target`; with streaming, `StreamingRollout` decides each skip when a
-    round takes the prompt from the stream, predicts it while planning ahead, cancels planned groups of skipped
-    prompts and records the outcomes of the decided groups). The prompts skipped a step are the library's
+    p_hard controller and its target `--triage-target`, the agreement bar `--triage-min-agreement`; with
+    streaming, `StreamingRollout` decides each skip when a round takes the prompt from the stream, predicts it
+    while planning ahead, cancels planned groups of skipped prompts and records the outcomes of the decided
+    groups). The prompts skipped a step are the library's
     `prompt_triage/skipped`.
     The history (`triage_history`): `--epochs` passes of rounds with triage, run by the library's sampler with no
     clock (each round's groups drawn from the population at once), which every triage arm starts its timed window
@@ -124,7 +125,8 @@ Constants and their sources (approximate where marked; from published figures, n
   step (45 steps from 0.5 to a bound) and a prompt is generated about twice a pass (the dataloader's draw and the
   sampler's stream), so after 4 passes streaks of several samplings exist and p has settled.
 - Prompt triage's rule and constants are the library's (`dapo_trl/training/sampling/prompt_triage.py`: GRESO's
-  initial p 0.5, step 0.01, bounds 0.05 / 0.95, floor 0.01, target 0.25 split 1:2 easy:hard).
+  initial p 0.5, step 0.01, bounds 0.05 / 0.95, floor 0.01, target 0.25 split 1:2 easy:hard; the library's own
+  agreement bar 0.9, `--triage-min-agreement 0` for GRESO's rule as published).
 - Engine log-probs: AReaL reports 1.27x from removing the proximal policy's forward (inclusionAI/AReaL,
   docs/algorithms/prox_approx.md: 207 -> 163 min for 300 steps, Qwen2.5-1.5B on GSM8K); here its gain is what the
   trainer's share of the step allows once it overlaps the engine. AReaL's asynchronous system: up to 2.77x the
@@ -841,6 +843,7 @@ def arm_config(arm: Arm, args: argparse.Namespace) -> DAPOConfig:
         seed=args.seed,
         prompt_triage=arm.triage,
         prompt_triage_target_zero_variance=args.triage_target,
+        prompt_triage_min_agreement=args.triage_min_agreement,
     )
 
 
@@ -1044,6 +1047,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.25,
         help="prompt_triage_target_zero_variance (the library's default 0.25, GRESO's)",
+    )
+    parser.add_argument(
+        "--triage-min-agreement",
+        type=float,
+        default=0.9,
+        help="prompt_triage_min_agreement (the library's default 0.9; 0 acts on every streak, as GRESO)",
     )
     parser.add_argument(
         "--updates",

@@ -16,9 +16,12 @@ from dapo_trl.training.sampling.prompt_triage import (
     P_MAX,
     P_MIN,
     P_STEP,
+    STREAK_CAP,
     PromptTriage,
+    Streak,
     prompt_key,
     skip_probability,
+    streak_record,
 )
 from dapo_trl.training.sampling.streams import PromptStream
 
@@ -57,7 +60,7 @@ def test_a_streak_grows_while_groups_agree_and_ends_with_spread():
 
 
 def test_decisions_read_the_history_as_the_step_began_and_repeat_for_the_same_draw():
-    triage = PromptTriage(seed=3)
+    triage = PromptTriage(seed=3, min_agreement=0)  # GRESO's rule as published: every streak acted on
     triage.begin_step()
     triage.record(["a"], [True], [1.0])
     assert not triage.skips("a", "draw/1")  # recorded during the step: counts from the next one
@@ -67,6 +70,39 @@ def test_decisions_read_the_history_as_the_step_began_and_repeat_for_the_same_dr
     decisions = [triage.skips("a", f"draw/{n}") for n in range(200)]
     assert decisions == [triage.skips("a", f"draw/{n}") for n in range(200)]
     assert 0.3 < sum(decisions) / len(decisions) < 0.7  # P(skip) = 1 - 0.5 ** 1
+
+
+def reference_lasted_often_enough(outcomes: list[bool], min_agreement: float) -> bool:
+    """Laplace's rule of succession: after s successes in n trials the next succeeds with probability
+    (s + 1) / (n + 2); a streak is acted on when that chance of lasting once more reaches the bar."""
+    return (sum(outcomes) + 1) / (len(outcomes) + 2) >= min_agreement
+
+
+def agree_again(triage: PromptTriage, prompt: str, agreed: bool) -> None:
+    """One step in which `prompt` (carrying an easy streak) is generated: all right again, or with spread."""
+    triage.begin_step()
+    triage.record([prompt], [agreed], [1.0 if agreed else 0.0])
+    triage.end_step()
+
+
+def test_a_streak_is_acted_on_only_once_streaks_like_it_have_lasted_in_this_run():
+    triage = PromptTriage(seed=1, min_agreement=0.9)
+    agree_again(triage, "first", True)  # an easy streak of 1: nothing known yet of whether such streaks last
+    outcomes: list[bool] = []
+    for n in range(30):  # other prompts with an easy streak of 1 generated again: all but the fourth last
+        triage.begin_step()
+        skipped = any(triage.skips("first", f"draw/{draw}") for draw in range(400))
+        assert skipped == reference_lasted_often_enough(outcomes, 0.9)
+        triage.end_step()
+        agree_again(triage, f"p{n}", True)
+        agree_again(triage, f"p{n}", n != 3)
+        outcomes.append(n != 3)
+        assert triage.agreement[("easy", 1)] == (sum(outcomes), len(outcomes))
+    assert skipped  # the bar was passed on the way (17 of 18 lasted: 18 / 20)
+    triage.agreement[("easy", 1)] = (5, 20)  # a record below the bar stops the skips of its streaks
+    triage.begin_step()
+    assert not any(triage.skips("first", f"draw/{draw}") for draw in range(400))
+    assert streak_record(Streak(STREAK_CAP + 9, "hard")) == streak_record(Streak(STREAK_CAP, "hard"))
 
 
 def test_exploration_moves_towards_the_target_share_and_stays_in_bounds():
@@ -123,6 +159,7 @@ def sampler_args(triage: bool, **overrides) -> SimpleNamespace:
         prompt_triage=triage,
         prompt_triage_target_zero_variance=0.25,
         prompt_triage_exploration_floor=0.01,
+        prompt_triage_min_agreement=0.9,
     )
     return SimpleNamespace(**{**settings, **overrides})
 
@@ -239,6 +276,8 @@ def test_prompt_triage_is_refused_where_it_cannot_act(tmp_path):
         tiny_config(tmp_path, prompt_triage=True, filter_groups_enable=False)
     with pytest.raises(ValueError, match="prompt_triage_target_zero_variance=1.5 must be in"):
         tiny_config(tmp_path, prompt_triage=True, prompt_triage_target_zero_variance=1.5)
+    with pytest.raises(ValueError, match="prompt_triage_min_agreement=1.5 must be in"):
+        tiny_config(tmp_path, prompt_triage=True, prompt_triage_min_agreement=1.5)
     assert tiny_config(tmp_path, prompt_triage=True).prompt_triage
 
 

@@ -189,6 +189,12 @@ def check_prompt_triage(config: DAPOConfig) -> None:
     if not 0 < config.prompt_triage_exploration_floor <= 1:
         floor = config.prompt_triage_exploration_floor
         raise ValueError(f"prompt_triage_exploration_floor={floor} must be in (0, 1] (a probability).")
+    if not 0 <= config.prompt_triage_min_agreement <= 1:
+        agreement = config.prompt_triage_min_agreement
+        raise ValueError(
+            f"prompt_triage_min_agreement={agreement} must be in [0, 1] (a share of streaks that lasted; 0 acts on "
+            "every streak, as GRESO)."
+        )
 
 
 def check_validation(config: DAPOConfig) -> None:

@@ -212,10 +212,10 @@ class DAPOConfig(GRPOConfig):
             "help": "Skip, before generating, prompts whose groups had no spread the last times they were sampled "
             "(GRESO, arXiv 2506.02177): a streak of k zero-variance samplings skips a prompt with probability "
             "1 - max(p ** k, prompt_triage_exploration_floor), p adapting so that the zero-variance groups a skip "
-            "would have saved make prompt_triage_target_zero_variance of those generated. Skipped prompts come back "
-            "in the next pass over the data. Needs filter_groups_enable; with rollout_streaming, a skip is decided "
-            "when a round takes the prompt. It trades accuracy for generation on some data: "
-            "docs/dynamic-sampling.md."
+            "would have saved make prompt_triage_target_zero_variance of those generated; only streaks that this "
+            "run has seen last (prompt_triage_min_agreement) are acted on. Skipped prompts come back in the next "
+            "pass over the data. Needs filter_groups_enable; with rollout_streaming, a skip is decided when a round "
+            "takes the prompt. What it saves and costs: docs/dynamic-sampling.md."
         },
     )
     prompt_triage_target_zero_variance: float = field(
@@ -229,6 +229,14 @@ class DAPOConfig(GRPOConfig):
     prompt_triage_exploration_floor: float = field(
         default=0.01,
         metadata={"help": "The least probability that prompt triage generates a prompt however long its streak."},
+    )
+    prompt_triage_min_agreement: float = field(
+        default=0.9,
+        metadata={
+            "help": "Prompt triage skips on a streak (its kind, all right or all wrong, and its length, 6 and more "
+            "pooled) only while prompts generated with such a streak in this run agreed again at least this often "
+            "((agreed + 1) / (observed + 2)); 0 acts on every streak, as GRESO does."
+        },
     )
     filter_groups_atol: float = field(
         default=1e-6,

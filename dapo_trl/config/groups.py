@@ -51,6 +51,7 @@ GROUPS: tuple[Group, ...] = (
             "prompt_triage",
             "prompt_triage_target_zero_variance",
             "prompt_triage_exploration_floor",
+            "prompt_triage_min_agreement",
             "filter_groups_atol",
             "filter_groups_shuffle_buffer_size",
             "accuracy_reward_name",

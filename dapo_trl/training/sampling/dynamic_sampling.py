@@ -135,7 +135,12 @@ class DynamicSampler:
         self._checked_agreement = False
         self.release: Callable[[list[int]], None] | None = None  # routing replay: rows dropped, their routings freed
         self.triage = (  # prompts skipped before generation from their outcome history (`prompt_triage`)
-            PromptTriage(args.seed, args.prompt_triage_target_zero_variance, args.prompt_triage_exploration_floor)
+            PromptTriage(
+                args.seed,
+                args.prompt_triage_target_zero_variance,
+                args.prompt_triage_exploration_floor,
+                args.prompt_triage_min_agreement,
+            )
             if getattr(args, "prompt_triage", False)
             else None
         )
