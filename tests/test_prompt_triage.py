@@ -307,6 +307,7 @@ def test_streaming_triage_trains_what_any_timing_trains_on_two_processes_and_acr
         "rollout_streaming=true",
         "rollout_max_staleness=1",
         "prompt_triage=true",
+        "prompt_triage_min_agreement=0.75",  # a streak acted on once two like it lasted: the bar is passed early
         "filter_groups_oversample=4",  # rounds of 8 groups, waves of up to 2: a wave may end past the batch's cut
         "save_strategy=steps",
         "save_steps=10",
