@@ -288,7 +288,7 @@ def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollou
     `python -m dapo_trl.from_verl`, plus the flags that overlap generation with training (streaming, k = 1, its
     importance weight, shared-storage versions), runs through train_dapo.py against the real server, shrunk to the
     tiny model: two generation batches of 16 optimizer updates each, the second sampled by the first's version, with
-    in-flight weight updates (answers streamed, versions loaded under running requests)."""
+    in-flight weight updates (answers streamed, versions loaded under running requests) and prompt triage."""
     recipe = tmp_path / "recipe"
     translate = [f"{vllm_venv}/bin/python", "-m", "dapo_trl.from_verl", str(REPO / "tests/data/verl/dapo_recipe.sh")]
     run_command([*translate, "--output", str(recipe), "--ignore-environment", "--env=HOME=/home/user"])
@@ -303,6 +303,7 @@ def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollou
     ]
     overlap += ["--vllm_importance_sampling_correction", "true", "--vllm_importance_sampling_mode", "token_truncate"]
     overlap += ["--vllm_weight_sync", "shared_storage", "--vllm_server_base_url", shared_server]
+    overlap += ["--prompt_triage", "true"]  # verl has no triage: docs/dynamic-sampling.md says to add it like this
     reward = tmp_path / "parity.py"  # the random tiny model never answers: a reward with spread
     reward.write_text(
         "def parity(completion_ids, **kwargs):\n    return [1.0 - 2 * (sum(c) % 2) for c in completion_ids]\n"
@@ -318,6 +319,7 @@ def test_verls_dapo_recipe_translated_runs_overlapped_with_16_updates_per_rollou
     output = run_command(train, timeout=600).stdout
     staleness = [float(value) for value in re.findall(r"'rollout/staleness_max': '([0-9.]+)'", output)]
     assert staleness == [0.0, 1.0], output[-3000:]  # once per generation batch: batch 1 sampled by version 0
+    assert "'prompt_triage/prompts_with_streak'" in output, output[-3000:]  # triage ran with the overlap
 
 
 def test_verls_rollout_correction_translated_runs_two_steps(vllm_venv, model_dir, shared_server, tmp_path):
