@@ -10,15 +10,16 @@ MARKER="$VENV/.dapo_trl_complete"
 
 if [[ -f "$MARKER" ]]; then
   # One interpreter start that imports nothing (-I: not this folder's dapo_trl either): where dapo_trl resolves, and
-  # whether peft and pytest are there (venvs built before LoRA and before its tests lack them).
+  # whether peft, pytest and matplotlib are there (venvs built before LoRA, its tests and the charts lack them).
   found="$("$VENV/bin/python" -I -c 'import importlib.util as u
 spec = u.find_spec("dapo_trl")
-print(spec.origin if spec else "-", *(u.find_spec(name) is not None for name in ("peft", "pytest")))')"
-  read -r origin has_peft has_pytest <<<"$found"
+print(spec.origin if spec else "-", *(u.find_spec(name) is not None for name in ("peft", "pytest", "matplotlib")))')"
+  read -r origin has_peft has_pytest has_matplotlib <<<"$found"
   # keep the editable install pointing at this checkout
   [[ "$origin" == "$REPO/dapo_trl/__init__.py" ]] || "$VENV/bin/pip" install -q -e "$REPO" --no-deps
   [[ "$has_peft" == True ]] || "$VENV/bin/pip" install -q "peft>=0.17"
   [[ "$has_pytest" == True ]] || "$VENV/bin/pip" install -q "pytest>=8"
+  [[ "$has_matplotlib" == True ]] || "$VENV/bin/pip" install -q "matplotlib>=3.6"
   echo "$VENV"; exit 0
 fi
 rm -rf "$VENV"
@@ -35,7 +36,7 @@ printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$VLLM_VERSION" > 
 touch "$site/vllm-$VLLM_VERSION+cpu.dist-info/RECORD"
 transformers_pin="$("$VENV/bin/python" -c 'import transformers; print(transformers.__version__)')"
 "$pip" install -q "trl==1.16.0" "transformers==$transformers_pin" "torch==2.13.0" datasets accelerate math-verify \
-  tensorboard pyyaml requests deepspeed "peft>=0.17" "pytest>=8"
+  tensorboard "matplotlib>=3.6" pyyaml requests deepspeed "peft>=0.17" "pytest>=8"
 "$pip" install -q -e "$REPO" --no-deps
 "$VENV/bin/python" -c 'import vllm, trl, dapo_trl; from trl.import_utils import is_vllm_available; assert is_vllm_available()'
 touch "$MARKER"
