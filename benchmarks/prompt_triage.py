@@ -13,7 +13,7 @@ tokens per trained token and whether triage's accuracy lies within the seeds' sp
 `--plot PATH` draws the training accuracy of every run (the accuracy reward's mean per step over the responses it
 generated: with triage, fewer of them come from prompts always right or always wrong) in one chart.
 
-    python benchmarks/prompt_triage.py                 # 150 steps, seeds 0 1 2, both arms (~10 min on 2 cores)
+    python benchmarks/prompt_triage.py                 # 150 steps, seeds 0 1 2, both arms (~14 min on 2 cores)
     python benchmarks/prompt_triage.py --quick         # 6 steps, seed 0: the suite's quick form
 """
 
