@@ -10,16 +10,14 @@ MARKER="$VENV/.dapo_trl_complete"
 
 if [[ -f "$MARKER" ]]; then
   # One interpreter start that imports nothing (-I: not this folder's dapo_trl either): where dapo_trl resolves, and
-  # whether peft, pytest and matplotlib are there (venvs built before LoRA, its tests and the charts lack them).
-  found="$("$VENV/bin/python" -I -c 'import importlib.util as u
+  # the requirements of packages added after venvs were first built (LoRA, its tests, the charts) that it lacks.
+  read -r origin missing <<<"$("$VENV/bin/python" -I -c 'import importlib.util as u
 spec = u.find_spec("dapo_trl")
-print(spec.origin if spec else "-", *(u.find_spec(name) is not None for name in ("peft", "pytest", "matplotlib")))')"
-  read -r origin has_peft has_pytest has_matplotlib <<<"$found"
+added = {"peft": "peft>=0.17", "pytest": "pytest>=8", "matplotlib": "matplotlib>=3.6"}
+print(spec.origin if spec else "-", *(need for name, need in added.items() if u.find_spec(name) is None))')"
   # keep the editable install pointing at this checkout
   [[ "$origin" == "$REPO/dapo_trl/__init__.py" ]] || "$VENV/bin/pip" install -q -e "$REPO" --no-deps
-  [[ "$has_peft" == True ]] || "$VENV/bin/pip" install -q "peft>=0.17"
-  [[ "$has_pytest" == True ]] || "$VENV/bin/pip" install -q "pytest>=8"
-  [[ "$has_matplotlib" == True ]] || "$VENV/bin/pip" install -q "matplotlib>=3.6"
+  [[ -z "$missing" ]] || "$VENV/bin/pip" install -q $missing  # unquoted: one word per requirement
   echo "$VENV"; exit 0
 fi
 rm -rf "$VENV"

@@ -141,19 +141,19 @@ class PromptTriage:
         accuracy (> 0: all right, "easy"; else all wrong, "hard")."""
         for prompt, agreed, value in zip(prompts, zero_variance, accuracy, strict=True):
             key = prompt_key(prompt)
+            predicted = self._frozen.get(key)  # its streak as the step began, if it had one
+            kind = EASY if value > 0 else HARD  # meaningful only where the group agreed
             self._counts["generated"] += 1
-            self._counts["predicted"] += key in self._frozen
-            if key in self._frozen:  # a prompt generated with a streak: did the streak last?
-                record = streak_record(self._frozen[key])
-                lasted = agreed and (EASY if value > 0 else HARD) == record[0]
+            self._counts["predicted"] += predicted is not None
+            if predicted is not None:  # a prompt generated with a streak: did the streak last?
+                record = streak_record(predicted)
                 agreed_before, observed = self.agreement.get(record, (0, 0))
-                self.agreement[record] = (agreed_before + lasted, observed + 1)
+                self.agreement[record] = (agreed_before + (agreed and kind == predicted.kind), observed + 1)
             if not agreed:
                 self.history.pop(key, None)  # spread again: no streak (and nothing to keep)
                 continue
-            kind = EASY if value > 0 else HARD
             self._counts[kind] += 1
-            if key in self._frozen:  # predicted, generated anyway, and agreed again: what a skip would have saved
+            if predicted is not None:  # generated anyway, and agreed again: what a skip would have saved
                 self._counts[f"avoidable_{kind}"] += 1
             streak = self.history.get(key)
             length = streak.length + 1 if streak is not None and streak.kind == kind else 1
